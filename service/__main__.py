@@ -1,0 +1,3 @@
+from service.cli import app
+
+app()

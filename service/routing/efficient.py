@@ -1,0 +1,149 @@
+"""EfficientVectorRouting: the paper's Algorithm 2 (§4), with lazy contraction of votes (Appendix C).
+
+Notation: ``i`` input vectors, ``j`` output vectors, ``d`` input features, ``h`` output features,
+``...`` batch. ``f`` is the logistic function and ``N`` a layer norm without affine parameters.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from service.routing.masking import Mask, build_mask, d_step, flat_prior, route, zero_absent
+
+
+class EfficientVectorRouting(nn.Module):
+    """Route ``[..., n_inp, d_inp]`` input vectors to ``[..., n_out, d_out]`` output vectors.
+
+    Parameter names, shapes and initialisation match the reference library, so its state dicts
+    load with ``strict=True``.
+
+    Args:
+        n_inp: number of input vectors, or -1 for variable length (then ``beta_use`` and
+            ``beta_ign`` are computed from each input vector by linear layers).
+        n_out: number of output vectors (>= 2).
+        d_inp: size of input vectors.
+        d_out: size of output vectors.
+        n_iters: routing iterations (>= 1).
+        normalize: layer-normalise the final output vectors (identity when ``d_out == 1``).
+        memory_efficient: never materialise the ``[..., i, j, h]`` votes (Appendix C).
+        return_dict: return every internal tensor, including ``phi``, instead of ``x_out``.
+    """
+
+    def __init__(
+        self,
+        n_inp: int,
+        n_out: int,
+        d_inp: int,
+        d_out: int,
+        n_iters: int = 2,
+        normalize: bool = True,
+        memory_efficient: bool = True,
+        return_dict: bool = False,
+    ) -> None:
+        super().__init__()
+        if not (n_inp > 0 or n_inp == -1):
+            raise ValueError(f"n_inp must be > 0 or -1 (variable), got {n_inp}")
+        if n_out < 2:
+            raise ValueError(f"n_out must be at least 2, got {n_out}")
+        if n_iters < 1:
+            raise ValueError(f"n_iters must be at least 1, got {n_iters}")
+        m = max(1, n_inp)
+        self.n_inp, self.n_out, self.d_inp, self.d_out, self.n_iters = n_inp, n_out, d_inp, d_out, n_iters
+        self.normalize, self.memory_efficient, self.return_dict = normalize, memory_efficient, return_dict
+        self.register_buffer("CONST_ones_over_n_out", torch.ones(n_out) / n_out)  # [j]
+        self.W_A = nn.Parameter(torch.empty(m, d_inp).normal_(std=2.0 * d_inp**-0.5))  # [id]
+        self.B_A = nn.Parameter(torch.zeros(m))  # [i]
+        self.W_F1 = nn.Parameter(torch.empty(n_out, d_inp).normal_())  # [jd]
+        self.W_F2 = nn.Parameter(torch.empty(d_inp, d_out).normal_(std=2.0 * d_inp**-0.5))  # [dh]
+        self.B_F2 = nn.Parameter(torch.zeros(n_out, d_out))  # [jh]
+        self.W_G1 = nn.Parameter(torch.empty(d_out, d_inp).normal_(std=d_out**-0.5))  # [hd]
+        self.W_G2 = nn.Parameter(torch.empty(n_out, d_inp).normal_())  # [jd]
+        self.B_G2 = nn.Parameter(torch.zeros(n_out, d_inp))  # [jd]
+        self.W_S = nn.Parameter(torch.empty(m, n_out).normal_(std=d_inp**-0.5))  # [ij]
+        self.B_S = nn.Parameter(torch.zeros(m, n_out))  # [ij]
+        if n_inp > 0:
+            self.beta_use = nn.Parameter(torch.empty(n_inp, n_out).normal_())  # [ij]
+            self.beta_ign = nn.Parameter(torch.empty(n_inp, n_out).normal_())  # [ij]
+        else:
+            self.compute_beta_use = nn.Linear(d_inp, n_out)
+            self.compute_beta_ign = nn.Linear(d_inp, n_out)
+        self.N: nn.Module = nn.LayerNorm(d_out, elementwise_affine=False) if d_out > 1 else nn.Identity()
+
+    def extra_repr(self) -> str:
+        names = ["n_inp", "n_out", "d_inp", "d_out", "n_iters"]
+        names += ["normalize", "memory_efficient", "return_dict"]
+        return ", ".join(f"{k}={getattr(self, k)}" for k in names)
+
+    def _betas(self, x_inp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``beta_use, beta_ign``: parameters ``[i, j]``, or computed ``[..., i, j]`` for variable n."""
+        if self.n_inp > 0:
+            return self.beta_use, self.beta_ign  # [ij], [ij]
+        return self.compute_beta_use(x_inp), self.compute_beta_ign(x_inp)  # [...ij], [...ij]
+
+    def _check(self, x_inp: torch.Tensor) -> None:
+        if x_inp.dim() < 2 or x_inp.shape[-1] != self.d_inp:
+            raise ValueError(f"x_inp must be [..., n_inp, d_inp={self.d_inp}], got {list(x_inp.shape)}")
+        if self.n_inp > 0 and x_inp.shape[-2] != self.n_inp:
+            raise ValueError(f"expected n_inp={self.n_inp} input vectors, got {x_inp.shape[-2]}")
+
+    def forward(self, x_inp: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor | dict[str, Any]:
+        """Route input vectors.
+
+        Args:
+            x_inp: ``[..., n, d_inp]`` input vectors.
+            mask: optional bool ``[n, n_out]`` or ``[..., n, n_out]``; True hides input i from
+                output j. Inputs masked for every output are absent (see ``service.routing.masking``).
+
+        Returns:
+            ``x_out [..., n_out, d_out]``, or with ``return_dict`` a dict holding ``a_inp [...i]``,
+            ``V [...ijh]`` (None when memory-efficient), ``pred_x_inp [...jd]`` and ``S [...ij]``
+            (None after a single iteration), ``R``, ``D_use``, ``D_ign``, ``phi`` (each ``[...ij]``)
+            and ``x_out [...jh]``.
+        """
+        self._check(x_inp)
+        m: Mask | None = build_mask(mask, x_inp, self.n_out)
+        x_inp = zero_absent(x_inp, m)  # [...id]
+        beta_use, beta_ign = self._betas(x_inp)  # [...ij], [...ij]
+        n = x_inp.new_tensor(float(x_inp.shape[-2])) if m is None else m.n  # [] or [...11]
+        xs = x_inp * n.rsqrt()  # [...id] scaled inputs, F1's 1/sqrt(n)
+        a_inp = (xs * self.W_A).sum(dim=-1) + self.B_A  # [...i]
+        f_a = torch.sigmoid(a_inp)[..., None]  # [...i1]
+        V = None
+        if not self.memory_efficient:
+            V = torch.einsum("...id,jd,dh->...ijh", xs, self.W_F1, self.W_F2) + self.B_F2  # [...ijh]
+
+        pred_x_inp = S = None
+        R = flat_prior(self.CONST_ones_over_n_out, m)  # [j] or [...ij] E-step of iteration 1: flat prior
+        for iteration in range(self.n_iters):
+            # D-step: shares of data used and ignored.
+            D_use, D_ign = d_step(f_a, R, m)  # [...ij], [...ij]
+
+            # M-step: "bang per bit" coefficients, then contract the votes.
+            phi = beta_use * D_use - beta_ign * D_ign  # [...ij]
+            if V is None:
+                phi_x = torch.einsum("...ij,...id->...jd", phi, xs)  # [...jd] contract over i first
+                x_out = torch.einsum("...jd,jd,dh->...jh", phi_x, self.W_F1, self.W_F2)  # [...jh]
+                x_out = x_out + phi.sum(dim=-2)[..., None] * self.B_F2  # [...jh]
+            else:
+                x_out = torch.einsum("...ij,...ijh->...jh", phi, V)  # [...jh]
+
+            # E-step of the next iteration: score how well each output predicts each input.
+            if iteration + 1 < self.n_iters:
+                x_hat = torch.einsum("...jh,hd->...jd", self.N(x_out), self.W_G1)  # [...jd]
+                pred_x_inp = x_hat * self.W_G2 + self.B_G2  # [...jd]
+                dots = torch.einsum("...id,...jd->...ij", x_inp, pred_x_inp)  # [...ij]
+                S = nn.functional.logsigmoid(dots * self.W_S + self.B_S)  # [...ij]
+                R = route(S, m)  # [...ij]
+
+        if self.normalize:
+            x_out = self.N(x_out)  # [...jh]
+
+        if not self.return_dict:
+            return x_out
+        return {
+            "a_inp": a_inp, "V": V, "pred_x_inp": pred_x_inp, "S": S, "R": R.expand_as(D_use),
+            "D_use": D_use, "D_ign": D_ign, "phi": phi, "x_out": x_out,
+        }
