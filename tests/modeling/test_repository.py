@@ -1,0 +1,126 @@
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from service.modeling.head import RoutingHead
+from service.modeling.repository import ModelLoadError, discover, load_model, read_manifest
+from tests.conftest import edit_manifest, write_tiny_model
+
+PAPER_NAMES = {"W", "B"} | {f"route.{r}.{p}" for r in range(3) for p in
+                            ["CONST_ones_over_n_out", "W_A", "B_A", "W_F1", "W_F2", "B_F2", "W_G1", "W_G2", "B_G2",
+                             "W_S", "B_S"]} | {
+    "route.0.compute_beta_use.weight", "route.0.compute_beta_use.bias", "route.0.compute_beta_ign.weight",
+    "route.0.compute_beta_ign.bias", "route.1.beta_use", "route.1.beta_ign", "route.2.beta_use", "route.2.beta_ign"}
+
+
+def test_head_uses_the_paper_parameter_names_and_loads_them_strictly(tmp_path: Path) -> None:
+    head = RoutingHead(7, 32, 4, n_hid=8, d_hid=16)
+    assert set(head.state_dict()) == PAPER_NAMES
+    assert head.W.shape == (7, 32) and (head.W == 1).all() and (head.B == 0).all()
+    # a head saved by other code under the paper's names loads strictly
+    foreign = {k: torch.randn_like(v) for k, v in head.state_dict().items()}
+    save_file(foreign, str(tmp_path / "w.safetensors"))
+    other = RoutingHead(7, 32, 4, n_hid=8, d_hid=16)
+    other.load_state_dict(load_file(str(tmp_path / "w.safetensors")), strict=True)
+    torch.testing.assert_close(other.route[2].W_F1, foreign["route.2.W_F1"])
+
+
+def test_loads_and_discovers(tiny_repo: Path) -> None:
+    assert discover(tiny_repo) == ["tiny"]
+    manifest, clf = load_model(tiny_repo / "tiny")
+    assert manifest.labels == clf.labels == ["alpha", "beta", "gamma"]
+    assert clf.predict(["hello"]).probs.shape == (1, 3)
+
+
+@pytest.fixture
+def broken(tmp_path: Path, tiny_backbone_dir: Path) -> Path:
+    return write_tiny_model(tmp_path, tiny_backbone_dir)
+
+
+def expect(folder: Path, file: str, message: str) -> None:
+    with pytest.raises(ModelLoadError, match=message) as e:
+        load_model(folder)
+    assert str(e.value).startswith(str(folder / file) if file else str(folder))
+
+
+def test_missing_manifest(broken: Path) -> None:
+    (broken / "manifest.json").unlink()
+    expect(broken, "manifest.json", "missing manifest file")
+
+
+def test_invalid_json(broken: Path) -> None:
+    (broken / "manifest.json").write_text("{not json")
+    expect(broken, "manifest.json", "not valid JSON")
+
+
+def test_invalid_field(broken: Path) -> None:
+    edit_manifest(broken, labels=["only-one"])
+    expect(broken, "manifest.json", "labels")
+
+
+def test_name_must_match_folder(broken: Path) -> None:
+    edit_manifest(broken, name="other")
+    expect(broken, "manifest.json", "differs from its folder")
+
+
+def test_missing_weights(broken: Path) -> None:
+    (broken / "head.safetensors").unlink()
+    expect(broken, "head.safetensors", "missing head weights file")
+
+
+def test_corrupt_weights(broken: Path) -> None:
+    (broken / "head.safetensors").write_bytes(b"garbage")
+    expect(broken, "head.safetensors", "unreadable")
+
+
+def test_label_count_mismatch(broken: Path) -> None:
+    edit_manifest(broken, labels=["a", "b", "c", "d"])
+    expect(broken, "head.safetensors", "3 classes but the manifest lists 4 labels")
+
+
+def test_wrong_shapes(broken: Path) -> None:
+    data = json.loads((broken / "manifest.json").read_text())
+    data["head"]["d_hid"] = 24
+    (broken / "manifest.json").write_text(json.dumps(data))
+    expect(broken, "head.safetensors", "wrong shapes")
+
+
+def test_missing_parameter(broken: Path) -> None:
+    state = load_file(str(broken / "head.safetensors"))
+    del state["route.1.W_A"]
+    save_file(state, str(broken / "head.safetensors"))
+    expect(broken, "head.safetensors", r"missing \['route.1.W_A'\]")
+
+
+def test_unknown_backbone(broken: Path) -> None:
+    data = json.loads((broken / "manifest.json").read_text())
+    data["backbone"]["source"] = "package:no_such_backbone_pkg"
+    (broken / "manifest.json").write_text(json.dumps(data))
+    expect(broken, "manifest.json", "unknown or unloadable backbone.*not installed")
+    data["backbone"]["source"] = str(broken / "nowhere")
+    (broken / "manifest.json").write_text(json.dumps(data))
+    expect(broken, "manifest.json", "unknown or unloadable backbone")
+
+
+def test_backbone_shape_mismatch(broken: Path) -> None:
+    data = json.loads((broken / "manifest.json").read_text())
+    data["backbone"]["d_depth"] = 5
+    (broken / "manifest.json").write_text(json.dumps(data))
+    with pytest.raises(ModelLoadError):
+        load_model(broken)
+
+
+def test_missing_folder(tmp_path: Path) -> None:
+    expect(tmp_path / "absent", "", "no such model folder")
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        discover(tmp_path / "absent")
+
+
+def test_manifest_round_trip(broken: Path, tmp_path: Path) -> None:
+    copy = tmp_path / "copy" / "tiny"
+    shutil.copytree(broken, copy)
+    assert read_manifest(copy) == read_manifest(broken)
