@@ -1,0 +1,213 @@
+"""The FastAPI app, its middleware and lifespan, and the uvicorn server that drains on SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from service import __version__
+from service.config import Settings
+from service.serving import errors
+from service.serving.engine import device_memory
+from service.serving.metrics import Metrics
+from service.serving.routes import health, inference, models
+from service.serving.state import AppState
+
+log = logging.getLogger("service.http")
+
+
+class JSONFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        doc: dict[str, Any] = {"time": self.formatTime(record), "level": record.levelname, "logger": record.name,
+                               "message": record.getMessage()}
+        doc.update(getattr(record, "fields", {}))
+        if record.exc_info:
+            doc["exception"] = self.formatException(record.exc_info)
+        return json.dumps(doc)
+
+
+def setup_logging(settings: Settings) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JSONFormatter() if settings.log_json else logging.Formatter(
+        "%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(settings.log_level.upper())
+
+
+class BodyLimit:
+    """413 for bodies over the limit (declared or streamed), 415 for POSTs that are not JSON."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        length = headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
+            return await self._reject(scope, receive, send, 413, f"body larger than {self.max_bytes} bytes")
+        ctype = headers.get("content-type", "").split(";")[0].strip().lower()
+        if scope["path"].startswith("/v1/") and not (ctype == "application/json" or ctype.endswith("+json")):
+            return await self._reject(scope, receive, send, 415, "send the body as application/json")
+        seen = 0
+
+        async def limited() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise _TooLarge
+            return message
+
+        try:
+            await self.app(scope, limited, send)
+        except _TooLarge:
+            await self._reject(scope, receive, send, 413, f"body larger than {self.max_bytes} bytes")
+
+    async def _reject(self, scope: Scope, receive: Receive, send: Send, status: int, message: str) -> None:
+        state: AppState | None = getattr(scope["app"].state, "app_state", None) if "app" in scope else None
+        if state is not None:
+            state.metrics.failures.labels("validation").inc()
+        await errors.error_response(status, message)(scope, receive, send)
+
+
+class _TooLarge(Exception):
+    pass
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    """Build the app; models load in the background once it starts (see /readyz)."""
+    settings = settings or Settings()
+    metrics = Metrics(device_memory)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        state: AppState = app.state.app_state
+        loader = asyncio.create_task(state.load())
+        app.state.loader = loader
+        try:
+            yield
+        finally:
+            state.start_draining()
+            loader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await loader
+            await state.close()
+
+    app = FastAPI(title="routing-service", version=__version__, lifespan=lifespan,
+                  description="Text classification with routing heads (Heinsen 2022) and end-to-end credit "
+                              "assignment: which tokens, at which depth, earned each class score.")
+    app.state.app_state = AppState(settings=settings, metrics=metrics)
+    app.state.metrics = metrics
+    errors.install(app)
+    app.include_router(inference.router)
+    app.include_router(models.router)
+    app.include_router(health.router)
+
+    @app.middleware("http")
+    async def observe(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        state: AppState = request.app.state.app_state
+        t0 = time.perf_counter()
+        state.in_flight += 1
+        metrics.in_flight.inc()
+        status = 500
+        try:
+            response = await call_next(request)
+            status = response.status_code
+        finally:
+            state.in_flight -= 1
+            metrics.in_flight.dec()
+            route = request.scope.get("route")
+            endpoint = getattr(route, "path", "unmatched")
+            elapsed = time.perf_counter() - t0
+            metrics.requests.labels(endpoint, str(status)).inc()
+            metrics.request_duration.labels(endpoint).observe(elapsed)
+            if endpoint not in ("/metrics", "/healthz", "/readyz") or status >= 400:
+                log.info("%s %s %d %.1f ms", request.method, request.url.path, status, 1000 * elapsed,
+                         extra={"fields": {"request_id": request_id, "method": request.method,
+                                           "path": request.url.path, "status": status,
+                                           "duration_ms": round(1000 * elapsed, 2)}})
+        response.headers["X-Request-ID"] = request_id
+        return response
+
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    return app
+
+
+class DrainingServer(uvicorn.Server):
+    """On the first SIGTERM/SIGINT: readiness goes 503 and new requests get 503 while every accepted
+    request is answered; then uvicorn shuts down. A second signal exits at once."""
+
+    def __init__(self, config: uvicorn.Config, state: AppState) -> None:
+        super().__init__(config)
+        self.app_state = state
+        self._draining = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def serve(self, sockets: Any = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if self._draining or self._loop is None:
+            return super().handle_exit(sig, frame)
+        self._draining = True
+        log.info("signal %s: draining (at most %.0f s)", sig, self.app_state.settings.drain_timeout_s)
+        self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain()))
+
+    async def _drain(self) -> None:
+        state = self.app_state
+        state.start_draining()
+        end = time.monotonic() + state.settings.drain_timeout_s
+        await asyncio.sleep(0.05)  # let requests already being parsed reach the batcher
+        while not state.idle and time.monotonic() < end:
+            await asyncio.sleep(0.02)
+        log.info("drained (%s); shutting down", "idle" if state.idle else "timeout")
+        self.should_exit = True
+
+
+def run_server(settings: Settings) -> None:
+    """Serve until SIGTERM; exit 1 if the models could not be loaded."""
+    setup_logging(settings)
+    app = create_app(settings)
+    state: AppState = app.state.app_state
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None, access_log=False,
+                            timeout_graceful_shutdown=max(1, int(settings.drain_timeout_s)))
+    server = DrainingServer(config, state)
+
+    async def watch_load() -> None:
+        while state.status == "loading":
+            await asyncio.sleep(0.1)
+        if state.status == "failed":
+            server.should_exit = True
+
+    async def main() -> None:
+        async def later() -> None:
+            while not server.started and not server.should_exit:
+                await asyncio.sleep(0.05)
+            await watch_load()
+
+        watcher = asyncio.create_task(later())
+        await server.serve()
+        watcher.cancel()
+
+    asyncio.run(main())
+    if state.status == "failed":
+        log.error("exiting: %s", state.error)
+        sys.exit(1)

@@ -1,0 +1,256 @@
+"""A dynamic batcher: asyncio only, no torch and no HTTP.
+
+Callers ``submit`` a request's items (each with a cost, e.g. its token count) and await their
+results. One worker task forms batches under ``max_batch_size`` items and ``max_batch_tokens``
+padded cost (items of similar cost together), waiting at most ``max_wait_s`` for a batch to fill,
+and runs each batch through a synchronous ``run_batch`` callable in a worker thread, so the
+event loop keeps answering (health checks, metrics) while the model computes.
+
+Every accepted item gets exactly one answer: its result, the batch's exception, or
+:class:`DeadlineExceeded`. Items whose caller went away (cancelled future) or whose deadline
+passed while queued are dropped before compute, and reported through ``on_drop``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Generic, Protocol, TypeVar
+
+P = TypeVar("P")
+R = TypeVar("R")
+log = logging.getLogger(__name__)
+
+
+class Overloaded(Exception):
+    """The queue cannot take the request now; retry later."""
+
+
+class Draining(Exception):
+    """The batcher is shutting down and accepts nothing new."""
+
+
+class DeadlineExceeded(Exception):
+    """The request's deadline passed before its result was ready."""
+
+
+class BatchObserver(Protocol):
+    """What the batcher reports, for metrics; every method must be cheap and never raise."""
+
+    def on_queue_depth(self, depth: int) -> None: ...
+    def on_drop(self, reason: str, n: int) -> None: ...
+    def on_batch(self, size: int, padded_cost: int, real_cost: int, waits: Sequence[float], seconds: float) -> None: ...
+
+
+class NullObserver:
+    def on_queue_depth(self, depth: int) -> None:
+        pass
+
+    def on_drop(self, reason: str, n: int) -> None:
+        pass
+
+    def on_batch(self, size: int, padded_cost: int, real_cost: int, waits: Sequence[float], seconds: float) -> None:
+        pass
+
+
+@dataclass(eq=False)
+class _Item(Generic[P]):
+    payload: P
+    cost: int
+    deadline: float
+    future: asyncio.Future[Any]
+    enqueued: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class BatchLimits:
+    max_batch_size: int = 32
+    max_batch_tokens: int = 8192
+    max_wait_s: float = 0.005
+    max_queue: int = 1024
+
+
+class Batcher(Generic[P, R]):
+    """Dynamic batching in front of ``run_batch(payloads) -> results`` (same length, same order)."""
+
+    def __init__(self, run_batch: Callable[[list[P]], list[R]], limits: BatchLimits,
+                 observer: BatchObserver | None = None, name: str = "batcher") -> None:
+        self.run_batch, self.limits, self.name = run_batch, limits, name
+        self.observer: BatchObserver = observer or NullObserver()
+        self._pending: list[_Item[P]] = []
+        self._wakeup = asyncio.Event()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"batch-{name}")
+        self._worker: asyncio.Task[None] | None = None
+        self._accepting = True
+        self._busy = 0  # items taken from the queue and not yet answered
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._pending)
+
+    @property
+    def idle(self) -> bool:
+        return not self._pending and self._busy == 0
+
+    def start(self) -> None:
+        if self._worker is None:
+            self._worker = asyncio.get_running_loop().create_task(self._loop(), name=f"batcher-{self.name}")
+
+    async def submit(self, payloads: Sequence[P], costs: Sequence[int], deadline: float) -> list[R]:
+        """Queue one request's items and wait for all their results (``deadline`` is monotonic time).
+
+        Raises:
+            Overloaded: the queue has no room for all items (nothing is queued then).
+            Draining: the batcher is stopping.
+            DeadlineExceeded: the deadline passed first.
+        """
+        if not self._accepting:
+            raise Draining(f"{self.name} is draining")
+        if len(self._pending) + len(payloads) > self.limits.max_queue:
+            raise Overloaded(f"{self.name}: {len(self._pending)} texts queued, limit {self.limits.max_queue}")
+        loop = asyncio.get_running_loop()
+        items = [_Item(p, max(1, int(c)), deadline, loop.create_future()) for p, c in zip(payloads, costs, strict=True)]
+        self._pending.extend(items)
+        self.observer.on_queue_depth(len(self._pending))
+        self._wakeup.set()
+        futures = [it.future for it in items]
+        try:
+            timeout = max(0.0, deadline - time.monotonic())
+            done, pending = await asyncio.wait(futures, timeout=timeout, return_when=asyncio.FIRST_EXCEPTION)
+            failed = next((f for f in done if f.exception() is not None), None)
+            if failed is not None:
+                raise failed.exception()  # type: ignore[misc]
+            if pending:
+                for f in pending:
+                    _fail(f, DeadlineExceeded("deadline passed before this text was computed"))
+                raise DeadlineExceeded(f"deadline passed after {timeout:.3f} s")
+            return [f.result() for f in futures]
+        finally:  # on any early exit (cancellation: the caller went away) release the rest
+            for f in futures:
+                if not f.done():
+                    f.cancel()
+
+    async def stop(self, drain_timeout: float) -> None:
+        """Stop accepting, answer what is queued (up to ``drain_timeout``), then stop the worker."""
+        self._accepting = False
+        end = time.monotonic() + drain_timeout
+        while not self.idle and time.monotonic() < end:
+            await asyncio.sleep(0.01)
+        for it in self._pending:
+            if not it.future.done():
+                _fail(it.future, Draining(f"{self.name} stopped before this text was computed"))
+        self._pending.clear()
+        if self._worker is not None:
+            self._worker.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._worker
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def stop_accepting(self) -> None:
+        self._accepting = False
+
+    def _drop_stale(self) -> None:
+        """Drop items nobody waits for any more, and answer those past their deadline."""
+        now = time.monotonic()
+        keep, gone, late = [], 0, 0
+        for it in self._pending:
+            if it.future.cancelled():  # the caller went away
+                gone += 1
+            elif it.future.done():  # already answered: its caller's deadline passed
+                late += 1
+            elif it.deadline <= now:
+                _fail(it.future, DeadlineExceeded("deadline passed while queued"))
+                late += 1
+            else:
+                keep.append(it)
+        if gone:
+            self.observer.on_drop("disconnected", gone)
+        if late:
+            self.observer.on_drop("deadline", late)
+        if gone or late:
+            self._pending = keep
+            self.observer.on_queue_depth(len(keep))
+
+    def _take_batch(self) -> list[_Item[P]]:
+        """The oldest item plus the queued items closest to it in cost, within both limits."""
+        lim = self.limits
+        first = self._pending[0]
+        rest = sorted(self._pending[1:], key=lambda it: abs(it.cost - first.cost))
+        batch, widest = [first], first.cost
+        for it in rest:
+            if len(batch) >= lim.max_batch_size:
+                break
+            w = max(widest, it.cost)
+            if w * (len(batch) + 1) > lim.max_batch_tokens:
+                continue
+            batch.append(it)
+            widest = w
+        chosen = set(map(id, batch))
+        self._pending = [it for it in self._pending if id(it) not in chosen]
+        return batch
+
+    def _full(self) -> bool:
+        lim = self.limits
+        if len(self._pending) >= lim.max_batch_size:
+            return True
+        widest = max(it.cost for it in self._pending)
+        return widest * len(self._pending) >= lim.max_batch_tokens
+
+    async def _loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                if not self._pending:
+                    self._wakeup.clear()
+                    await self._wakeup.wait()
+                # let the batch fill until it is full or the oldest item has waited max_wait_s
+                while self._pending and not self._full():
+                    remaining = self._pending[0].enqueued + self.limits.max_wait_s - time.monotonic()
+                    if remaining <= 0:
+                        break
+                    self._wakeup.clear()
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(remaining):
+                            await self._wakeup.wait()
+                self._drop_stale()
+                if not self._pending:
+                    continue
+                batch = self._take_batch()
+                self.observer.on_queue_depth(len(self._pending))
+                await self._run(loop, batch)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # the loop must survive anything; items were answered in _run
+                log.exception("batcher %s: unexpected error in the batching loop", self.name)
+
+    async def _run(self, loop: asyncio.AbstractEventLoop, batch: list[_Item[P]]) -> None:
+        self._busy += len(batch)
+        started = time.monotonic()
+        try:
+            results = await loop.run_in_executor(self._executor, self.run_batch, [it.payload for it in batch])
+            if len(results) != len(batch):
+                raise RuntimeError(f"run_batch returned {len(results)} results for {len(batch)} inputs")
+        except Exception as e:  # a failing batch fails only its own items
+            for it in batch:
+                if not it.future.done():
+                    _fail(it.future, e)
+        else:
+            for it, r in zip(batch, results, strict=True):
+                if not it.future.done():
+                    it.future.set_result(r)
+        finally:
+            self._busy -= len(batch)
+        widest = max(it.cost for it in batch)
+        self.observer.on_batch(len(batch), widest * len(batch), sum(it.cost for it in batch),
+                               [started - it.enqueued for it in batch], time.monotonic() - started)
+
+
+def _fail(future: asyncio.Future[Any], exc: BaseException) -> None:
+    """Answer ``future`` with ``exc`` and mark it retrieved (no 'never retrieved' warnings)."""
+    future.set_exception(exc)
+    future.exception()

@@ -1,0 +1,113 @@
+"""Every Prometheus metric of the service and its buckets, in one place.
+
+One prefix (``routing_``), base units, counters ending in ``_total``, histograms (not summaries)
+so replicas aggregate, and no high-cardinality labels (model names and route templates only).
+Buckets cover both CPU (tens of ms to seconds) and GPU (milliseconds) serving.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+TOKEN_BUCKETS = (16, 64, 256, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
+RATIO_BUCKETS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+
+FAILURE_REASONS = ("validation", "overloaded", "deadline", "disconnected", "auth", "internal", "draining")
+
+DeviceMemory = Callable[[], Iterable[dict[str, float | str]]]
+
+
+class _DeviceMemoryCollector(Collector):
+    """CUDA memory per device, read at scrape time from a callable the engine supplies."""
+
+    def __init__(self, read: DeviceMemory) -> None:
+        self.read = read
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        families = {
+            key: GaugeMetricFamily(f"routing_cuda_memory_{key}_bytes", f"CUDA memory {key}", labels=["device"])
+            for key in ("allocated", "reserved", "peak", "total")
+        }
+        for dev in self.read():
+            for key, fam in families.items():
+                fam.add_metric([str(dev["device"])], float(dev[key]))
+        return list(families.values())
+
+
+class Metrics:
+    """The service's metrics, registered in their own registry (one per app)."""
+
+    def __init__(self, device_memory: DeviceMemory | None = None) -> None:
+        r = self.registry = CollectorRegistry()
+        ProcessCollector(namespace="routing", registry=r)  # routing_process_resident_memory_bytes, cpu, fds
+        if device_memory is not None:
+            r.register(_DeviceMemoryCollector(device_memory))
+        self.requests = Counter("routing_requests_total", "HTTP requests by endpoint and status code",
+                                ["endpoint", "status"], registry=r)
+        self.request_duration = Histogram("routing_request_duration_seconds", "HTTP request duration",
+                                          ["endpoint"], buckets=LATENCY_BUCKETS, registry=r)
+        self.in_flight = Gauge("routing_requests_in_flight", "HTTP requests being handled", registry=r)
+        self.queue_wait = Histogram("routing_queue_wait_seconds", "Time a text waited in the queue", ["model"],
+                                    buckets=LATENCY_BUCKETS, registry=r)
+        self.batch_seconds = Histogram("routing_batch_compute_seconds", "Time in the model per batch", ["model"],
+                                       buckets=LATENCY_BUCKETS, registry=r)
+        self.batch_size = Histogram("routing_batch_size", "Texts per batch", ["model"], buckets=BATCH_SIZE_BUCKETS,
+                                    registry=r)
+        self.batch_tokens = Histogram("routing_batch_padded_tokens", "Padded tokens per batch", ["model"],
+                                      buckets=TOKEN_BUCKETS, registry=r)
+        self.padding_ratio = Histogram("routing_batch_padding_ratio", "Share of a batch's tokens that are padding",
+                                       ["model"], buckets=RATIO_BUCKETS, registry=r)
+        self.queue_depth = Gauge("routing_queue_depth", "Texts waiting in the queue", ["model"], registry=r)
+        self.texts = Counter("routing_texts_processed_total", "Texts run through the model", ["model"], registry=r)
+        self.tokens = Counter("routing_tokens_processed_total", "Real tokens run through the model", ["model"],
+                              registry=r)
+        self.failures = Counter("routing_failures_total", "Requests that failed, by reason", ["reason"],
+                                registry=r)
+        self.dropped = Counter("routing_dropped_texts_total", "Queued texts dropped before compute, by reason",
+                               ["model", "reason"], registry=r)
+        self.model_load = Gauge("routing_model_load_seconds", "Time to load and warm up a model", ["model"],
+                                registry=r)
+        self.model_info = Gauge("routing_model_info", "Loaded models (value 1)",
+                                ["model", "backbone", "device", "dtype"], registry=r)
+        for reason in FAILURE_REASONS:
+            self.failures.labels(reason)  # export zeros so dashboards and alerts see every series
+
+    def observer(self, model: str) -> BatchMetrics:
+        return BatchMetrics(self, model)
+
+
+class BatchMetrics:
+    """Adapter from the batcher's events to metrics for one model (see ``batcher.BatchObserver``)."""
+
+    def __init__(self, m: Metrics, model: str) -> None:
+        self.m, self.model = m, model
+        for h in (m.queue_wait, m.batch_seconds, m.batch_size, m.batch_tokens, m.padding_ratio):
+            h.labels(model)
+        m.queue_depth.labels(model).set(0)
+        m.texts.labels(model)
+        m.tokens.labels(model)
+        for reason in ("disconnected", "deadline"):
+            m.dropped.labels(model, reason)
+
+    def on_queue_depth(self, depth: int) -> None:
+        self.m.queue_depth.labels(self.model).set(depth)
+
+    def on_drop(self, reason: str, n: int) -> None:
+        self.m.dropped.labels(self.model, reason).inc(n)
+
+    def on_batch(self, size: int, padded_cost: int, real_cost: int, waits: Sequence[float], seconds: float) -> None:
+        m, model = self.m, self.model
+        m.batch_size.labels(model).observe(size)
+        m.batch_tokens.labels(model).observe(padded_cost)
+        m.padding_ratio.labels(model).observe(1.0 - real_cost / padded_cost if padded_cost else 0.0)
+        m.batch_seconds.labels(model).observe(seconds)
+        for w in waits:
+            m.queue_wait.labels(model).observe(w)
+        m.texts.labels(model).inc(size)
+        m.tokens.labels(model).inc(real_cost)

@@ -1,0 +1,1 @@
+"""Thin HTTP handlers: validate, hand work to the batcher, map results and errors."""

@@ -1,0 +1,49 @@
+"""Dependencies shared by the route modules: app state, model lookup, API-key check."""
+
+from __future__ import annotations
+
+import hmac
+from typing import Annotated
+
+from fastapi import Depends, Header, Request
+
+from service.serving.errors import APIError
+from service.serving.state import AppState, Served
+
+
+def get_state(request: Request) -> AppState:
+    return request.app.state.app_state
+
+
+State = Annotated[AppState, Depends(get_state)]
+
+
+def check_key(state: AppState, authorization: str | None) -> None:
+    """401 unless ``Authorization: Bearer <key>`` names a configured key (constant-time comparison)."""
+    keys = state.settings.api_keys
+    if not keys:
+        return
+    scheme, _, token = (authorization or "").partition(" ")
+    ok = False
+    for key in keys:  # compare with every key so timing says nothing about which matched
+        ok |= hmac.compare_digest(token.strip().encode(), key.encode())
+    if scheme.lower() != "bearer" or not ok:
+        raise APIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
+                       headers={"WWW-Authenticate": "Bearer"})
+
+
+def require_key(state: State, authorization: Annotated[str | None, Header(include_in_schema=False)] = None) -> None:
+    check_key(state, authorization)
+
+
+def served_model(state: AppState, name: str) -> Served:
+    """The loaded model called ``name``: 503 while loading or draining, 404 if there is none."""
+    if state.status == "draining":
+        raise APIError(503, "server is shutting down", headers={"Retry-After": "5"}, reason="draining")
+    if state.status != "ok":
+        raise APIError(503, f"models are {state.status}" + (f": {state.error}" if state.error else ""),
+                       headers={"Retry-After": "5"}, reason="overloaded")
+    served = state.models.get(name)
+    if served is None:
+        raise APIError(404, f"unknown model {name!r}; available: {sorted(state.models)}")
+    return served

@@ -1,0 +1,37 @@
+"""Liveness, readiness and the Prometheus endpoint."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Header, Response
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from service.serving.routes.deps import State, check_key
+from service.serving.schemas import Health
+
+router = APIRouter(tags=["health"])
+
+
+@router.get("/healthz", response_model=Health, summary="Liveness")
+async def healthz(state: State) -> Health:
+    """200 while the process runs, even while loading or draining."""
+    return Health(status="ok" if state.status == "failed" else state.status, models=sorted(state.models))
+
+
+@router.get("/readyz", response_model=Health, responses={503: {"model": Health}}, summary="Readiness")
+async def readyz(state: State) -> JSONResponse:
+    """200 once every model is loaded and warm; 503 while loading, draining, or after a failed load."""
+    body = Health(status="ok" if state.ready else "draining" if state.status == "draining" else "loading",
+                  models=sorted(state.models))
+    headers = None if state.ready else {"Retry-After": "5"}
+    return JSONResponse(body.model_dump(), status_code=200 if state.ready else 503, headers=headers)
+
+
+@router.get("/metrics", summary="Prometheus metrics", response_class=Response)
+async def metrics(state: State, authorization: Annotated[str | None, Header(include_in_schema=False)] = None
+                  ) -> Response:
+    if state.settings.protect_metrics:
+        check_key(state, authorization)
+    return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)

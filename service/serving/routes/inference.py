@@ -1,0 +1,144 @@
+"""POST classify and explain, for a named model or the default one."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+from fastapi import APIRouter, Depends, Request
+
+from service.serving.batcher import DeadlineExceeded, Draining, Overloaded
+from service.serving.engine import Result, Task
+from service.serving.errors import APIError
+from service.serving.routes.deps import State, require_key, served_model
+from service.serving.schemas import (
+    ClassifyRequest,
+    ClassifyResponse,
+    ClassifyResult,
+    ErrorResponse,
+    ExplainRequest,
+    ExplainResponse,
+    ExplainResult,
+)
+from service.serving.state import AppState, Served
+
+ERRORS = {s: {"model": ErrorResponse} for s in (401, 404, 413, 415, 422, 503, 504)}
+router = APIRouter(prefix="/v1", tags=["inference"], dependencies=[Depends(require_key)], responses=ERRORS)
+
+
+def _check_limits(state: AppState, inputs: list[str]) -> None:
+    s = state.settings
+    if len(inputs) > s.max_inputs:
+        raise APIError(413, f"too many inputs: {len(inputs)} > {s.max_inputs}")
+    for k, text in enumerate(inputs):
+        if len(text) > s.max_chars:
+            raise APIError(413, f"inputs.{k} has {len(text)} characters, more than the limit of {s.max_chars}")
+
+
+def _deadline(state: AppState, timeout_s: float | None) -> float:
+    s = state.settings
+    if timeout_s is not None and timeout_s > s.max_request_timeout_s:
+        raise APIError(422, f"timeout_s: at most {s.max_request_timeout_s} s", code="validation_error")
+    return time.monotonic() + (timeout_s or s.request_timeout_s)
+
+
+async def _watch_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def run_tasks(request: Request, served: Served, tasks: list[Task], deadline: float) -> list[Result]:
+    """Submit the texts, answer errors in the one shape, and stop if the client goes away."""
+    engine = served.engine
+    costs = await asyncio.get_running_loop().run_in_executor(None, engine.count_tokens, [t.text for t in tasks])
+    work = asyncio.ensure_future(served.batcher.submit(tasks, costs, deadline))
+    watch = asyncio.ensure_future(_watch_disconnect(request))
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+    if not work.done():  # the client disconnected: drop its queued texts
+        work.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await work
+        raise APIError(499, "client disconnected")
+    try:
+        return work.result()
+    except Overloaded as e:
+        raise APIError(503, f"overloaded, retry later ({e})", headers={"Retry-After": "1"},
+                       reason="overloaded") from None
+    except Draining:
+        raise APIError(503, "server is shutting down", headers={"Retry-After": "5"}, reason="draining") from None
+    except DeadlineExceeded as e:
+        raise APIError(504, f"deadline exceeded: {e}") from None
+    except Exception as e:
+        raise APIError(500, f"model {engine.name} failed on this batch: {type(e).__name__}: {e}") from e
+
+
+def _targets(labels: list[str], target: str | list[str] | None) -> tuple[str, ...] | None:
+    if target is None:
+        return None
+    if target == "all":
+        return tuple(labels)
+    wanted = [target] if isinstance(target, str) else target
+    unknown = [t for t in wanted if t not in labels]
+    if unknown or not wanted:
+        raise APIError(422, f"target: unknown label(s) {unknown}; choose from {labels} or 'all'",
+                       details=[{"field": "target", "message": f"unknown label(s) {unknown}", "type": "value_error"}])
+    return tuple(dict.fromkeys(wanted))
+
+
+async def classify(request: Request, state: AppState, model: str, body: ClassifyRequest) -> ClassifyResponse:
+    served = served_model(state, model)
+    _check_limits(state, body.inputs)
+    deadline = _deadline(state, body.timeout_s)
+    tasks = [Task(t, explain="predicted" if body.explain else None) for t in body.inputs]
+    results = await run_tasks(request, served, tasks, deadline)
+    return ClassifyResponse(model=model, results=[
+        ClassifyResult(label=r.label, score=r.scores[r.label], scores=r.scores, explanation=r.explanation)
+        for r in results])
+
+
+async def explain(request: Request, state: AppState, model: str, body: ExplainRequest) -> ExplainResponse:
+    served = served_model(state, model)
+    engine = served.engine
+    _check_limits(state, body.inputs)
+    deadline = _deadline(state, body.timeout_s)
+    targets = _targets(engine.labels, body.target)
+    if body.include_matrix or body.include_phi:
+        counts = await asyncio.get_running_loop().run_in_executor(None, engine.count_tokens, body.inputs)
+        size = sum(engine.explain_elements(n, body.include_matrix, body.include_phi) for n in counts)
+        if size > state.settings.max_explain_elements:
+            raise APIError(413, f"include_matrix/include_phi would return {size} numbers, more than the limit of "
+                                f"{state.settings.max_explain_elements}; send fewer or shorter texts")
+    tasks = [Task(t, explain="full", targets=targets, include_matrix=body.include_matrix,
+                  include_phi=body.include_phi) for t in body.inputs]
+    results = await run_tasks(request, served, tasks, deadline)
+    return ExplainResponse(model=model, labels=engine.labels, results=[
+        ExplainResult(label=r.label, score=r.scores[r.label], scores=r.scores, **(r.explanation or {}))
+        for r in results])
+
+
+@router.post("/models/{model}/classify", response_model=ClassifyResponse, summary="Classify texts")
+async def classify_model(request: Request, state: State, model: str, body: ClassifyRequest) -> ClassifyResponse:
+    """Predicted label and probabilities per text; with `explain`, token credit for the predicted label."""
+    return await classify(request, state, model, body)
+
+
+@router.post("/models/{model}/explain", response_model=ExplainResponse, summary="Credit assignments")
+async def explain_model(request: Request, state: State, model: str, body: ExplainRequest) -> ExplainResponse:
+    """End-to-end credit (paper eq. 15) per token, word, sentence and depth for the target label(s)."""
+    return await explain(request, state, model, body)
+
+
+@router.post("/classify", response_model=ClassifyResponse, summary="Classify with the default model")
+async def classify_default(request: Request, state: State, body: ClassifyRequest) -> ClassifyResponse:
+    return await classify(request, state, state.settings.default_model, body)
+
+
+@router.post("/explain", response_model=ExplainResponse, summary="Explain with the default model")
+async def explain_default(request: Request, state: State, body: ExplainRequest) -> ExplainResponse:
+    return await explain(request, state, state.settings.default_model, body)

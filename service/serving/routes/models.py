@@ -1,0 +1,25 @@
+"""GET the loaded models and their details."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends
+
+from service.serving.routes.deps import State, require_key, served_model
+from service.serving.schemas import ErrorResponse, ModelInfo, ModelList
+
+router = APIRouter(prefix="/v1", tags=["models"], dependencies=[Depends(require_key)],
+                   responses={s: {"model": ErrorResponse} for s in (401, 404, 503)})
+
+
+@router.get("/models", response_model=ModelList, summary="Loaded models")
+async def list_models(state: State) -> ModelList:
+    default = state.settings.default_model
+    served_model(state, default)
+    return ModelList(default=default, models=[ModelInfo(**m.engine.describe(), default=name == default)
+                                              for name, m in state.models.items()])
+
+
+@router.get("/models/{model}", response_model=ModelInfo, summary="One model")
+async def get_model(state: State, model: str) -> ModelInfo:
+    served = served_model(state, model)
+    return ModelInfo(**served.engine.describe(), default=model == state.settings.default_model)

@@ -1,0 +1,127 @@
+"""Request and response models: the service's OpenAPI contract."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+
+NonBlank = Annotated[str, StringConstraints(min_length=1, pattern=r"\S"), Field(description="A text to classify")]
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    inputs: list[NonBlank] = Field(min_length=1, description="Texts, answered in the same order",
+                                   examples=[["I love this!", "That was terrible."]])
+    timeout_s: float | None = Field(None, gt=0, description="Deadline for this request in seconds "
+                                                            "(default and maximum set by the server)")
+
+
+class ClassifyRequest(_Request):
+    explain: bool = Field(False, description="Also return token-level credit for each predicted label")
+
+
+class ExplainRequest(_Request):
+    target: str | list[Annotated[str, StringConstraints(min_length=1)]] | None = Field(
+        None, description='Label(s) to explain: a label, a list of labels, or "all" (default: the predicted one)')
+    include_matrix: bool = Field(False, description="Add the full end-to-end credit [n_pos, d_depth, n_classes]")
+    include_phi: bool = Field(False, description="Add each routing's credit matrix phi "
+                                                 "(phi1 is [n_pos*d_depth, n_hid])")
+
+
+class TokenCredit(BaseModel):
+    token: str
+    start: int = Field(description="Character offset where the token starts")
+    end: int = Field(description="Character offset where the token ends")
+    credit: float
+
+
+class PredictedExplanation(BaseModel):
+    target: str = Field(description="The label explained (the predicted one)")
+    tokens: list[TokenCredit] = Field(description="Credit per (non-special) token, summed over depth")
+
+
+class ClassifyResult(BaseModel):
+    label: str = Field(description="Predicted label")
+    score: float = Field(description="Probability of the predicted label")
+    scores: dict[str, float] = Field(description="Probability of every label")
+    explanation: PredictedExplanation | None = None
+
+
+class ClassifyResponse(BaseModel):
+    model: str
+    results: list[ClassifyResult]
+
+
+class Token(BaseModel):
+    token: str
+    start: int
+    end: int
+    special: bool
+
+
+class SpanCredit(BaseModel):
+    text: str
+    start: int
+    end: int
+    credit: float
+
+
+class TargetCredit(BaseModel):
+    tokens: list[float] = Field(description="Credit per token position (aligned with `tokens`), summed over depth")
+    words: list[SpanCredit] = Field(description="Word pieces merged into words")
+    sentences: list[SpanCredit]
+    depth: list[list[float]] = Field(description="[tokens x depth] credit matrix")
+
+
+class ExplainResult(BaseModel):
+    label: str
+    score: float
+    scores: dict[str, float]
+    tokens: list[Token]
+    targets: list[str]
+    credit: dict[str, TargetCredit] = Field(description="Per target label")
+    matrix: list[list[list[float]]] | None = Field(None, description="[n_pos, d_depth, n_classes] at unit variance")
+    phi: list[list[list[float]]] | None = Field(None, description="phi1, phi2, phi3 of the three routings")
+
+
+class ExplainResponse(BaseModel):
+    model: str
+    labels: list[str]
+    results: list[ExplainResult]
+
+
+class ModelInfo(BaseModel):
+    name: str
+    task: str
+    description: str
+    labels: list[str]
+    backbone: dict[str, Any]
+    head: dict[str, Any]
+    max_length: int
+    parameters: dict[str, int]
+    device: str
+    dtype: str
+    evaluation: dict[str, Any]
+    load_seconds: float
+    default: bool = False
+
+
+class ModelList(BaseModel):
+    default: str
+    models: list[ModelInfo]
+
+
+class ErrorBody(BaseModel):
+    code: str = Field(description="Machine-readable error code", examples=["validation_error"])
+    message: str = Field(description="What went wrong, for people")
+    details: list[dict[str, Any]] | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorBody
+
+
+class Health(BaseModel):
+    status: Literal["ok", "loading", "draining"]
+    models: list[str] = []

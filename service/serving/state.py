@@ -1,0 +1,88 @@
+"""What the app holds while it runs: settings, metrics, and one engine + batcher per model.
+Loading happens in the background so /healthz answers at once and /readyz says when it is done."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from service.config import Settings
+from service.modeling.repository import discover
+from service.serving.batcher import Batcher, BatchLimits
+from service.serving.engine import Engine, Result, Task
+from service.serving.metrics import Metrics
+
+log = logging.getLogger("service.state")
+
+
+@dataclass
+class Served:
+    engine: Engine
+    batcher: Batcher[Task, Result]
+
+
+@dataclass
+class AppState:
+    settings: Settings
+    metrics: Metrics
+    models: dict[str, Served] = field(default_factory=dict)
+    status: str = "loading"  # loading -> ok -> draining; or failed
+    error: str | None = None
+    in_flight: int = 0
+
+    @property
+    def ready(self) -> bool:
+        return self.status == "ok"
+
+    def model_names(self, repository: Path) -> list[str]:
+        available = discover(repository)
+        wanted = self.settings.models or available
+        unknown = sorted(set(wanted) - set(available))
+        if unknown:
+            raise ValueError(f"models {unknown} not found in {repository} (available: {available})")
+        return list(wanted)
+
+    async def load(self) -> None:
+        """Load, warm up and start every model; on failure record why (the server then exits)."""
+        s = self.settings
+        loop = asyncio.get_running_loop()
+        try:
+            names = self.model_names(s.model_repository)
+            if not names:
+                raise ValueError(f"no models in {s.model_repository}")
+            if s.default_model not in names:
+                raise ValueError(f"default model {s.default_model!r} is not among the loaded models {names}")
+            for name in names:
+                t0 = time.perf_counter()
+                log.info("loading model %s", name)
+                engine = await loop.run_in_executor(
+                    None, lambda n=name: Engine.load(s.model_repository / n, s.device, s.dtype, s.warmup))
+                limits = BatchLimits(s.max_batch_size, s.max_batch_tokens, s.max_wait_ms / 1000, s.max_queue)
+                batcher: Batcher[Task, Result] = Batcher(engine.run, limits, self.metrics.observer(name), name)
+                batcher.start()
+                self.models[name] = Served(engine, batcher)
+                self.metrics.model_load.labels(name).set(time.perf_counter() - t0)
+                self.metrics.model_info.labels(name, engine.manifest.backbone.name, str(engine.device),
+                                               str(engine.dtype).removeprefix("torch.")).set(1)
+                log.info("model %s ready on %s in %.1f s", name, engine.device, time.perf_counter() - t0)
+            self.status = "ok"
+        except Exception as e:
+            self.status, self.error = "failed", f"{type(e).__name__}: {e}"
+            log.error("model loading failed: %s", self.error)
+
+    def start_draining(self) -> None:
+        if self.status in ("ok", "loading"):
+            self.status = "draining"
+        for served in self.models.values():
+            served.batcher.stop_accepting()
+
+    @property
+    def idle(self) -> bool:
+        return self.in_flight == 0 and all(m.batcher.idle for m in self.models.values())
+
+    async def close(self) -> None:
+        for served in self.models.values():
+            await served.batcher.stop(self.settings.drain_timeout_s)

@@ -1,0 +1,160 @@
+"""The API over HTTP against a real server with the tiny model."""
+
+import asyncio
+
+import httpx
+import pytest
+
+from tests.serving.server import Server
+
+TEXTS = ["the first text", "a second, somewhat longer text. It has two sentences!", "x",
+         "Long one. " * 40]
+
+
+def post(server: Server, path: str, body: object, **kw) -> httpx.Response:
+    return httpx.post(f"{server.url}{path}", json=body, timeout=30, **kw)
+
+
+def assert_error(r: httpx.Response, status: int, code: str, needle: str = "") -> None:
+    assert r.status_code == status, r.text[:500]
+    err = r.json()["error"]
+    assert err["code"] == code and needle in err["message"], err
+
+
+def test_classify_orders_results_and_sums_to_one(tiny: Server) -> None:
+    r = post(tiny, "/v1/models/tiny/classify", {"inputs": TEXTS})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["model"] == "tiny" and len(body["results"]) == len(TEXTS)
+    for res in body["results"]:
+        assert set(res["scores"]) == {"alpha", "beta", "gamma"}
+        assert abs(sum(res["scores"].values()) - 1) < 1e-5
+        assert res["label"] == max(res["scores"], key=res["scores"].get) and res["score"] == res["scores"][res["label"]]
+        assert res["explanation"] is None
+    default = post(tiny, "/v1/classify", {"inputs": TEXTS}).json()
+    assert default["results"] == body["results"]
+
+
+def test_request_id_echoed_or_generated(tiny: Server) -> None:
+    r = post(tiny, "/v1/classify", {"inputs": ["a"]}, headers={"X-Request-ID": "abc-123"})
+    assert r.headers["x-request-id"] == "abc-123"
+    assert len(httpx.get(f"{tiny.url}/healthz").headers["x-request-id"]) == 32
+
+
+def test_classify_with_explain_gives_token_credit_for_the_predicted_label(tiny: Server) -> None:
+    res = post(tiny, "/v1/classify", {"inputs": [TEXTS[1]], "explain": True}).json()["results"][0]
+    exp = res["explanation"]
+    assert exp["target"] == res["label"]
+    assert [t["token"] for t in exp["tokens"]][:3] == ["a", "second", ","]
+    for t in exp["tokens"]:
+        assert TEXTS[1][t["start"]:t["end"]].lower() == t["token"].removeprefix("##")
+
+
+def test_explain_views_targets_matrix_and_phi(tiny: Server) -> None:
+    text = TEXTS[1]
+    r = post(tiny, "/v1/models/tiny/explain", {"inputs": [text], "target": "all", "include_matrix": True,
+                                                "include_phi": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["labels"] == ["alpha", "beta", "gamma"]
+    res = body["results"][0]
+    n = len(res["tokens"])
+    assert res["tokens"][0]["special"] and res["tokens"][-1]["special"]
+    assert res["targets"] == ["alpha", "beta", "gamma"]
+    c = res["credit"]["beta"]
+    assert len(c["tokens"]) == n and len(c["depth"]) == n and len(c["depth"][0]) == 3
+    assert [s["text"] for s in c["sentences"]] == ["a second, somewhat longer text.", "It has two sentences!"]
+    assert [w["text"] for w in c["words"]][:3] == ["a", "second", ","]
+    assert abs(sum(c["tokens"]) - sum(map(sum, c["depth"]))) < 1e-3
+    assert len(res["matrix"]) == n and len(res["matrix"][0]) == 3 and len(res["matrix"][0][0]) == 3
+    assert res["matrix"][1][2][1] == pytest.approx(c["depth"][1][2], abs=1e-6)
+    phi1, phi2, phi3 = res["phi"]
+    assert len(phi1) == n * 3 and len(phi1[0]) == 8 and len(phi2) == 8 and len(phi3[0]) == 3
+    one = post(tiny, "/v1/explain", {"inputs": [text], "target": ["gamma", "alpha"]}).json()["results"][0]
+    assert one["targets"] == ["gamma", "alpha"] and one["matrix"] is None and one["phi"] is None
+    assert one["credit"]["gamma"]["tokens"] == pytest.approx(res["credit"]["gamma"]["tokens"], abs=1e-5)
+    default = post(tiny, "/v1/explain", {"inputs": [text]}).json()["results"][0]
+    assert default["targets"] == [default["label"]]
+
+
+def test_batch_invariance_through_the_api(tiny: Server) -> None:
+    alone = [post(tiny, "/v1/explain", {"inputs": [t], "target": "all"}).json()["results"][0] for t in TEXTS]
+    together = post(tiny, "/v1/explain", {"inputs": TEXTS, "target": "all"}).json()["results"]
+
+    async def concurrently() -> list[dict]:
+        async with httpx.AsyncClient(base_url=tiny.url, timeout=30) as client:
+            rs = await asyncio.gather(*(client.post("/v1/explain", json={"inputs": [t], "target": "all"})
+                                        for t in TEXTS * 3))
+        return [r.json()["results"][0] for r in rs]
+
+    mixed = asyncio.run(concurrently())
+    for k, ref in enumerate(alone):
+        for other in (together[k], mixed[k], mixed[k + len(TEXTS)]):
+            for lab in ref["scores"]:
+                assert abs(other["scores"][lab] - ref["scores"][lab]) <= 1e-5
+                diffs = [abs(a - b) for a, b in zip(other["credit"][lab]["tokens"], ref["credit"][lab]["tokens"],
+                                                    strict=True)]
+                assert max(diffs) <= 1e-5
+
+
+@pytest.mark.parametrize(("body", "field"), [
+    ({}, "inputs"),
+    ({"inputs": []}, "inputs"),
+    ({"inputs": "not a list"}, "inputs"),
+    ({"inputs": [1, 2]}, "inputs.0"),
+    ({"inputs": [""]}, "inputs.0"),
+    ({"inputs": ["ok", "   \n\t"]}, "inputs.1"),
+    ({"inputs": ["ok"], "unknown": 1}, "unknown"),
+    ({"inputs": ["ok"], "explain": "maybe"}, "explain"),
+    ({"inputs": ["ok"], "timeout_s": -1}, "timeout_s"),
+    ({"inputs": ["ok"], "timeout_s": 10_000}, "timeout_s"),
+])
+def test_invalid_bodies_are_422_with_the_field(tiny: Server, body: dict, field: str) -> None:
+    r = post(tiny, "/v1/classify", body)
+    assert_error(r, 422, "validation_error", field)
+
+
+def test_invalid_target_is_422(tiny: Server) -> None:
+    assert_error(post(tiny, "/v1/explain", {"inputs": ["ok"], "target": "nope"}), 422, "validation_error", "target")
+    assert_error(post(tiny, "/v1/explain", {"inputs": ["ok"], "target": []}), 422, "validation_error", "target")
+
+
+def test_invalid_json_is_422(tiny: Server) -> None:
+    r = httpx.post(f"{tiny.url}/v1/classify", content=b"{nope", headers={"Content-Type": "application/json"})
+    assert_error(r, 422, "validation_error")
+
+
+def test_limits_are_413(tiny: Server) -> None:
+    assert_error(post(tiny, "/v1/classify", {"inputs": ["a"] * 9}), 413, "payload_too_large", "too many inputs")
+    assert_error(post(tiny, "/v1/classify", {"inputs": ["ok", "y" * 2001]}), 413, "payload_too_large", "inputs.1")
+    assert_error(post(tiny, "/v1/classify", {"inputs": ["z" * 30000]}), 413, "payload_too_large", "body")
+    assert_error(post(tiny, "/v1/explain", {"inputs": [TEXTS[3]] * 2, "include_phi": True,
+                                                "include_matrix": True}), 413,
+                 "payload_too_large", "include_matrix/include_phi")
+
+
+def test_unknown_model_route_method_and_media_type(tiny: Server) -> None:
+    assert_error(post(tiny, "/v1/models/nope/classify", {"inputs": ["a"]}), 404, "not_found", "nope")
+    assert_error(httpx.get(f"{tiny.url}/v1/models/nope"), 404, "not_found", "nope")
+    assert_error(httpx.get(f"{tiny.url}/nowhere"), 404, "not_found")
+    assert_error(httpx.get(f"{tiny.url}/v1/classify"), 405, "method_not_allowed")
+    r = httpx.post(f"{tiny.url}/v1/classify", content=b"hello", headers={"Content-Type": "text/plain"})
+    assert_error(r, 415, "unsupported_media_type")
+
+
+def test_models_endpoints(tiny: Server) -> None:
+    body = httpx.get(f"{tiny.url}/v1/models").json()
+    assert body["default"] == "tiny" and [m["name"] for m in body["models"]] == ["tiny"]
+    info = httpx.get(f"{tiny.url}/v1/models/tiny").json()
+    assert info["labels"] == ["alpha", "beta", "gamma"] and info["device"] == "cpu" and info["dtype"] == "float32"
+    assert info["max_length"] == 16 and info["parameters"]["head"] > 0 and info["backbone"]["d_depth"] == 3
+    assert info["evaluation"] == {"note": "random weights"}
+
+
+def test_health_and_openapi(tiny: Server) -> None:
+    assert httpx.get(f"{tiny.url}/healthz").json()["status"] == "ok"
+    assert httpx.get(f"{tiny.url}/readyz").json() == {"status": "ok", "models": ["tiny"]}
+    spec = httpx.get(f"{tiny.url}/openapi.json").json()
+    assert {"/v1/classify", "/v1/explain", "/v1/models/{model}/classify", "/v1/models/{model}/explain",
+            "/v1/models", "/healthz", "/readyz"} <= set(spec["paths"])
+    assert httpx.get(f"{tiny.url}/docs").status_code == 200

@@ -1,0 +1,146 @@
+"""The batcher on its own: fake models, no torch, no HTTP."""
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from service.serving.batcher import Batcher, BatchLimits, DeadlineExceeded, Draining, Overloaded
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.batches: list[list[str]] = []
+        self.drops: dict[str, int] = {}
+        self.depths: list[int] = []
+
+    def on_queue_depth(self, depth: int) -> None:
+        self.depths.append(depth)
+
+    def on_drop(self, reason: str, n: int) -> None:
+        self.drops[reason] = self.drops.get(reason, 0) + n
+
+    def on_batch(self, size, padded_cost, real_cost, waits, seconds) -> None:
+        pass
+
+
+def make(run, **limits):
+    rec = Recorder()
+    defaults = {"max_batch_size": 8, "max_batch_tokens": 1000, "max_wait_s": 0.02, "max_queue": 100}
+    defaults.update(limits)
+
+    def recording_run(payloads):
+        rec.batches.append(list(payloads))
+        return run(payloads)
+
+    return Batcher(recording_run, BatchLimits(**defaults), rec), rec
+
+
+def later(seconds: float = 5.0) -> float:
+    return time.monotonic() + seconds
+
+
+async def test_concurrent_requests_are_batched_and_answered_in_order() -> None:
+    b, rec = make(lambda ps: [p.upper() for p in ps])
+    b.start()
+    outs = await asyncio.gather(*(b.submit([f"a{k}", f"b{k}"], [1, 1], later()) for k in range(4)))
+    assert outs == [[f"A{k}", f"B{k}"] for k in range(4)]
+    assert max(len(x) for x in rec.batches) == 8  # all four requests in one batch
+    await b.stop(1)
+
+
+async def test_size_and_token_limits_and_similar_lengths_together() -> None:
+    b, rec = make(lambda ps: ps, max_batch_size=3, max_batch_tokens=40)
+    b.start()
+    costs = [10, 10, 10, 10, 30, 2]
+    await asyncio.gather(*(b.submit([f"t{k}"], [c], later()) for k, c in enumerate(costs)))
+    for batch in rec.batches:
+        cs = [costs[int(p[1:])] for p in batch]
+        assert len(batch) <= 3 and max(cs) * len(cs) <= 40
+    assert sorted(p for batch in rec.batches for p in batch) == sorted(f"t{k}" for k in range(6))
+    await b.stop(1)
+
+
+async def test_failing_batch_fails_only_its_own_requests() -> None:
+    def run(ps):
+        if "bad" in ps:
+            raise ValueError("boom")
+        return ps
+
+    b, rec = make(run, max_batch_size=1)
+    b.start()
+    good, bad = await asyncio.gather(b.submit(["ok"], [1], later()), b.submit(["bad"], [1], later()),
+                                     return_exceptions=True)
+    assert good == ["ok"] and isinstance(bad, ValueError)
+    assert await b.submit(["again"], [1], later()) == ["again"]  # the loop survived
+    await b.stop(1)
+
+
+async def test_overload_rejects_whole_request_without_queueing() -> None:
+    gate = threading.Event()
+    b, rec = make(lambda ps: (gate.wait(5), ps)[1], max_batch_size=1, max_queue=3)
+    b.start()
+    first = asyncio.ensure_future(b.submit(["x"], [1], later()))
+    await asyncio.sleep(0.05)  # "x" is computing; the queue is empty
+    queued = asyncio.ensure_future(b.submit(["a", "b", "c"], [1, 1, 1], later()))
+    await asyncio.sleep(0.01)
+    with pytest.raises(Overloaded):
+        await b.submit(["d"], [1], later())
+    assert b.queue_depth == 3
+    gate.set()
+    assert await first == ["x"] and await queued == ["a", "b", "c"]
+    await b.stop(1)
+
+
+async def test_deadline_while_queued_is_answered_and_dropped_before_compute() -> None:
+    gate = threading.Event()
+    b, rec = make(lambda ps: (gate.wait(5), ps)[1], max_batch_size=1)
+    b.start()
+    blocker = asyncio.ensure_future(b.submit(["slow"], [1], later()))
+    await asyncio.sleep(0.05)
+    with pytest.raises(DeadlineExceeded):
+        await b.submit(["late"], [1], time.monotonic() + 0.05)
+    gate.set()
+    await blocker
+    await asyncio.sleep(0.05)
+    assert ["late"] not in rec.batches and rec.drops.get("deadline") == 1
+    await b.stop(1)
+
+
+async def test_cancelled_caller_is_dropped_before_compute() -> None:
+    gate = threading.Event()
+    b, rec = make(lambda ps: (gate.wait(5), ps)[1], max_batch_size=1)
+    b.start()
+    blocker = asyncio.ensure_future(b.submit(["slow"], [1], later()))
+    await asyncio.sleep(0.05)
+    gone = asyncio.ensure_future(b.submit(["gone"], [1], later()))
+    await asyncio.sleep(0.01)
+    gone.cancel()
+    gate.set()
+    await blocker
+    assert await b.submit(["next"], [1], later()) == ["next"]
+    assert ["gone"] not in rec.batches and rec.drops.get("disconnected") == 1
+    await b.stop(1)
+
+
+async def test_stop_answers_queued_work_then_refuses_new() -> None:
+    b, rec = make(lambda ps: (time.sleep(0.05), ps)[1], max_batch_size=2)
+    b.start()
+    pending = [asyncio.ensure_future(b.submit([f"p{k}"], [1], later())) for k in range(6)]
+    await asyncio.sleep(0.01)
+    await b.stop(drain_timeout=5)
+    assert [await p for p in pending] == [[f"p{k}"] for k in range(6)]
+    with pytest.raises(Draining):
+        await b.submit(["new"], [1], later())
+
+
+async def test_event_loop_stays_free_while_a_batch_computes() -> None:
+    b, _ = make(lambda ps: (time.sleep(0.3), ps)[1])
+    b.start()
+    work = asyncio.ensure_future(b.submit(["x"], [1], later()))
+    t0 = time.monotonic()
+    await asyncio.sleep(0.05)
+    assert time.monotonic() - t0 < 0.2
+    await work
+    await b.stop(1)
