@@ -68,7 +68,7 @@ async def test_failing_batch_fails_only_its_own_requests() -> None:
             raise ValueError("boom")
         return ps
 
-    b, rec = make(run, max_batch_size=1)
+    b, _rec = make(run, max_batch_size=1)
     b.start()
     good, bad = await asyncio.gather(b.submit(["ok"], [1], later()), b.submit(["bad"], [1], later()),
                                      return_exceptions=True)
@@ -79,7 +79,7 @@ async def test_failing_batch_fails_only_its_own_requests() -> None:
 
 async def test_overload_rejects_whole_request_without_queueing() -> None:
     gate = threading.Event()
-    b, rec = make(lambda ps: (gate.wait(5), ps)[1], max_batch_size=1, max_queue=3)
+    b, _rec = make(lambda ps: (gate.wait(5), ps)[1], max_batch_size=1, max_queue=3)
     b.start()
     first = asyncio.ensure_future(b.submit(["x"], [1], later()))
     await asyncio.sleep(0.05)  # "x" is computing; the queue is empty
@@ -125,7 +125,7 @@ async def test_cancelled_caller_is_dropped_before_compute() -> None:
 
 
 async def test_stop_answers_queued_work_then_refuses_new() -> None:
-    b, rec = make(lambda ps: (time.sleep(0.05), ps)[1], max_batch_size=2)
+    b, _rec = make(lambda ps: (time.sleep(0.05), ps)[1], max_batch_size=2)
     b.start()
     pending = [asyncio.ensure_future(b.submit([f"p{k}"], [1], later())) for k in range(6)]
     await asyncio.sleep(0.01)

@@ -1,0 +1,121 @@
+"""Overload, deadlines, disconnects, API keys and shutdown, over HTTP against real servers."""
+
+import asyncio
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.serving.conftest import running
+from tests.serving.server import Server, metric
+
+
+@pytest.fixture(scope="module")
+def slow(tiny_repo: Path, logs: Path):
+    """Batches wait up to 1.5 s to fill: requests stay queued long enough to expire or be abandoned."""
+    yield from running(logs, model_repository=tiny_repo, default_model="tiny", max_wait_ms=1500,
+                       max_batch_size=64, max_queue=6)
+
+
+def test_overload_gives_503_with_retry_after_then_recovers(slow: Server) -> None:
+    async def burst() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=slow.url, timeout=30) as client:
+            return await asyncio.gather(*(client.post("/v1/classify", json={"inputs": ["a", "b"]})
+                                          for _ in range(12)))
+
+    rs = asyncio.run(burst())
+    codes = sorted(r.status_code for r in rs)
+    assert set(codes) == {200, 503} and codes.count(200) == 3, codes  # 3 requests x 2 texts fill max_queue=6
+    for r in rs:
+        if r.status_code == 503:
+            assert r.headers["retry-after"] == "1" and r.json()["error"]["code"] == "service_unavailable"
+    again = httpx.post(f"{slow.url}/v1/classify", json={"inputs": ["after the burst"]}, timeout=30)
+    assert again.status_code == 200
+    page = httpx.get(f"{slow.url}/metrics").text
+    assert metric(page, "routing_failures_total", reason="overloaded") >= 9
+
+
+def test_deadline_gives_504(slow: Server) -> None:
+    t0 = time.monotonic()
+    r = httpx.post(f"{slow.url}/v1/classify", json={"inputs": ["late"], "timeout_s": 0.2}, timeout=30)
+    assert r.status_code == 504 and r.json()["error"]["code"] == "deadline_exceeded"
+    assert time.monotonic() - t0 < 1.4
+    time.sleep(1.6)  # the batcher wakes up and finds the expired text
+    page = httpx.get(f"{slow.url}/metrics").text
+    assert metric(page, "routing_dropped_texts_total", model="tiny", reason="deadline") >= 1
+    assert metric(page, "routing_failures_total", reason="deadline") >= 1
+
+
+def test_client_disconnect_drops_queued_texts(slow: Server) -> None:
+    before = metric(httpx.get(f"{slow.url}/metrics").text, "routing_dropped_texts_total", reason="disconnected")
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{slow.url}/v1/classify", json={"inputs": ["bye", "bye too"]}, timeout=0.3)
+    time.sleep(1.8)
+    page = httpx.get(f"{slow.url}/metrics").text
+    assert metric(page, "routing_dropped_texts_total", reason="disconnected") == before + 2
+    assert metric(page, "routing_failures_total", reason="disconnected") >= 1
+    assert httpx.post(f"{slow.url}/v1/classify", json={"inputs": ["still fine"]}, timeout=30).status_code == 200
+
+
+def test_api_keys(tiny_repo: Path, logs: Path) -> None:
+    for server in running(logs, model_repository=tiny_repo, default_model="tiny", api_keys="k1,second-key"):
+        url = f"{server.url}/v1/classify"
+        body = {"inputs": ["hi"]}
+        r = httpx.post(url, json=body)
+        assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+        assert r.json()["error"]["code"] == "unauthorized"
+        assert httpx.post(url, json=body, headers={"Authorization": "Bearer wrong"}).status_code == 401
+        assert httpx.post(url, json=body, headers={"Authorization": "Basic k1"}).status_code == 401
+        assert httpx.post(url, json=body, headers={"Authorization": "Bearer k1"}).status_code == 200
+        assert httpx.post(url, json=body, headers={"Authorization": "Bearer second-key"}).status_code == 200
+        assert httpx.get(f"{server.url}/v1/models").status_code == 401
+        assert httpx.get(f"{server.url}/healthz").status_code == 200
+        assert httpx.get(f"{server.url}/readyz").status_code == 200
+        assert httpx.get(f"{server.url}/metrics").status_code == 200
+        page = httpx.get(f"{server.url}/metrics").text
+        assert metric(page, "routing_failures_total", reason="auth") == 4
+
+
+def test_protected_metrics(tiny_repo: Path, logs: Path) -> None:
+    for server in running(logs, model_repository=tiny_repo, default_model="tiny", api_keys="k1",
+                          protect_metrics="true"):
+        assert httpx.get(f"{server.url}/metrics").status_code == 401
+        assert httpx.get(f"{server.url}/metrics", headers={"Authorization": "Bearer k1"}).status_code == 200
+
+
+def test_sigterm_during_load_answers_every_accepted_request(tiny_repo: Path, logs: Path) -> None:
+    server = Server(logs, model_repository=tiny_repo, default_model="tiny", max_wait_ms=300, max_batch_size=4,
+                    drain_timeout_s=30).wait_ready()
+    results: list[int | str] = []
+    sent = threading.Event()
+
+    async def load() -> None:
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+            async def one(k: int) -> None:
+                try:
+                    r = await client.post("/v1/classify", json={"inputs": [f"text number {k}"] * 3})
+                    results.append(r.status_code)
+                except httpx.TransportError as e:
+                    results.append(type(e).__name__)
+
+            tasks = [asyncio.create_task(one(k)) for k in range(24)]
+            await asyncio.sleep(0.2)  # all 24 requests are in (queued or computing)
+            sent.set()
+            await asyncio.gather(*tasks)
+
+    thread = threading.Thread(target=lambda: asyncio.run(load()))
+    thread.start()
+    assert sent.wait(30)
+    server.terminate()
+    time.sleep(0.1)
+    ready = httpx.get(f"{server.url}/readyz", timeout=5)
+    late = httpx.post(f"{server.url}/v1/classify", json={"inputs": ["too late"]}, timeout=5)
+    thread.join(60)
+    code = server.proc.wait(40)
+    assert ready.status_code == 503 and ready.json()["status"] == "draining"
+    assert late.status_code == 503 and "retry-after" in late.headers
+    assert results.count(200) == 24, results  # every accepted request was answered
+    assert code == 0, server.log()
+    server.stop()
