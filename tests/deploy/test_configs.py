@@ -1,0 +1,96 @@
+"""What CI can check of the deployment without a Docker engine: the compose file, the Dockerfile,
+the Prometheus configuration, and the Grafana dashboard against the service's real /metrics."""
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.serving.server import Server
+
+ROOT = Path(__file__).resolve().parents[2]
+DASHBOARD = ROOT / "docker/grafana/dashboards/routing-service.json"
+
+
+def tool(name: str) -> str:
+    path = shutil.which(name)
+    assert path, f"{name} is not installed; the README's test command installs it"
+    return path
+
+
+def test_compose_file_is_valid_and_complete() -> None:
+    out = subprocess.run([tool("docker-compose"), "-f", str(ROOT / "docker-compose.yml"), "config"],
+                         capture_output=True, text=True, cwd=ROOT, env={"PATH": "/usr/bin:/bin"})
+    assert out.returncode == 0, out.stderr
+    cfg = yaml.safe_load(out.stdout)
+    services = cfg["services"]
+    assert {"routing-service", "prometheus", "grafana"} <= set(services)
+    for name, svc in services.items():
+        assert svc.get("restart") == "unless-stopped", name
+        assert "healthcheck" in svc, name
+    gpu = services["routing-service"]["deploy"]["resources"]["reservations"]["devices"][0]
+    assert gpu["capabilities"] == ["gpu"]
+    profiled = subprocess.run([tool("docker-compose"), "--profile", "cpu", "config", "--services"],
+                              capture_output=True, text=True, cwd=ROOT, env={"PATH": "/usr/bin:/bin"})
+    assert "routing-service-cpu" in profiled.stdout.split()
+
+
+def test_dockerfile_lints_clean() -> None:
+    out = subprocess.run([tool("hadolint"), str(ROOT / "Dockerfile")], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+    text = (ROOT / "Dockerfile").read_text()
+    assert "HEALTHCHECK" in text and "USER 10001" in text and text.count("FROM ") >= 2
+    assert "TORCH_VARIANT" in text
+
+
+def test_prometheus_config_is_valid() -> None:
+    out = subprocess.run([tool("promtool"), "check", "config", str(ROOT / "docker/prometheus.yml")],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def dashboard_metrics() -> set[str]:
+    dash = json.loads(DASHBOARD.read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    assert exprs
+    names = set()
+    for e in exprs:
+        names |= set(re.findall(r"\b(routing_[a-z_]+)", e))
+    return names
+
+
+def test_dashboard_is_provisioned_with_the_datasource() -> None:
+    dash = json.loads(DASHBOARD.read_text())
+    ds = yaml.safe_load((ROOT / "docker/grafana/provisioning/datasources/prometheus.yml").read_text())
+    uid = ds["datasources"][0]["uid"]
+    assert all(p["datasource"]["uid"] == uid for p in dash["panels"])
+    titles = " ".join(p["title"].lower() for p in dash["panels"])
+    for topic in ("request rate", "latency", "queue wait", "batch size", "padding", "errors", "cpu memory",
+                  "gpu memory"):
+        assert topic in titles, topic
+
+
+@pytest.fixture(scope="module")
+def server(tiny_repo: Path, tmp_path_factory: pytest.TempPathFactory):
+    s = Server(tmp_path_factory.mktemp("logs"), model_repository=tiny_repo, default_model="tiny").wait_ready()
+    yield s
+    s.stop()
+
+
+def test_every_dashboard_metric_exists_in_real_metrics_output(server: Server) -> None:
+    httpx.post(f"{server.url}/v1/classify", json={"inputs": ["hello"]})
+    text = httpx.get(f"{server.url}/metrics").text
+    exported = set()
+    for fam in text_string_to_metric_families(text):
+        exported.add(fam.name)
+        exported |= {s.name for s in fam.samples}
+    exported |= set(re.findall(r"^# TYPE (\S+)", text, re.MULTILINE))  # families without samples (CUDA on CPU)
+    exported |= {n + suffix for n in list(exported) for suffix in ("_bucket", "_sum", "_count")}
+    missing = sorted(dashboard_metrics() - exported)
+    assert not missing, f"dashboard queries metrics the service does not export: {missing}"

@@ -1,0 +1,64 @@
+"""A real Prometheus (Debian's package) scrapes the service with the project's own config, adapted to
+the test port, and answers a counter and a histogram_quantile p95 through its HTTP API."""
+
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from tests.serving.server import Server, free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def prometheus(tiny_repo: Path, tmp_path: Path):
+    binary = shutil.which("prometheus")
+    assert binary, "prometheus is not installed; the README's test command installs it (Debian package)"
+    service = Server(tmp_path, model_repository=tiny_repo, default_model="tiny").wait_ready()
+    cfg = yaml.safe_load((ROOT / "docker/prometheus.yml").read_text())
+    job = cfg["scrape_configs"][0]
+    job["static_configs"][0]["targets"] = [f"127.0.0.1:{service.port}"]
+    job["scrape_interval"] = "1s"
+    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(cfg))
+    port = free_port()
+    log = (tmp_path / "prometheus.log").open("w")
+    proc = subprocess.Popen([binary, f"--config.file={tmp_path / 'prometheus.yml'}",
+                             f"--storage.tsdb.path={tmp_path / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
+                            stdout=log, stderr=subprocess.STDOUT)
+    try:
+        yield service, f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(20)
+        log.close()
+        service.stop()
+
+
+def query(url: str, promql: str) -> list[dict]:
+    r = httpx.get(f"{url}/api/v1/query", params={"query": promql}, timeout=10)
+    assert r.status_code == 200, r.text
+    return r.json()["data"]["result"]
+
+
+def test_prometheus_reads_request_counter_and_p95(prometheus) -> None:
+    service, url = prometheus
+    end = time.monotonic() + 60
+    count, p95 = 0.0, None
+    while time.monotonic() < end:
+        for k in range(5):
+            assert httpx.post(f"{service.url}/v1/classify", json={"inputs": [f"text {k}"]}).status_code == 200
+        counter = query(url, 'sum(routing_requests_total{endpoint="/v1/classify",status="200"})')
+        quantile = query(url, 'histogram_quantile(0.95, sum by (le) '
+                              '(rate(routing_request_duration_seconds_bucket{endpoint="/v1/classify"}[15s])))')
+        if counter and quantile and quantile[0]["value"][1] not in ("NaN", "+Inf"):
+            count, p95 = float(counter[0]["value"][1]), float(quantile[0]["value"][1])
+            if count >= 10:
+                break
+        time.sleep(1)
+    assert count >= 10, "Prometheus never scraped the request counter"
+    assert p95 is not None and 0 < p95 < 10

@@ -1,0 +1,85 @@
+"""Every metric's name, type and labels, and that values move as traffic flows."""
+
+import asyncio
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.serving.server import Server, metric
+
+EXPECTED = {  # name: (type, labels)
+    "routing_requests": ("counter", {"endpoint", "status"}),
+    "routing_request_duration_seconds": ("histogram", {"endpoint"}),
+    "routing_requests_in_flight": ("gauge", set()),
+    "routing_queue_wait_seconds": ("histogram", {"model"}),
+    "routing_batch_compute_seconds": ("histogram", {"model"}),
+    "routing_batch_size": ("histogram", {"model"}),
+    "routing_batch_padded_tokens": ("histogram", {"model"}),
+    "routing_batch_padding_ratio": ("histogram", {"model"}),
+    "routing_queue_depth": ("gauge", {"model"}),
+    "routing_texts_processed": ("counter", {"model"}),
+    "routing_tokens_processed": ("counter", {"model"}),
+    "routing_failures": ("counter", {"reason"}),
+    "routing_dropped_texts": ("counter", {"model", "reason"}),
+    "routing_model_load_seconds": ("gauge", {"model"}),
+    "routing_model_info": ("gauge", {"model", "backbone", "device", "dtype"}),
+    "routing_process_resident_memory_bytes": ("gauge", set()),
+    "routing_cuda_memory_allocated_bytes": ("gauge", {"device"}),
+    "routing_cuda_memory_reserved_bytes": ("gauge", {"device"}),
+    "routing_cuda_memory_peak_bytes": ("gauge", {"device"}),
+    "routing_cuda_memory_total_bytes": ("gauge", {"device"}),
+}
+SUFFIXES = ("_bucket", "_count", "_sum", "_total", "_created")
+
+
+def families(server: Server) -> dict:
+    return {f.name: f for f in text_string_to_metric_families(httpx.get(f"{server.url}/metrics").text)}
+
+
+def test_every_metric_has_its_name_type_and_labels(tiny: Server) -> None:
+    httpx.post(f"{tiny.url}/v1/classify", json={"inputs": ["warm"]})
+    fams = families(tiny)
+    for name, (kind, labels) in EXPECTED.items():
+        assert name in fams, f"{name} missing"
+        fam = fams[name]
+        assert fam.type == kind, (name, fam.type)
+        for sample in fam.samples:
+            got = set(sample.labels) - {"le"}
+            assert got == labels, (name, sample)
+    for fam in fams.values():
+        assert fam.name.startswith("routing_"), fam.name
+    info = [s for s in fams["routing_model_info"].samples if s.labels["model"] == "tiny"]
+    assert info[0].labels == {"model": "tiny", "backbone": "tiny-bert", "device": "cpu", "dtype": "float32"}
+    assert info[0].value == 1
+    assert [s.value for s in fams["routing_model_load_seconds"].samples][0] > 0
+    assert [s.value for s in fams["routing_process_resident_memory_bytes"].samples][0] > 50e6
+
+
+def test_values_move_with_traffic_and_concurrent_load_batches(tiny: Server) -> None:
+    before = httpx.get(f"{tiny.url}/metrics").text
+
+    async def load() -> None:
+        async with httpx.AsyncClient(base_url=tiny.url, timeout=30) as client:
+            rs = await asyncio.gather(*(client.post("/v1/classify", json={"inputs": [f"text {k}", "another one"]})
+                                        for k in range(24)))
+            assert all(r.status_code == 200 for r in rs)
+
+    asyncio.run(load())
+    httpx.post(f"{tiny.url}/v1/classify", json={"inputs": []})
+    after = httpx.get(f"{tiny.url}/metrics").text
+    delta = lambda name, **kw: metric(after, name, **kw) - metric(before, name, **kw)  # noqa: E731
+    assert delta("routing_requests_total", endpoint="/v1/classify", status="200") == 24
+    assert delta("routing_requests_total", endpoint="/v1/classify", status="422") == 1
+    assert delta("routing_failures_total", reason="validation") == 1
+    assert delta("routing_texts_processed_total", model="tiny") == 48
+    assert delta("routing_tokens_processed_total", model="tiny") >= 48 * 3
+    assert delta("routing_request_duration_seconds_count", endpoint="/v1/classify") == 25
+    assert delta("routing_queue_wait_seconds_count", model="tiny") == 48
+    batches = delta("routing_batch_size_count", model="tiny")
+    assert 0 < batches < 48  # texts shared batches
+    assert delta("routing_batch_size_bucket", model="tiny", le="1.0") < batches  # some batch held more than 1 text
+    assert delta("routing_batch_padded_tokens_sum", model="tiny") >= delta("routing_tokens_processed_total", model="tiny")
+    ratio_sum = delta("routing_batch_padding_ratio_sum", model="tiny")
+    assert 0 <= ratio_sum < batches
+    assert metric(after, "routing_queue_depth", model="tiny") == 0
+    assert metric(after, "routing_requests_in_flight") == 1  # the /metrics request itself
