@@ -1,0 +1,84 @@
+"""Data splitting, and the train/evaluate commands end to end on the tiny backbone."""
+
+import csv
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from service.cli import app
+from service.modeling.repository import load_model
+from service.training.data import DatasetError, make_dataset, read_examples
+from service.training.trainer import classification_metrics, mixup
+
+
+def test_split_rule_dedup_and_conflicts() -> None:
+    pairs = [(f"text {k}", "b" if k % 2 else "a") for k in range(200)]
+    pairs += [("text 3", "b"), ("clash", "a"), ("clash", "b")]
+    ds = make_dataset(pairs, "mem")
+    assert ds.labels == ["a", "b"] and ds.dropped_duplicates == 2 and ds.dropped_conflicts == 1
+    for name, bucket in (("test", {0}), ("validation", {1}), ("train", set(range(2, 10)))):
+        split = getattr(ds, name)
+        for t in split.texts:
+            assert int(hashlib.sha1(t.encode("utf-8")).hexdigest(), 16) % 10 in bucket
+    assert sum(len(getattr(ds, n).texts) for n in ("train", "validation", "test")) == 200
+    assert "clash" not in ds.train.texts + ds.validation.texts + ds.test.texts
+
+
+def test_readers(tmp_path: Path) -> None:
+    (tmp_path / "d.jsonl").write_text('{"text": "a", "label": "x"}\n\n{"text": "b", "label": "y"}\n')
+    assert read_examples(tmp_path / "d.jsonl") == [("a", "x"), ("b", "y")]
+    for lab in ("pos", "neg"):
+        (tmp_path / "dir" / lab).mkdir(parents=True)
+        (tmp_path / "dir" / lab / "1.txt").write_text(f"a {lab} text")
+    assert read_examples(tmp_path / "dir") == [("a neg text", "neg"), ("a pos text", "pos")]
+    (tmp_path / "bad.csv").write_text("foo,bar\n1,2\n")
+    with pytest.raises(DatasetError, match="needs columns"):
+        read_examples(tmp_path / "bad.csv")
+
+
+def test_metrics_and_mixup() -> None:
+    m = classification_metrics([0, 0, 1, 2], torch.tensor([0, 1, 1, 2]).numpy(), 3)
+    assert m["accuracy"] == 0.75 and m["confusion_matrix"] == [[1, 1, 0], [0, 1, 0], [0, 0, 1]]
+    assert m["macro_f1"] == pytest.approx((2 / 3 + 2 / 3 + 1) / 3)
+    h = torch.randn(4, 5, 2, 3)
+    pad = torch.zeros(4, 5, dtype=torch.bool)
+    pad[0, 3:] = True
+    y = torch.eye(3)[[0, 1, 2, 0]]
+    mh, mp, my = mixup(h, pad, y, 0.65, torch.Generator().manual_seed(0))
+    assert mh.shape == h.shape and torch.allclose(my.sum(-1), torch.ones(4))
+    assert not mp[1:].any()
+
+
+def test_train_and_evaluate_commands(tmp_path: Path, tiny_backbone_dir: Path) -> None:
+    rows = [("good great fine lovely", "pos"), ("bad awful terrible poor", "neg")]
+    with (tmp_path / "data.csv").open("w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(["text", "label"])
+        for k in range(120):
+            text, label = rows[k % 2]
+            w.writerow([f"{text} number {k}", label])
+    runner = CliRunner()
+    res = runner.invoke(app, ["train", "toy", "--data", str(tmp_path / "data.csv"), "--out", str(tmp_path / "repo"),
+                              "--backbone", str(tiny_backbone_dir), "--max-length", "16", "--n-hid", "4",
+                              "--d-hid", "8", "--epochs", "2", "--batch-size", "16",
+                              "--cache", str(tmp_path / "cache")])
+    assert res.exit_code == 0, res.output
+    folder = tmp_path / "repo" / "toy"
+    manifest = json.loads((folder / "manifest.json").read_text())
+    ev = manifest["evaluation"]
+    assert ev["head"]["n"] == len(make_dataset(read_examples(tmp_path / "data.csv"), "x").test.texts)
+    assert {"accuracy", "macro_f1", "confusion_matrix"} <= set(ev["head"])
+    assert "accuracy" in ev["baseline"]["test"] and "margin_accuracy" in ev
+    assert len(manifest["training"]["history"]) == 2 and manifest["training"]["data"]["n_train_used"] > 0
+    assert list((tmp_path / "cache").glob("*.pt"))
+    _, clf = load_model(folder)
+    assert clf.labels == ["neg", "pos"]
+    res = runner.invoke(app, ["evaluate", str(folder), "--cache", str(tmp_path / "cache")])
+    assert res.exit_code == 0, res.output
+    assert json.loads((folder / "manifest.json").read_text())["evaluation"]["head"] == ev["head"]
+    bad = runner.invoke(app, ["train", "toy2", "--out", str(tmp_path / "repo")])
+    assert bad.exit_code != 0 and "exactly one of --preset or --data" in bad.output
