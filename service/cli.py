@@ -119,3 +119,46 @@ def bench_routing(
                                               "baseline": rb.BASELINE, "n_iters": 2, "dtype": "float32"},
                              {"runs": results, "growth": growth, "lazy_over_eager": ratios}, summary)
     typer.echo(f"\nsummary: {json.dumps(summary)}\nwrote {path}")
+
+
+@bench_app.command("serve")
+def bench_serve(
+    model: Annotated[str, typer.Option(help="Bundled model to load")] = "tweet-sentiment",
+    preset: Annotated[str | None, typer.Option(help="Dataset whose test split is sent (default: the model)")] = None,
+    concurrency: Annotated[str, typer.Option(help="Concurrency levels")] = "1,4,16,32,64",
+    duration: Annotated[float, typer.Option(help="Seconds per level")] = 10.0,
+    n_texts: Annotated[int, typer.Option("--texts", help="Test-split texts to cycle through")] = 1000,
+    model_repository: Path = Path("models"),
+    device: str = "cpu",
+    max_wait_ms: float = 5.0,
+    max_batch_size: int = 32,
+    offline_batch_sizes: str = "8,16,32,64",
+    url: Annotated[str | None, typer.Option(help="Target a running server (batching-off run skipped)")] = None,
+    out: Annotated[Path, typer.Option(help="JSON result file")] = Path("bench-results/serve.json"),
+) -> None:
+    """Served throughput and latency vs. concurrency, batching on vs. off, and served vs. offline limit."""
+    from service.bench import serve as sb
+
+    sb.run(model=model, preset=preset or model, levels=[int(c) for c in concurrency.split(",")], duration=duration,
+           n_texts=n_texts, repository=model_repository, device=device, max_wait_ms=max_wait_ms,
+           max_batch_size=max_batch_size, offline_batch_sizes=[int(b) for b in offline_batch_sizes.split(",")],
+           url=url, out=out)
+
+
+@bench_app.command("explain")
+def bench_explain(
+    model: Annotated[str, typer.Option(help="Bundled model to load")] = "tweet-sentiment",
+    preset: Annotated[str | None, typer.Option(help="Dataset whose test split is used (default: the model)")] = None,
+    n_texts: Annotated[int, typer.Option("--texts", help="Texts for the cost measurement")] = 256,
+    n_faithful: Annotated[int, typer.Option("--faithfulness-texts", help="Texts for faithfulness and IG")] = 100,
+    batch_size: int = 32,
+    rounds: int = 3,
+    ig_steps: Annotated[int, typer.Option(help="Layer Integrated Gradients steps")] = 50,
+    model_repository: Path = Path("models"),
+    device: str = "cpu",
+    out: Annotated[Path, typer.Option(help="JSON result file")] = Path("bench-results/explain.json"),
+) -> None:
+    """Cost of credit vs. classify alone and vs. Captum Layer IG, and comprehensiveness of both."""
+    from service.bench import explain as eb
+
+    eb.run(model, preset or model, model_repository, n_texts, n_faithful, batch_size, rounds, ig_steps, device, out)
