@@ -87,6 +87,7 @@ class Batcher(Generic[P, R]):
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"batch-{name}")
         self._worker: asyncio.Task[None] | None = None
         self._accepting = True
+        self._flush = False  # run batches without waiting for them to fill (shutting down)
         self._busy = 0  # items taken from the queue and not yet answered
 
     @property
@@ -138,6 +139,7 @@ class Batcher(Generic[P, R]):
     async def stop(self, drain_timeout: float) -> None:
         """Stop accepting, answer what is queued (up to ``drain_timeout``), then stop the worker."""
         self._accepting = False
+        self.flush()
         end = time.monotonic() + drain_timeout
         while not self.idle and time.monotonic() < end:
             await asyncio.sleep(0.01)
@@ -151,8 +153,10 @@ class Batcher(Generic[P, R]):
                 await self._worker
         self._executor.shutdown(wait=False, cancel_futures=True)
 
-    def stop_accepting(self) -> None:
-        self._accepting = False
+    def flush(self) -> None:
+        """Stop waiting for batches to fill: the server is draining and few new texts will come."""
+        self._flush = True
+        self._wakeup.set()
 
     def _drop_stale(self) -> None:
         """Drop items nobody waits for any more, and answer those past their deadline."""
@@ -209,7 +213,8 @@ class Batcher(Generic[P, R]):
                     self._wakeup.clear()
                     await self._wakeup.wait()
                 # let the batch fill until it is full or the oldest item has waited max_wait_s
-                while self._pending and not self._full():
+                # (when flushing for shutdown, little more will come: run at once)
+                while self._pending and not self._flush and not self._full():
                     remaining = self._pending[0].enqueued + self.limits.max_wait_s - time.monotonic()
                     if remaining <= 0:
                         break

@@ -70,8 +70,11 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        _count(request, REASONS.get(exc.status_code))
         message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+        if exc.status_code == 400:  # an unparseable body (e.g. not UTF-8) is an invalid body like any other
+            _count(request, "validation")
+            return error_response(422, f"body: {message}")
+        _count(request, REASONS.get(exc.status_code))
         if exc.status_code == 404 and message == "Not Found":
             message = f"no route {request.method} {request.url.path}"
         return error_response(exc.status_code, message, headers=getattr(exc, "headers", None))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StringConstraints
 
 NonBlank = Annotated[str, StringConstraints(min_length=1, pattern=r"\S"), Field(description="A text to classify")]
 
@@ -13,19 +13,19 @@ class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid")
     inputs: list[NonBlank] = Field(min_length=1, description="Texts, answered in the same order",
                                    examples=[["I love this!", "That was terrible."]])
-    timeout_s: float | None = Field(None, gt=0, description="Deadline for this request in seconds "
-                                                            "(default and maximum set by the server)")
+    timeout_s: StrictFloat | None = Field(None, ge=0.1, le=3600, description="Deadline for this request in seconds; "
+                                    "the server's default applies when absent and its maximum caps it")
 
 
 class ClassifyRequest(_Request):
-    explain: bool = Field(False, description="Also return token-level credit for each predicted label")
+    explain: StrictBool = Field(False, description="Also return token-level credit for each predicted label")
 
 
 class ExplainRequest(_Request):
     target: str | list[Annotated[str, StringConstraints(min_length=1)]] | None = Field(
         None, description='Label(s) to explain: a label, a list of labels, or "all" (default: the predicted one)')
-    include_matrix: bool = Field(False, description="Add the full end-to-end credit [n_pos, d_depth, n_classes]")
-    include_phi: bool = Field(False, description="Add each routing's credit matrix phi "
+    include_matrix: StrictBool = Field(False, description="Add the full end-to-end credit [n_pos, d_depth, n_classes]")
+    include_phi: StrictBool = Field(False, description="Add each routing's credit matrix phi "
                                                  "(phi1 is [n_pos*d_depth, n_hid])")
 
 

@@ -74,10 +74,11 @@ class AppState:
             log.error("model loading failed: %s", self.error)
 
     def start_draining(self) -> None:
+        """New requests get 503 from here on; requests already being handled still reach the batcher."""
         if self.status in ("ok", "loading"):
             self.status = "draining"
         for served in self.models.values():
-            served.batcher.stop_accepting()
+            served.batcher.flush()
 
     @property
     def idle(self) -> bool:

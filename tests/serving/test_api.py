@@ -107,6 +107,8 @@ def test_batch_invariance_through_the_api(tiny: Server) -> None:
     ({"inputs": ["ok"], "unknown": 1}, "unknown"),
     ({"inputs": ["ok"], "explain": "maybe"}, "explain"),
     ({"inputs": ["ok"], "timeout_s": -1}, "timeout_s"),
+    ({"inputs": ["ok"], "timeout_s": True}, "timeout_s"),
+    ({"inputs": ["ok"], "explain": 0}, "explain"),
     ({"inputs": ["ok"], "timeout_s": 10_000}, "timeout_s"),
 ])
 def test_invalid_bodies_are_422_with_the_field(tiny: Server, body: dict, field: str) -> None:
@@ -138,8 +140,17 @@ def test_unknown_model_route_method_and_media_type(tiny: Server) -> None:
     assert_error(httpx.get(f"{tiny.url}/v1/models/nope"), 404, "not_found", "nope")
     assert_error(httpx.get(f"{tiny.url}/nowhere"), 404, "not_found")
     assert_error(httpx.get(f"{tiny.url}/v1/classify"), 405, "method_not_allowed")
+    assert_error(httpx.put(f"{tiny.url}/v1/models"), 405, "method_not_allowed")
     r = httpx.post(f"{tiny.url}/v1/classify", content=b"hello", headers={"Content-Type": "text/plain"})
     assert_error(r, 415, "unsupported_media_type")
+    r = httpx.post(f"{tiny.url}/v1/classify", content=b'{"inputs": ["\xff\xfe"]}',
+                   headers={"Content-Type": "application/json"})
+    assert r.status_code == 422 and r.json()["error"]["code"] == "validation_error"
+
+
+def test_timeout_above_the_server_maximum_is_capped_not_refused(tiny: Server) -> None:
+    r = post(tiny, "/v1/classify", {"inputs": ["ok"], "timeout_s": 3000})
+    assert r.status_code == 200
 
 
 def test_models_endpoints(tiny: Server) -> None:

@@ -86,8 +86,9 @@ def test_protected_metrics(tiny_repo: Path, logs: Path) -> None:
 
 
 def test_sigterm_during_load_answers_every_accepted_request(tiny_repo: Path, logs: Path) -> None:
-    server = Server(logs, model_repository=tiny_repo, default_model="tiny", max_wait_ms=300, max_batch_size=4,
-                    drain_timeout_s=30).wait_ready()
+    # one text per batch and long texts: answering everything takes seconds, so the drain is observable
+    server = Server(logs, model_repository=tiny_repo, default_model="tiny", max_wait_ms=300, max_batch_size=1,
+                    drain_timeout_s=60).wait_ready()
     results: list[int | str] = []
     sent = threading.Event()
 
@@ -95,13 +96,18 @@ def test_sigterm_during_load_answers_every_accepted_request(tiny_repo: Path, log
         async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
             async def one(k: int) -> None:
                 try:
-                    r = await client.post("/v1/classify", json={"inputs": [f"text number {k}"] * 3})
+                    text = f"text number {k}, long enough to need many chunks. " * 90
+                    r = await client.post("/v1/classify", json={"inputs": [text] * 3})
                     results.append(r.status_code)
                 except httpx.TransportError as e:
                     results.append(type(e).__name__)
 
             tasks = [asyncio.create_task(one(k)) for k in range(24)]
-            await asyncio.sleep(0.2)  # all 24 requests are in (queued or computing)
+            for _ in range(200):  # wait until the server handles all 24 (and this /metrics request)
+                page = (await client.get("/metrics")).text
+                if metric(page, "routing_requests_in_flight") >= 25:
+                    break
+                await asyncio.sleep(0.01)
             sent.set()
             await asyncio.gather(*tasks)
 

@@ -36,6 +36,13 @@ def require_key(state: State, authorization: Annotated[str | None, Header(includ
     check_key(state, authorization)
 
 
+def require_json(content_type: Annotated[str | None, Header(include_in_schema=False)] = None) -> None:
+    """415 unless the body is sent as JSON."""
+    ctype = (content_type or "").split(";")[0].strip().lower()
+    if ctype != "application/json" and not ctype.endswith("+json"):
+        raise APIError(415, f"send the body as application/json, not {ctype or 'no content type'!r}")
+
+
 def served_model(state: AppState, name: str) -> Served:
     """The loaded model called ``name``: 503 while loading or draining, 404 if there is none."""
     if state.status == "draining":

@@ -11,7 +11,7 @@ from fastapi import APIRouter, Depends, Request
 from service.serving.batcher import DeadlineExceeded, Draining, Overloaded
 from service.serving.engine import Result, Task
 from service.serving.errors import APIError
-from service.serving.routes.deps import State, require_key, served_model
+from service.serving.routes.deps import State, require_json, require_key, served_model
 from service.serving.schemas import (
     ClassifyRequest,
     ClassifyResponse,
@@ -24,7 +24,8 @@ from service.serving.schemas import (
 from service.serving.state import AppState, Served
 
 ERRORS = {s: {"model": ErrorResponse} for s in (401, 404, 413, 415, 422, 503, 504)}
-router = APIRouter(prefix="/v1", tags=["inference"], dependencies=[Depends(require_key)], responses=ERRORS)
+router = APIRouter(prefix="/v1", tags=["inference"], dependencies=[Depends(require_key), Depends(require_json)],
+                   responses=ERRORS)
 
 
 def _check_limits(state: AppState, inputs: list[str]) -> None:
@@ -37,10 +38,9 @@ def _check_limits(state: AppState, inputs: list[str]) -> None:
 
 
 def _deadline(state: AppState, timeout_s: float | None) -> float:
+    """Monotonic deadline: the request's own timeout (capped by the server's maximum) or the default."""
     s = state.settings
-    if timeout_s is not None and timeout_s > s.max_request_timeout_s:
-        raise APIError(422, f"timeout_s: at most {s.max_request_timeout_s} s", code="validation_error")
-    return time.monotonic() + (timeout_s or s.request_timeout_s)
+    return time.monotonic() + min(timeout_s or s.request_timeout_s, s.max_request_timeout_s)
 
 
 async def _watch_disconnect(request: Request) -> None:
