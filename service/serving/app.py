@@ -125,7 +125,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         metrics.in_flight.inc()
         status = 500
         try:
-            response = await call_next(request)
+            if state.status == "draining" and request.url.path.startswith("/v1/"):
+                # requests that arrived before the drain began finish; new ones are turned away
+                metrics.failures.labels("draining").inc()
+                response = errors.error_response(503, "server is shutting down", headers={"Retry-After": "5"})
+            else:
+                response = await call_next(request)
             status = response.status_code
         finally:
             state.in_flight -= 1

@@ -44,10 +44,11 @@ def require_json(content_type: Annotated[str | None, Header(include_in_schema=Fa
 
 
 def served_model(state: AppState, name: str) -> Served:
-    """The loaded model called ``name``: 503 while loading or draining, 404 if there is none."""
-    if state.status == "draining":
-        raise APIError(503, "server is shutting down", headers={"Retry-After": "5"}, reason="draining")
-    if state.status != "ok":
+    """The loaded model called ``name``: 503 while loading, 404 if there is none.
+
+    While draining, requests that arrived before the drain still get their model (the middleware
+    turns new ones away)."""
+    if state.status not in ("ok", "draining"):
         raise APIError(503, f"models are {state.status}" + (f": {state.error}" if state.error else ""),
                        headers={"Retry-After": "5"}, reason="overloaded")
     served = state.models.get(name)
