@@ -4,11 +4,7 @@ with dynamic batching off, and the engine's offline limit on the same texts, all
 from __future__ import annotations
 
 import asyncio
-import os
 import random
-import signal
-import socket
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -18,6 +14,8 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from service.bench.server import LocalServer
+
 
 def test_texts(preset: str, limit: int, seed: int = 0) -> list[str]:
     """A seeded sample of the test split of a bundled dataset (needs the `train` extra)."""
@@ -26,50 +24,6 @@ def test_texts(preset: str, limit: int, seed: int = 0) -> list[str]:
     path, opts = preset_path(preset)
     texts = make_dataset(read_examples(path, **opts), preset).test.texts
     return random.Random(seed).sample(texts, min(limit, len(texts)))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class LocalServer:
-    """`routing-service serve` in a subprocess on a free loopback port."""
-
-    def __init__(self, repository: Path, model: str, log_dir: Path, **settings: Any) -> None:
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        env = {k: v for k, v in os.environ.items() if not k.startswith("ROUTING_")}
-        env.update({"ROUTING_HOST": "127.0.0.1", "ROUTING_PORT": str(self.port), "ROUTING_MODELS": model,
-                    "ROUTING_DEFAULT_MODEL": model, "ROUTING_MODEL_REPOSITORY": str(repository),
-                    "ROUTING_MAX_QUEUE": "100000", "HF_HUB_OFFLINE": "1"})
-        env.update({f"ROUTING_{k.upper()}": str(v) for k, v in settings.items()})
-        log_dir.mkdir(parents=True, exist_ok=True)
-        self.log = (log_dir / f"bench-server-{self.port}.log").open("w")
-        self.proc = subprocess.Popen([sys.executable, "-m", "service", "serve"], env=env, stdout=self.log,
-                                     stderr=subprocess.STDOUT)
-
-    def wait_ready(self, timeout: float = 300) -> LocalServer:
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with code {self.proc.returncode}; see {self.log.name}")
-            try:
-                if httpx.get(f"{self.url}/readyz", timeout=2).status_code == 200:
-                    return self
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"server not ready after {timeout} s")
-
-    def stop(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        self.log.close()
 
 
 @dataclass
@@ -180,7 +134,10 @@ def run(model: str, preset: str, levels: list[int], duration: float, n_texts: in
     if url is None:
         configs.append(("no_batching", {"max_batch_size": 1, "max_wait_ms": 0}))
     for name, cfg in configs:
-        server = None if url else LocalServer(repository, model, logs, device=device, **cfg).wait_ready()
+        server = None
+        if url is None:
+            server = LocalServer(logs, model_repository=repository, models=model, default_model=model,
+                                 max_queue=100000, device=device, **cfg).wait_ready()
         target = server.url if server else str(url)
         try:
             asyncio.run(closed_loop(target, "/v1/classify", texts, 4, 2.0))  # warm-up

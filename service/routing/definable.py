@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from service.routing.masking import build_mask, d_step, flat_prior, route, zero_absent
+from service.routing.masking import build_mask, check_config, d_step, flat_prior, route, zero_absent
 
 
 class DefinableVectorRouting(nn.Module):
@@ -43,12 +43,7 @@ class DefinableVectorRouting(nn.Module):
         d_inp: int | None = None,
     ) -> None:
         super().__init__()
-        if not (n_inp > 0 or n_inp == -1):
-            raise ValueError(f"n_inp must be > 0 or -1 (variable), got {n_inp}")
-        if n_out < 2:
-            raise ValueError(f"n_out must be at least 2, got {n_out}")
-        if n_iters < 1:
-            raise ValueError(f"n_iters must be at least 1, got {n_iters}")
+        check_config(n_inp, n_out, n_iters)
         self.A, self.F, self.G, self.S = A, F, G, S
         self.n_inp, self.n_out, self.n_iters, self.return_dict = n_inp, n_out, n_iters, return_dict
         self.register_buffer("CONST_ones_over_n_out", torch.ones(n_out) / n_out)  # [j]

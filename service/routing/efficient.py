@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from service.routing.masking import Mask, build_mask, d_step, flat_prior, route, zero_absent
+from service.routing.masking import Mask, build_mask, check_config, d_step, flat_prior, route, zero_absent
 
 
 class EfficientVectorRouting(nn.Module):
@@ -44,12 +44,7 @@ class EfficientVectorRouting(nn.Module):
         return_dict: bool = False,
     ) -> None:
         super().__init__()
-        if not (n_inp > 0 or n_inp == -1):
-            raise ValueError(f"n_inp must be > 0 or -1 (variable), got {n_inp}")
-        if n_out < 2:
-            raise ValueError(f"n_out must be at least 2, got {n_out}")
-        if n_iters < 1:
-            raise ValueError(f"n_iters must be at least 1, got {n_iters}")
+        check_config(n_inp, n_out, n_iters)
         m = max(1, n_inp)
         self.n_inp, self.n_out, self.d_inp, self.d_out, self.n_iters = n_inp, n_out, d_inp, d_out, n_iters
         self.normalize, self.memory_efficient, self.return_dict = normalize, memory_efficient, return_dict

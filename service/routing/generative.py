@@ -12,6 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from service.routing.masking import check_config
+
 P_MODELS = ("gaussian", "skm")
 
 
@@ -48,14 +50,9 @@ class GenerativeMatrixRouting(nn.Module):
         return_dict: bool = False,
     ) -> None:
         super().__init__()
-        if not (n_inp > 0 or n_inp == -1):
-            raise ValueError(f"n_inp must be > 0 or -1 (variable), got {n_inp}")
-        if n_out < 2:
-            raise ValueError(f"n_out must be at least 2, got {n_out}")
+        check_config(n_inp, n_out, n_iters)
         if p_model not in P_MODELS:
             raise ValueError(f"p_model must be one of {P_MODELS}, got {p_model!r}")
-        if n_iters < 1:
-            raise ValueError(f"n_iters must be at least 1, got {n_iters}")
         m = max(1, n_inp)
         self.n_inp, self.n_out, self.d_cov, self.d_inp, self.d_out = n_inp, n_out, d_cov, d_inp, d_out
         self.n_iters, self.single_beta, self.p_model, self.eps = n_iters, single_beta, p_model, eps

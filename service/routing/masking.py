@@ -16,6 +16,16 @@ from dataclasses import dataclass
 import torch
 
 
+def check_config(n_inp: int, n_out: int, n_iters: int) -> None:
+    """The constructor checks every routing variant shares."""
+    if not (n_inp > 0 or n_inp == -1):
+        raise ValueError(f"n_inp must be > 0 or -1 (variable), got {n_inp}")
+    if n_out < 2:
+        raise ValueError(f"n_out must be at least 2, got {n_out}")
+    if n_iters < 1:
+        raise ValueError(f"n_iters must be at least 1, got {n_iters}")
+
+
 @dataclass(frozen=True)
 class Mask:
     """A validated routing mask, broadcast to the batch.

@@ -1,0 +1,68 @@
+"""`routing-service serve` in a subprocess on a free loopback port, for benchmarks and tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LocalServer:
+    """Start the service with ``ROUTING_<NAME>=value`` for every keyword setting; log to ``log_dir``."""
+
+    def __init__(self, log_dir: Path, **settings: object) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("ROUTING_")}
+        env.update({"ROUTING_HOST": "127.0.0.1", "ROUTING_PORT": str(self.port), "HF_HUB_OFFLINE": "1",
+                    "TOKENIZERS_PARALLELISM": "false"})
+        env.update({f"ROUTING_{k.upper()}": str(v) for k, v in settings.items()})
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.log_path = log_dir / f"server-{self.port}.log"
+        self._log = self.log_path.open("w")
+        self.proc = subprocess.Popen([sys.executable, "-m", "service", "serve"], env=env, stdout=self._log,
+                                     stderr=subprocess.STDOUT)
+
+    def wait_ready(self, timeout: float = 300) -> LocalServer:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with code {self.proc.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(f"{self.url}/readyz", timeout=2).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        raise TimeoutError(f"server not ready after {timeout} s:\n{self.log()}")
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text()[-5000:]
+
+    def terminate(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+
+    def stop(self, timeout: float = 60) -> int:
+        """SIGTERM, wait for the drain to finish (kill after ``timeout``); the exit code."""
+        self.terminate()
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+        finally:
+            self._log.close()
