@@ -8,6 +8,7 @@ padding) are joined back into one sequence, as the paper does for IMDB.
 from __future__ import annotations
 
 import importlib
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -102,6 +103,8 @@ class Backbone(torch.nn.Module):
         self.d_emb: int = cfg.hidden_size
         self.d_depth: int = cfg.num_hidden_layers + 1
         self.chunk_batch_tokens = chunk_batch_tokens
+        # HF fast tokenizers reconfigure their Rust state on each call; one call at a time
+        self._tokenizer_lock = threading.Lock()
         self.prefix, self.suffix = self._special_template()
         if self.max_length <= len(self.prefix) + len(self.suffix):
             raise BackboneError(f"max_length={self.max_length} leaves no room for text tokens")
@@ -127,7 +130,9 @@ class Backbone(torch.nn.Module):
         body = self.max_length - len(self.prefix) - len(self.suffix)
         n_special = len(self.prefix) + len(self.suffix)
         out = []
-        for ids in self.tokenizer(texts, add_special_tokens=False)["input_ids"]:
+        with self._tokenizer_lock:
+            all_ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+        for ids in all_ids:
             n_chunks = max(1, -(-len(ids) // body))
             out.append(len(ids) + n_chunks * n_special)
         return out
@@ -135,7 +140,8 @@ class Backbone(torch.nn.Module):
     @torch.inference_mode()
     def forward(self, texts: list[str]) -> Encoded:
         """Encode ``texts``; see :class:`Encoded` for what comes back."""
-        tok = self.tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
+        with self._tokenizer_lock:
+            tok = self.tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
         body = self.max_length - len(self.prefix) - len(self.suffix)
         n_pre, n_suf = len(self.prefix), len(self.suffix)
         chunks: list[_Chunk] = []

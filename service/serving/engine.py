@@ -4,7 +4,7 @@ plain results. It knows torch and the model, nothing about HTTP; it runs in the 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -66,7 +66,6 @@ class Result:
     scores: dict[str, float]
     explanation: dict[str, Any] | None = None
     n_tokens: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class Engine:
@@ -116,18 +115,20 @@ class Engine:
         explain = any(t.explain for t in tasks)
         phi = any(t.include_phi for t in tasks)
         pred = self.classifier.predict([t.text for t in tasks], explain=explain, return_phi=phi)
-        probs = pred.probs.cpu()
-        return [self._result(pred, probs, b, t) for b, t in enumerate(tasks)]
+        probs = pred.probs.cpu()  # one device-to-host copy per batch, not per text
+        credit = pred.credit.cpu() if pred.credit is not None else None
+        return [self._result(pred, probs, credit, b, t) for b, t in enumerate(tasks)]
 
-    def _result(self, pred: Prediction, probs: torch.Tensor, b: int, task: Task) -> Result:
+    def _result(self, pred: Prediction, probs: torch.Tensor, credit_all: torch.Tensor | None, b: int,
+                task: Task) -> Result:
         k = int(probs[b].argmax())
         scores = {lab: float(p) for lab, p in zip(self.labels, probs[b].tolist(), strict=True)}
         enc = pred.encoded
         n = enc.lengths[b]
         res = Result(label=self.labels[k], scores=scores, n_tokens=n)
-        if task.explain is None or pred.credit is None:
+        if task.explain is None or credit_all is None:
             return res
-        credit = pred.credit[b, :n].cpu()  # [n e k]
+        credit = credit_all[b, :n]  # [n e k]
         per_token = views.token_credit(credit)  # [n k]
         offsets, special = enc.offsets[b], enc.special[b]
         tokens = self.classifier.backbone.tokenizer.convert_ids_to_tokens(enc.token_ids[b].tolist())

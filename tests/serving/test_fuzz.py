@@ -17,7 +17,7 @@ def test_schemathesis_finds_no_failure(tiny: Server, tmp_path: Path) -> None:
     assert st, "schemathesis is not installed (pip install -e '.[test]')"
     out = subprocess.run([st, "run", f"{tiny.url}/openapi.json", "--checks", "all", "--exclude-checks",
                           "positive_data_acceptance", "--max-examples", "40", "--workers", "1", "--seed", "7",
-                          "--report-dir", str(tmp_path)], capture_output=True, text=True, timeout=600)
+                          "--report-dir", str(tmp_path)], capture_output=True, text=True, timeout=600, cwd=tmp_path)
     tail = out.stdout[-4000:]
     assert out.returncode == 0, tail
     m = re.search(r"(\d+) generated, (\d+) passed", out.stdout)
