@@ -123,47 +123,61 @@ class Engine:
                 task: Task) -> Result:
         k = int(probs[b].argmax())
         scores = {lab: float(p) for lab, p in zip(self.labels, probs[b].tolist(), strict=True)}
-        enc = pred.encoded
-        n = enc.lengths[b]
+        n = pred.encoded.lengths[b]
         res = Result(label=self.labels[k], scores=scores, n_tokens=n)
         if task.explain is None or credit_all is None:
             return res
         credit = credit_all[b, :n]  # [n e k]
-        per_token = views.token_credit(credit)  # [n k]
-        offsets, special = enc.offsets[b], enc.special[b]
-        tokens = self.classifier.backbone.tokenizer.convert_ids_to_tokens(enc.token_ids[b].tolist())
         if task.explain == "predicted":
-            res.explanation = {"target": self.labels[k], "tokens": [
-                {"token": tok, "start": int(offsets[p, 0]), "end": int(offsets[p, 1]), "credit": float(per_token[p, k])}
-                for p, tok in enumerate(tokens) if not special[p]]}
-            return res
-        targets = list(task.targets) if task.targets else [self.labels[k]]
-        words = views.words(task.text, offsets, enc.word_ids[b], special)
-        sents = views.sentences(task.text, offsets, special)
-        w_credit, s_credit = views.span_credit(per_token, words), views.span_credit(per_token, sents)
+            res.explanation = self._predicted_view(pred, b, credit, k)
+        else:
+            res.explanation = self._full_view(pred, b, credit, task, list(task.targets or [self.labels[k]]))
+        return res
+
+    def _tokens(self, pred: Prediction, b: int) -> tuple[list[str], list[list[int]], list[bool]]:
+        enc = pred.encoded
+        tokens = self.classifier.backbone.tokenizer.convert_ids_to_tokens(enc.token_ids[b].tolist())
+        return tokens, enc.offsets[b].tolist(), enc.special[b].tolist()
+
+    def _predicted_view(self, pred: Prediction, b: int, credit: torch.Tensor, k: int) -> dict[str, Any]:
+        """Token credit (summed over depth) of the predicted label ``k``, special tokens left out."""
+        tokens, offsets, special = self._tokens(pred, b)
+        per_token = views.token_credit(credit)[:, k].tolist()  # [n]
+        return {"target": self.labels[k], "tokens": [
+            {"token": tok, "start": s, "end": e, "credit": c}
+            for tok, (s, e), sp, c in zip(tokens, offsets, special, per_token, strict=True) if not sp]}
+
+    def _full_view(self, pred: Prediction, b: int, credit: torch.Tensor, task: Task,
+                   targets: list[str]) -> dict[str, Any]:
+        """Tokens, and per target credit per token, word, sentence and depth (plus matrix and phi)."""
+        enc = pred.encoded
+        tokens, offsets, special = self._tokens(pred, b)
+        per_token = views.token_credit(credit)  # [n k]
+        words = views.words(task.text, enc.offsets[b], enc.word_ids[b], enc.special[b])
+        sents = views.sentences(task.text, enc.offsets[b], enc.special[b])
+        w_credit, s_credit = views.span_credit(per_token, words), views.span_credit(per_token, sents)  # [wk], [sk]
+
+        def spans(items: list[views.Span], values: torch.Tensor) -> list[dict[str, Any]]:
+            return [{"text": sp.text, "start": sp.start, "end": sp.end, "credit": float(v)}
+                    for sp, v in zip(items, values.tolist(), strict=True)]
+
         by_target = {}
         for target in targets:
             j = self.labels.index(target)
-            by_target[target] = {
-                "tokens": per_token[:, j].tolist(),
-                "words": [{"text": w.text, "start": w.start, "end": w.end, "credit": float(w_credit[s, j])}
-                          for s, w in enumerate(words)],
-                "sentences": [{"text": s.text, "start": s.start, "end": s.end, "credit": float(s_credit[q, j])}
-                              for q, s in enumerate(sents)],
-                "depth": credit[:, :, j].tolist(),
-            }
-        res.explanation = {
-            "tokens": [{"token": tok, "start": int(offsets[p, 0]), "end": int(offsets[p, 1]),
-                        "special": bool(special[p])} for p, tok in enumerate(tokens)],
+            by_target[target] = {"tokens": per_token[:, j].tolist(), "words": spans(words, w_credit[:, j]),
+                                 "sentences": spans(sents, s_credit[:, j]), "depth": credit[:, :, j].tolist()}
+        out: dict[str, Any] = {
+            "tokens": [{"token": tok, "start": s, "end": e, "special": sp}
+                       for tok, (s, e), sp in zip(tokens, offsets, special, strict=True)],
             "targets": targets, "credit": by_target,
         }
         if task.include_matrix:
-            res.explanation["matrix"] = credit.tolist()
+            out["matrix"] = credit.tolist()
         if task.include_phi and pred.phi is not None:
+            n_i = credit.shape[0] * credit.shape[1]
             phi1, phi2, phi3 = (p[b].float().cpu() for p in pred.phi)
-            d_depth = credit.shape[1]
-            res.explanation["phi"] = [phi1[: n * d_depth].tolist(), phi2.tolist(), phi3.tolist()]
-        return res
+            out["phi"] = [phi1[:n_i].tolist(), phi2.tolist(), phi3.tolist()]
+        return out
 
     def explain_elements(self, n_tokens: int, include_matrix: bool, include_phi: bool) -> int:
         """How many numbers the full matrix and the phis add for a text of ``n_tokens``."""
