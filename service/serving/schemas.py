@@ -123,5 +123,5 @@ class ErrorResponse(BaseModel):
 
 
 class Health(BaseModel):
-    status: Literal["ok", "loading", "draining"]
+    status: Literal["ok", "loading", "draining", "failed"]
     models: list[str] = []

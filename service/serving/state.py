@@ -8,6 +8,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from service.config import Settings
 from service.modeling.repository import discover
@@ -29,7 +30,7 @@ class AppState:
     settings: Settings
     metrics: Metrics
     models: dict[str, Served] = field(default_factory=dict)
-    status: str = "loading"  # loading -> ok -> draining; or failed
+    status: Literal["loading", "ok", "draining", "failed"] = "loading"  # loading -> ok -> draining; or failed
     error: str | None = None
     in_flight: int = 0
 

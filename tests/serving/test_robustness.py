@@ -125,3 +125,13 @@ def test_sigterm_during_load_answers_every_accepted_request(tiny_repo: Path, log
     assert results.count(200) == 24, results  # every accepted request was answered
     assert code == 0, server.log()
     server.stop()
+
+
+def test_unloadable_repository_exits_with_a_clear_message(tmp_path: Path, logs: Path) -> None:
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "manifest.json").write_text("{not json")
+    server = Server(logs, model_repository=tmp_path, default_model="broken")
+    assert server.proc.wait(60) == 1
+    log = server.log()
+    assert "model loading failed" in log and "broken/manifest.json: not valid JSON" in log
+    server.stop()

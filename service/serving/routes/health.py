@@ -16,15 +16,14 @@ router = APIRouter(tags=["health"])
 
 @router.get("/healthz", response_model=Health, summary="Liveness")
 async def healthz(state: State) -> Health:
-    """200 while the process runs, even while loading or draining."""
-    return Health(status="ok" if state.status == "failed" else state.status, models=sorted(state.models))
+    """200 while the process runs, whatever its state (loading, ok, draining, failed)."""
+    return Health(status=state.status, models=sorted(state.models))
 
 
 @router.get("/readyz", response_model=Health, responses={503: {"model": Health}}, summary="Readiness")
 async def readyz(state: State) -> JSONResponse:
     """200 once every model is loaded and warm; 503 while loading, draining, or after a failed load."""
-    body = Health(status="ok" if state.ready else "draining" if state.status == "draining" else "loading",
-                  models=sorted(state.models))
+    body = Health(status=state.status, models=sorted(state.models))
     headers = None if state.ready else {"Retry-After": "5"}
     return JSONResponse(body.model_dump(), status_code=200 if state.ready else 503, headers=headers)
 
