@@ -58,6 +58,7 @@ def train(
     n_iters: int = 2,
     epochs: int = 5,
     batch_size: int = 32,
+    max_batch_positions: Annotated[int, typer.Option(help="Padded token positions per batch (memory)")] = 8192,
     max_lr: float = 1e-3,
     seed: int = 0,
     max_train: Annotated[int | None, typer.Option(help="Train on a seeded sample of this many texts")] = None,
@@ -70,7 +71,8 @@ def train(
     if (preset is None) == (data is None):
         raise typer.BadParameter("give exactly one of --preset or --data")
     spec = DataSpec(preset=preset, path=data, text_column=text_column, label_column=label_column, encoding=encoding)
-    cfg = TrainConfig(epochs=epochs, batch_size=batch_size, max_lr=max_lr, seed=seed)
+    cfg = TrainConfig(epochs=epochs, batch_size=batch_size, max_batch_positions=max_batch_positions, max_lr=max_lr,
+                      seed=seed)
     folder = train_model(name, spec, out, backbone_source=backbone, max_length=max_length, n_hid=n_hid,
                          d_hid=d_hid, n_iters=n_iters, cfg=cfg, max_train=max_train, cache=cache,
                          description=PRESETS.get(preset or "", ""))

@@ -23,6 +23,7 @@ from service.training.features import Features, pad_batch
 class TrainConfig:
     epochs: int = 5
     batch_size: int = 32
+    max_batch_positions: int = 8192  # padded token positions per batch: bounds memory for long texts
     max_lr: float = 1e-3
     mixup_alpha: float = 0.65
     seed: int = 0
@@ -30,7 +31,25 @@ class TrainConfig:
     history: list[dict[str, float]] = field(default_factory=list)
 
 
-def length_batches(lengths: torch.Tensor, batch_size: int, rng: random.Random) -> list[list[int]]:
+def budget_batches(order: list[int], lengths: torch.Tensor, batch_size: int, max_positions: int) -> list[list[int]]:
+    """Cut ``order`` into consecutive batches of at most ``batch_size`` texts and ``max_positions``
+    padded positions (a single longer text still makes a batch of its own)."""
+    batches: list[list[int]] = []
+    current: list[int] = []
+    widest = 0
+    for k in order:
+        w = max(widest, int(lengths[k]))
+        if current and (len(current) >= batch_size or w * (len(current) + 1) > max_positions):
+            batches.append(current)
+            current, w = [], int(lengths[k])
+        current.append(k)
+        widest = w
+    if current:
+        batches.append(current)
+    return batches
+
+
+def length_batches(lengths: torch.Tensor, batch_size: int, max_positions: int, rng: random.Random) -> list[list[int]]:
     """Shuffled batches of texts of similar length (sorted within shuffled pools of 50 batches)."""
     idx = list(range(len(lengths)))
     rng.shuffle(idx)
@@ -38,7 +57,7 @@ def length_batches(lengths: torch.Tensor, batch_size: int, rng: random.Random) -
     batches = []
     for s in range(0, len(idx), pool):
         chunk = sorted(idx[s : s + pool], key=lambda k: int(lengths[k]))
-        batches += [chunk[b : b + batch_size] for b in range(0, len(chunk), batch_size)]
+        batches += budget_batches(chunk, lengths, batch_size, max_positions)
     rng.shuffle(batches)
     return batches
 
@@ -57,14 +76,14 @@ def mixup(hidden: torch.Tensor, pad: torch.Tensor, y: torch.Tensor, alpha: float
 
 
 @torch.no_grad()
-def predict_features(head: RoutingHead, feats: Features, batch_size: int = 64) -> np.ndarray:
+def predict_features(head: RoutingHead, feats: Features, batch_size: int = 64,
+                     max_positions: int = 16384) -> np.ndarray:
     """Class probabilities ``[T, k]`` for cached features."""
     head.eval()
     lengths = feats.lengths()
     order = sorted(range(len(feats)), key=lambda k: int(lengths[k]))
     probs = np.zeros((len(feats), head.n_classes), dtype=np.float32)
-    for s in range(0, len(order), batch_size):
-        idx = order[s : s + batch_size]
+    for idx in budget_batches(order, lengths, batch_size, max_positions):
         hidden, pad = pad_batch(feats, idx)
         probs[idx] = head(hidden, pad).scores.softmax(-1).numpy()
     return probs
@@ -80,14 +99,15 @@ def train_head(head: RoutingHead, train: Features, y_train: list[int], val: Feat
         torch.set_num_threads(cfg.threads)
     y_all = nn.functional.one_hot(torch.tensor(y_train), head.n_classes).float()  # [T k]
     lengths = train.lengths()
-    steps = len(length_batches(lengths, cfg.batch_size, random.Random(0))) * cfg.epochs
+    plan = [length_batches(lengths, cfg.batch_size, cfg.max_batch_positions, rng) for _ in range(cfg.epochs)]
+    steps = sum(len(b) for b in plan)
     opt = torch.optim.RAdam(head.parameters(), lr=cfg.max_lr)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=cfg.max_lr, total_steps=steps + 1)
     best_acc, best_state, best_epoch = -1.0, None, -1
     t0 = time.time()
     for epoch in range(cfg.epochs):
         head.train()
-        batches = length_batches(lengths, cfg.batch_size, rng)
+        batches = plan[epoch]
         bar = tqdm(batches, desc=f"epoch {epoch + 1}/{cfg.epochs}", unit="batch")
         total = 0.0
         for n, idx in enumerate(bar, 1):
@@ -108,7 +128,8 @@ def train_head(head: RoutingHead, train: Features, y_train: list[int], val: Feat
     assert best_state is not None
     head.load_state_dict(best_state)
     summary = {"best_epoch": best_epoch, "best_val_accuracy": best_acc, "train_seconds": round(time.time() - t0, 1),
-               "history": cfg.history, "epochs": cfg.epochs, "batch_size": cfg.batch_size, "max_lr": cfg.max_lr,
+               "history": cfg.history, "epochs": cfg.epochs, "batch_size": cfg.batch_size,
+               "max_batch_positions": cfg.max_batch_positions, "max_lr": cfg.max_lr,
                "optimizer": "RAdam", "schedule": "one-cycle", "mixup": f"Beta({cfg.mixup_alpha}, {cfg.mixup_alpha})",
                "seed": cfg.seed}
     return head.eval(), summary

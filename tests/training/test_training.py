@@ -82,3 +82,18 @@ def test_train_and_evaluate_commands(tmp_path: Path, tiny_backbone_dir: Path) ->
     assert json.loads((folder / "manifest.json").read_text())["evaluation"]["head"] == ev["head"]
     bad = runner.invoke(app, ["train", "toy2", "--out", str(tmp_path / "repo")])
     assert bad.exit_code != 0 and "exactly one of --preset or --data" in bad.output
+
+
+def test_batches_respect_size_and_position_budget() -> None:
+    import random
+
+    from service.training.trainer import budget_batches, length_batches
+
+    lengths = torch.tensor([5, 300, 40, 40, 1000, 7, 80, 60, 10, 20])
+    batches = budget_batches(sorted(range(10), key=lambda k: int(lengths[k])), lengths, 3, 200)
+    assert sorted(k for b in batches for k in b) == list(range(10))
+    for b in batches:
+        assert len(b) <= 3
+        assert len(b) == 1 or max(int(lengths[k]) for k in b) * len(b) <= 200
+    shuffled = length_batches(lengths, 3, 200, random.Random(0))
+    assert sorted(k for b in shuffled for k in b) == list(range(10))
