@@ -193,19 +193,14 @@ def run_server(settings: Settings) -> None:
                             timeout_graceful_shutdown=max(1, int(settings.drain_timeout_s)))
     server = DrainingServer(config, state)
 
-    async def watch_load() -> None:
-        while state.status == "loading":
-            await asyncio.sleep(0.1)
-        if state.status == "failed":
-            server.should_exit = True
-
     async def main() -> None:
-        async def later() -> None:
-            while not server.started and not server.should_exit:
-                await asyncio.sleep(0.05)
-            await watch_load()
+        async def exit_if_load_fails() -> None:
+            while state.status == "loading":
+                await asyncio.sleep(0.1)
+            if state.status == "failed":
+                server.should_exit = True
 
-        watcher = asyncio.create_task(later())
+        watcher = asyncio.create_task(exit_if_load_fails())
         await server.serve()
         watcher.cancel()
 
