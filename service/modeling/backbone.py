@@ -131,7 +131,7 @@ class Backbone(torch.nn.Module):
         n_special = len(self.prefix) + len(self.suffix)
         out = []
         with self._tokenizer_lock:
-            all_ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+            all_ids = self.tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]
         for ids in all_ids:
             n_chunks = max(1, -(-len(ids) // body))
             out.append(len(ids) + n_chunks * n_special)
@@ -141,7 +141,7 @@ class Backbone(torch.nn.Module):
     def forward(self, texts: list[str]) -> Encoded:
         """Encode ``texts``; see :class:`Encoded` for what comes back."""
         with self._tokenizer_lock:
-            tok = self.tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
+            tok = self.tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
         body = self.max_length - len(self.prefix) - len(self.suffix)
         n_pre, n_suf = len(self.prefix), len(self.suffix)
         chunks: list[_Chunk] = []

