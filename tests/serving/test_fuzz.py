@@ -22,3 +22,4 @@ def test_schemathesis_finds_no_failure(tiny: Server, tmp_path: Path) -> None:
     assert out.returncode == 0, tail
     m = re.search(r"(\d+) generated, (\d+) passed", out.stdout)
     assert m and int(m.group(1)) == int(m.group(2)) >= 200, tail
+    print(f"schemathesis: {m.group(0)}")
