@@ -65,7 +65,6 @@ class Result:
     label: str
     scores: dict[str, float]
     explanation: dict[str, Any] | None = None
-    n_tokens: int = 0
 
 
 class Engine:
@@ -124,7 +123,7 @@ class Engine:
         k = int(probs[b].argmax())
         scores = {lab: float(p) for lab, p in zip(self.labels, probs[b].tolist(), strict=True)}
         n = pred.encoded.lengths[b]
-        res = Result(label=self.labels[k], scores=scores, n_tokens=n)
+        res = Result(label=self.labels[k], scores=scores)
         if task.explain is None or credit_all is None:
             return res
         credit = credit_all[b, :n]  # [n e k]

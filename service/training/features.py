@@ -35,12 +35,6 @@ class Features:
     def lengths(self) -> torch.Tensor:
         return self.offsets[1:] - self.offsets[:-1]
 
-    def subset(self, idx: list[int]) -> Features:
-        parts = [self.get(t) for t in idx]
-        lengths = torch.tensor([len(p) for p in parts])
-        offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
-        return Features(torch.cat(parts), offsets)
-
 
 def cache_key(backbone_source: str, max_length: int, texts: list[str]) -> str:
     h = hashlib.sha1(f"{backbone_source}|{max_length}".encode())
