@@ -50,10 +50,17 @@ async def _watch_disconnect(request: Request) -> None:
             return
 
 
-async def run_tasks(request: Request, served: Served, tasks: list[Task], deadline: float) -> list[Result]:
+async def count_tokens(served: Served, texts: list[str]) -> list[int]:
+    """Token count of each text (the batcher's cost), off the event loop."""
+    return await asyncio.get_running_loop().run_in_executor(None, served.engine.count_tokens, texts)
+
+
+async def run_tasks(request: Request, served: Served, tasks: list[Task], deadline: float,
+                    costs: list[int] | None = None) -> list[Result]:
     """Submit the texts, answer errors in the one shape, and stop if the client goes away."""
     engine = served.engine
-    costs = await asyncio.get_running_loop().run_in_executor(None, engine.count_tokens, [t.text for t in tasks])
+    if costs is None:
+        costs = await count_tokens(served, [t.text for t in tasks])
     work = asyncio.ensure_future(served.batcher.submit(tasks, costs, deadline))
     watch = asyncio.ensure_future(_watch_disconnect(request))
     try:
@@ -108,15 +115,15 @@ async def explain(request: Request, state: AppState, model: str, body: ExplainRe
     _check_limits(state, body.inputs)
     deadline = _deadline(state, body.timeout_s)
     targets = _targets(engine.labels, body.target)
+    counts = await count_tokens(served, body.inputs)
     if body.include_matrix or body.include_phi:
-        counts = await asyncio.get_running_loop().run_in_executor(None, engine.count_tokens, body.inputs)
         size = sum(engine.explain_elements(n, body.include_matrix, body.include_phi) for n in counts)
         if size > state.settings.max_explain_elements:
             raise APIError(413, f"include_matrix/include_phi would return {size} numbers, more than the limit of "
                                 f"{state.settings.max_explain_elements}; send fewer or shorter texts")
     tasks = [Task(t, explain="full", targets=targets, include_matrix=body.include_matrix,
                   include_phi=body.include_phi) for t in body.inputs]
-    results = await run_tasks(request, served, tasks, deadline)
+    results = await run_tasks(request, served, tasks, deadline, counts)
     return ExplainResponse(model=model, labels=engine.labels, results=[
         ExplainResult(label=r.label, score=r.scores[r.label], scores=r.scores, **(r.explanation or {}))
         for r in results])
