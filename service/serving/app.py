@@ -77,9 +77,9 @@ class BodyLimit:
             await self._reject(scope, receive, send, 413, f"body larger than {self.max_bytes} bytes")
 
     async def _reject(self, scope: Scope, receive: Receive, send: Send, status: int, message: str) -> None:
-        state: AppState | None = getattr(scope["app"].state, "app_state", None) if "app" in scope else None
-        if state is not None:
-            state.metrics.failures.labels("validation").inc()
+        metrics: Metrics | None = getattr(scope["app"].state, "metrics", None) if "app" in scope else None
+        if metrics is not None:
+            metrics.failures.labels("validation").inc()
         await errors.error_response(status, message)(scope, receive, send)
 
 
@@ -116,6 +116,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(models.router)
     app.include_router(health.router)
 
+    # added before `observe`, so it runs inside it: its 413s get a request id and are counted
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+
     @app.middleware("http")
     async def observe(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
@@ -148,7 +151,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         response.headers["X-Request-ID"] = request_id
         return response
 
-    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     return app
 
 

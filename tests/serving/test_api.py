@@ -129,7 +129,9 @@ def test_invalid_json_is_422(tiny: Server) -> None:
 def test_limits_are_413(tiny: Server) -> None:
     assert_error(post(tiny, "/v1/classify", {"inputs": ["a"] * 9}), 413, "payload_too_large", "too many inputs")
     assert_error(post(tiny, "/v1/classify", {"inputs": ["ok", "y" * 2001]}), 413, "payload_too_large", "inputs.1")
-    assert_error(post(tiny, "/v1/classify", {"inputs": ["z" * 30000]}), 413, "payload_too_large", "body")
+    big = post(tiny, "/v1/classify", {"inputs": ["z" * 30000]})
+    assert_error(big, 413, "payload_too_large", "body")
+    assert "x-request-id" in big.headers
     assert_error(post(tiny, "/v1/explain", {"inputs": [TEXTS[3]] * 2, "include_phi": True,
                                                 "include_matrix": True}), 413,
                  "payload_too_large", "include_matrix/include_phi")
