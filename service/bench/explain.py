@@ -5,7 +5,6 @@ with Captum's Layer Integrated Gradients on the same backbone + head, and whethe
 from __future__ import annotations
 
 import random
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -13,13 +12,10 @@ from typing import Any
 import torch
 
 from service.bench import report
+from service.bench.report import echo
 from service.serving.engine import Engine, Task
 
 FRACTIONS = (0.01, 0.03, 0.05, 0.10)
-
-
-def echo(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
 
 
 def _timed(fn: Any, rounds: int) -> float:
@@ -127,7 +123,7 @@ def comprehensiveness(engine: Engine, texts: list[str], lig: LayerIG | None, see
         for (method, f, _), r in zip(edits, after, strict=True):
             drops[method][f].append(p0 - r.scores[res.label])
         if n % 10 == 0 or n == len(texts):
-            echo(f"  faithfulness: {n}/{len(texts)} texts")
+            echo(f"  faithfulness: {n}/{len(texts)} texts", err=True)
     mean = {m: {f: sum(v) / len(v) for f, v in by_f.items()} for m, by_f in drops.items()}
     per_expl = {k: v / len(texts) for k, v in seconds.items() if k in methods}
     return {"mean_drop": mean, "seconds_per_explanation": per_expl, "n_texts": len(texts)}
@@ -139,15 +135,16 @@ def run(model: str, preset: str, repository: Path, n_texts: int, n_faithful: int
 
     texts = test_texts(preset, n_texts, seed)
     engine = Engine.load(repository / model, device=device)
-    echo(f"bench explain: model {model}, {len(texts)} test texts; cost of credit at batch sizes 1 and {batch_size}")
+    echo(f"bench explain: model {model}, {len(texts)} test texts; cost of credit at batch sizes 1 and "
+         f"{batch_size}", err=True)
     costs = [cost_of_credit(engine, texts[: max(16, len(texts) // 8)], 1, rounds),
              cost_of_credit(engine, texts, batch_size, rounds)]
     try:
         lig: LayerIG | None = LayerIG(engine, n_steps)
     except ImportError:
         lig = None
-        echo("  captum is not installed (pip install -e '.[bench]'): Layer IG comparison skipped")
-    echo(f"faithfulness and per-explanation time on {n_faithful} texts (Layer IG: {n_steps} steps)")
+        echo("  captum is not installed (pip install -e '.[bench]'): Layer IG comparison skipped", err=True)
+    echo(f"faithfulness and per-explanation time on {n_faithful} texts (Layer IG: {n_steps} steps)", err=True)
     faith = comprehensiveness(engine, texts[:n_faithful], lig, seed)
 
     rows = [{"batch_size": c["batch_size"], **{f"{k}_ms": v for k, v in c["ms_per_text"].items()},

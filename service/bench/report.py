@@ -13,6 +13,11 @@ from pathlib import Path
 from typing import Any
 
 
+def echo(message: str, err: bool = False) -> None:
+    """Print a result line (stdout) or a progress line (``err``: stderr), unbuffered."""
+    print(message, file=sys.stderr if err else sys.stdout, flush=True)
+
+
 def machine() -> dict[str, Any]:
     """The machine, device and library versions a result was measured with."""
     import torch

@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from service.bench.report import echo
 from service.bench.server import LocalServer
 
 
@@ -113,10 +114,6 @@ def offline_limit(repository: Path, model: str, texts: list[str], batch_sizes: l
         print(f"  offline batch size {bs}: {by_size[bs]:.1f} texts/s", file=sys.stderr, flush=True)
     best = max(by_size, key=lambda b: by_size[b])
     return {"by_batch_size": by_size, "best_batch_size": best, "throughput": by_size[best]}
-
-
-def echo(message: str, err: bool = False) -> None:
-    print(message, file=sys.stderr if err else sys.stdout, flush=True)
 
 
 def run(model: str, preset: str, levels: list[int], duration: float, n_texts: int, repository: Path, device: str,
