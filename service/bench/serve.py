@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -111,7 +110,7 @@ def offline_limit(repository: Path, model: str, texts: list[str], batch_sizes: l
             n += len(batch)
             k += 1
         by_size[bs] = n / (time.perf_counter() - t0)
-        print(f"  offline batch size {bs}: {by_size[bs]:.1f} texts/s", file=sys.stderr, flush=True)
+        echo(f"  offline batch size {bs}: {by_size[bs]:.1f} texts/s", err=True)
     best = max(by_size, key=lambda b: by_size[b])
     return {"by_batch_size": by_size, "best_batch_size": best, "throughput": by_size[best]}
 
