@@ -106,7 +106,8 @@ class Backbone(torch.nn.Module):
         # HF fast tokenizers reconfigure their Rust state on each call; one call at a time
         self._tokenizer_lock = threading.Lock()
         self.prefix, self.suffix = self._special_template()
-        if self.max_length <= len(self.prefix) + len(self.suffix):
+        self.body = self.max_length - len(self.prefix) - len(self.suffix)  # text tokens per chunk
+        if self.body <= 0:
             raise BackboneError(f"max_length={self.max_length} leaves no room for text tokens")
 
     @property
@@ -127,13 +128,12 @@ class Backbone(torch.nn.Module):
 
     def count_tokens(self, texts: list[str]) -> list[int]:
         """Sequence length (special tokens of every chunk included) each text will have."""
-        body = self.max_length - len(self.prefix) - len(self.suffix)
         n_special = len(self.prefix) + len(self.suffix)
         out = []
         with self._tokenizer_lock:
             all_ids = self.tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]
         for ids in all_ids:
-            n_chunks = max(1, -(-len(ids) // body))
+            n_chunks = max(1, -(-len(ids) // self.body))
             out.append(len(ids) + n_chunks * n_special)
         return out
 
@@ -142,8 +142,7 @@ class Backbone(torch.nn.Module):
         """Encode ``texts``; see :class:`Encoded` for what comes back."""
         with self._tokenizer_lock:
             tok = self.tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
-        body = self.max_length - len(self.prefix) - len(self.suffix)
-        n_pre, n_suf = len(self.prefix), len(self.suffix)
+        body, n_pre, n_suf = self.body, len(self.prefix), len(self.suffix)
         chunks: list[_Chunk] = []
         token_ids, offsets, special, word_ids = [], [], [], []
         for t, ids in enumerate(tok["input_ids"]):

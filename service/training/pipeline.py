@@ -60,8 +60,22 @@ class DataSpec:
                 "text_column": self.text_column, "label_column": self.label_column, "encoding": self.encoding}
 
 
-def _features(backbone: Backbone, source: str, texts: list[str], cache: Path | None, desc: str) -> Features:
-    return extract(backbone, texts, cache_dir=cache, source=source, desc=desc)
+def train_sample(ds: Dataset, max_train: int | None, seed: int) -> list[int]:
+    """Indices of the training texts used: all, or a seeded sample of ``max_train`` in order."""
+    idx = list(range(len(ds.train.texts)))
+    if max_train and max_train < len(idx):
+        idx = sorted(random.Random(seed).sample(idx, max_train))
+    return idx
+
+
+def split_features(backbone: Backbone, source: str, ds: Dataset, train_idx: list[int],
+                   cache: Path | None) -> tuple[Features, Features, Features]:
+    """Hidden states of the used training texts, the validation and the test split (cached)."""
+    parts = (("train", [ds.train.texts[k] for k in train_idx]), ("validation", ds.validation.texts),
+             ("test", ds.test.texts))
+    f_train, f_val, f_test = (extract(backbone, texts, cache_dir=cache, source=source, desc=f"{name} features")
+                              for name, texts in parts)
+    return f_train, f_val, f_test
 
 
 def train_model(name: str, data: DataSpec, out_dir: Path, backbone_source: str = DEFAULT_BACKBONE,
@@ -74,19 +88,14 @@ def train_model(name: str, data: DataSpec, out_dir: Path, backbone_source: str =
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     ds = data.load()
-    train_idx = list(range(len(ds.train.texts)))
-    if max_train and max_train < len(train_idx):
-        train_idx = sorted(random.Random(cfg.seed).sample(train_idx, max_train))
-    train_texts = [ds.train.texts[k] for k in train_idx]
+    train_idx = train_sample(ds, max_train, cfg.seed)
     y_train = [ds.train.labels[k] for k in train_idx]
-    print(f"{name}: {len(ds.labels)} labels {ds.labels}; train {len(train_texts)} (of {len(ds.train.texts)}), "
+    print(f"{name}: {len(ds.labels)} labels {ds.labels}; train {len(train_idx)} (of {len(ds.train.texts)}), "
           f"validation {len(ds.validation.texts)}, test {len(ds.test.texts)}", flush=True)
 
     backbone = Backbone(backbone_source, max_length=max_length)
     t_feat = time.time()
-    f_train = _features(backbone, backbone_source, train_texts, cache, "train features")
-    f_val = _features(backbone, backbone_source, ds.validation.texts, cache, "validation features")
-    f_test = _features(backbone, backbone_source, ds.test.texts, cache, "test features")
+    f_train, f_val, f_test = split_features(backbone, backbone_source, ds, train_idx, cache)
     feature_seconds = time.time() - t_feat
 
     head = RoutingHead(backbone.d_depth, backbone.d_emb, len(ds.labels), n_hid=n_hid, d_hid=d_hid, n_iters=n_iters)
@@ -99,7 +108,7 @@ def train_model(name: str, data: DataSpec, out_dir: Path, backbone_source: str =
                               d_depth=backbone.d_depth, d_emb=backbone.d_emb),
         head=HeadSpec(n_hid=n_hid, d_hid=head.d_hid, n_iters=n_iters),
         max_length=backbone.max_length,
-        training={**summary, "data": {**ds.describe(), **data.as_dict(), "n_train_used": len(train_texts),
+        training={**summary, "data": {**ds.describe(), **data.as_dict(), "n_train_used": len(train_idx),
                                       "max_train": max_train},
                   "feature_seconds": round(feature_seconds, 1)},
     )
@@ -137,14 +146,9 @@ def evaluate_model(folder: Path, cache: Path | None = None, max_train: int | Non
     if ds.labels != manifest.labels:
         raise ValueError(f"dataset labels {ds.labels} differ from the manifest's {manifest.labels}")
     max_train = max_train if max_train is not None else d.get("max_train")
-    train_idx = list(range(len(ds.train.texts)))
-    if max_train and max_train < len(train_idx):
-        train_idx = sorted(random.Random(manifest.training.get("seed", 0)).sample(train_idx, max_train))
+    train_idx = train_sample(ds, max_train, manifest.training.get("seed", 0))
     backbone = Backbone(manifest.backbone.source, max_length=manifest.max_length)
-    src = manifest.backbone.source
-    f_train = _features(backbone, src, [ds.train.texts[k] for k in train_idx], cache, "train features")
-    f_val = _features(backbone, src, ds.validation.texts, cache, "validation features")
-    f_test = _features(backbone, src, ds.test.texts, cache, "test features")
+    f_train, f_val, f_test = split_features(backbone, manifest.backbone.source, ds, train_idx, cache)
     evaluation = evaluate_features(head, ds, f_train, [ds.train.labels[k] for k in train_idx], f_val, f_test)
     manifest.evaluation = evaluation
     write_manifest(folder, manifest)
