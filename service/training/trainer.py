@@ -89,9 +89,21 @@ def predict_features(head: RoutingHead, feats: Features, batch_size: int = 64,
     return probs
 
 
+def validation_scores(probs: np.ndarray, y: list[int]) -> tuple[float, float]:
+    """Accuracy and mean negative log-likelihood of class probabilities ``[T, k]``."""
+    y_arr = np.asarray(y)
+    p_true = probs[np.arange(len(y_arr)), y_arr]  # [T]
+    return float((probs.argmax(1) == y_arr).mean()), float(-np.log(np.clip(p_true, 1e-12, None)).mean())
+
+
+def improves(acc: float, loss: float, best: tuple[float, float] | None) -> bool:
+    """Checkpoint rule: higher validation accuracy wins; at equal accuracy, lower validation loss."""
+    return best is None or acc > best[0] or (acc == best[0] and loss < best[1])
+
+
 def train_head(head: RoutingHead, train: Features, y_train: list[int], val: Features, y_val: list[int],
                cfg: TrainConfig) -> tuple[RoutingHead, dict[str, Any]]:
-    """Train ``head``; return the checkpoint with the best validation accuracy and a summary."""
+    """Train ``head``; return the checkpoint chosen by :func:`improves` on validation, and a summary."""
     torch.manual_seed(cfg.seed)
     rng = random.Random(cfg.seed)
     gen = torch.Generator().manual_seed(cfg.seed)
@@ -103,7 +115,8 @@ def train_head(head: RoutingHead, train: Features, y_train: list[int], val: Feat
     steps = sum(len(b) for b in plan)
     opt = torch.optim.RAdam(head.parameters(), lr=cfg.max_lr)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=cfg.max_lr, total_steps=steps + 1)
-    best_acc, best_state, best_epoch = -1.0, None, -1
+    best: tuple[float, float] | None = None
+    best_state, best_epoch = None, -1
     t0 = time.time()
     for epoch in range(cfg.epochs):
         head.train()
@@ -120,14 +133,17 @@ def train_head(head: RoutingHead, train: Features, y_train: list[int], val: Feat
             sched.step()
             total += loss.item()
             bar.set_postfix(loss=f"{total / n:.4f}", lr=f"{sched.get_last_lr()[0]:.2e}")
-        acc = float((predict_features(head, val).argmax(1) == np.array(y_val)).mean())
-        cfg.history.append({"epoch": epoch + 1, "train_loss": total / len(batches), "val_accuracy": acc})
-        print(f"epoch {epoch + 1}: train loss {total / len(batches):.4f}, validation accuracy {acc:.4f}", flush=True)
-        if acc > best_acc:
-            best_acc, best_state, best_epoch = acc, copy.deepcopy(head.state_dict()), epoch + 1
-    assert best_state is not None
+        acc, val_loss = validation_scores(predict_features(head, val), y_val)
+        cfg.history.append({"epoch": epoch + 1, "train_loss": total / len(batches), "val_accuracy": acc,
+                            "val_loss": val_loss})
+        print(f"epoch {epoch + 1}: train loss {total / len(batches):.4f}, validation accuracy {acc:.4f}, "
+              f"validation loss {val_loss:.4f}", flush=True)
+        if improves(acc, val_loss, best):
+            best, best_state, best_epoch = (acc, val_loss), copy.deepcopy(head.state_dict()), epoch + 1
+    assert best is not None and best_state is not None
     head.load_state_dict(best_state)
-    summary = {"best_epoch": best_epoch, "best_val_accuracy": best_acc, "train_seconds": round(time.time() - t0, 1),
+    summary = {"best_epoch": best_epoch, "best_val_accuracy": best[0], "best_val_loss": best[1],
+               "train_seconds": round(time.time() - t0, 1),
                "history": cfg.history, "epochs": cfg.epochs, "batch_size": cfg.batch_size,
                "max_batch_positions": cfg.max_batch_positions, "max_lr": cfg.max_lr,
                "optimizer": "RAdam", "schedule": "one-cycle", "mixup": f"Beta({cfg.mixup_alpha}, {cfg.mixup_alpha})",

@@ -5,6 +5,7 @@ import hashlib
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from typer.testing import CliRunner
@@ -12,7 +13,7 @@ from typer.testing import CliRunner
 from service.cli import app
 from service.modeling.repository import load_model
 from service.training.data import DatasetError, make_dataset, read_examples
-from service.training.trainer import classification_metrics, mixup
+from service.training.trainer import classification_metrics, improves, mixup, validation_scores
 
 
 def test_split_rule_dedup_and_conflicts() -> None:
@@ -97,3 +98,12 @@ def test_batches_respect_size_and_position_budget() -> None:
         assert len(b) == 1 or max(int(lengths[k]) for k in b) * len(b) <= 200
     shuffled = length_batches(lengths, 3, 200, random.Random(0))
     assert sorted(k for b in shuffled for k in b) == list(range(10))
+
+
+def test_checkpoint_rule_accuracy_then_validation_loss() -> None:
+    probs = np.array([[0.9, 0.1], [0.4, 0.6], [0.7, 0.3]])
+    acc, loss = validation_scores(probs, [0, 1, 1])
+    assert acc == pytest.approx(2 / 3) and loss == pytest.approx(-np.log([0.9, 0.6, 0.3]).mean())
+    assert improves(0.5, 9.0, None)
+    assert improves(0.8, 9.0, (0.7, 0.1)) and not improves(0.6, 0.01, (0.7, 0.1))
+    assert improves(0.7, 0.09, (0.7, 0.1)) and not improves(0.7, 0.1, (0.7, 0.1))
