@@ -98,6 +98,7 @@ def train_model(name: str, data: DataSpec, out_dir: Path, backbone_source: str =
     f_train, f_val, f_test = split_features(backbone, backbone_source, ds, train_idx, cache)
     feature_seconds = time.time() - t_feat
 
+    torch.manual_seed(cfg.seed)  # the head's initial weights are part of the seeded recipe
     head = RoutingHead(backbone.d_depth, backbone.d_emb, len(ds.labels), n_hid=n_hid, d_hid=d_hid, n_iters=n_iters)
     head, summary = train_head(head, f_train, y_train, f_val, ds.validation.labels, cfg)
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from service.cli import app
@@ -63,11 +64,13 @@ def test_train_and_evaluate_commands(tmp_path: Path, tiny_backbone_dir: Path) ->
             text, label = rows[k % 2]
             w.writerow([f"{text} number {k}", label])
     runner = CliRunner()
-    res = runner.invoke(app, ["train", "toy", "--data", str(tmp_path / "data.csv"), "--out", str(tmp_path / "repo"),
-                              "--backbone", str(tiny_backbone_dir), "--max-length", "16", "--n-hid", "4",
-                              "--d-hid", "8", "--epochs", "2", "--batch-size", "16",
-                              "--cache", str(tmp_path / "cache")])
-    assert res.exit_code == 0, res.output
+    args = ["--data", str(tmp_path / "data.csv"), "--backbone", str(tiny_backbone_dir), "--max-length", "16",
+            "--n-hid", "4", "--d-hid", "8", "--epochs", "2", "--batch-size", "16", "--cache", str(tmp_path / "cache")]
+    for repo in ("repo", "again"):
+        res = runner.invoke(app, ["train", "toy", "--out", str(tmp_path / repo), *args])
+        assert res.exit_code == 0, res.output
+    first, second = (load_file(tmp_path / repo / "toy" / "head.safetensors") for repo in ("repo", "again"))
+    assert all(torch.equal(first[name], second[name]) for name in first)  # seeded: same data, same weights
     folder = tmp_path / "repo" / "toy"
     manifest = json.loads((folder / "manifest.json").read_text())
     ev = manifest["evaluation"]
