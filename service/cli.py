@@ -60,6 +60,9 @@ def train(
     batch_size: int = 32,
     max_batch_positions: Annotated[int, typer.Option(help="Padded token positions per batch (memory)")] = 8192,
     max_lr: float = 1e-3,
+    crop: Annotated[float, typer.Option(min=0.01, max=1.0, help=(
+        "Augmentation: each epoch, train on a random window of at least this fraction of each text's "
+        "positions (1 = whole texts)"))] = 1.0,
     seed: int = 0,
     max_train: Annotated[int | None, typer.Option(help="Train on a seeded sample of this many texts")] = None,
     cache: Annotated[Path | None, typer.Option(help="Feature cache folder")] = Path(".cache/features"),
@@ -72,7 +75,7 @@ def train(
         raise typer.BadParameter("give exactly one of --preset or --data")
     spec = DataSpec(preset=preset, path=data, text_column=text_column, label_column=label_column, encoding=encoding)
     cfg = TrainConfig(epochs=epochs, batch_size=batch_size, max_batch_positions=max_batch_positions, max_lr=max_lr,
-                      seed=seed)
+                      crop=crop, seed=seed)
     folder = train_model(name, spec, out, backbone_source=backbone, max_length=max_length, n_hid=n_hid,
                          d_hid=d_hid, n_iters=n_iters, cfg=cfg, max_train=max_train, cache=cache,
                          description=PRESETS.get(preset or "", ""))

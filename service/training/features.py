@@ -71,9 +71,13 @@ def extract(backbone: Backbone, texts: list[str], batch_size: int = 64, cache_di
     return feats
 
 
-def pad_batch(feats: Features, idx: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """``hidden [b, n_max, d_depth, d_emb]`` (float32) and ``pad [b, n_max]`` for texts ``idx``."""
+def pad_batch(feats: Features, idx: list[int],
+              spans: list[tuple[int, int]] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``hidden [b, n_max, d_depth, d_emb]`` (float32) and ``pad [b, n_max]`` for texts ``idx``, each
+    cut to its positions ``[start, end)`` when ``spans`` is given."""
     parts = [feats.get(t) for t in idx]
+    if spans is not None:
+        parts = [p[s:e] for p, (s, e) in zip(parts, spans, strict=True)]
     n_max = max(len(p) for p in parts)
     hidden = torch.zeros(len(parts), n_max, *parts[0].shape[1:])  # [b n e d]
     pad = torch.ones(len(parts), n_max, dtype=torch.bool)  # [b n]

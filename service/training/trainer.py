@@ -5,6 +5,7 @@ against a logistic-regression probe on the mean-pooled last layer."""
 from __future__ import annotations
 
 import copy
+import math
 import random
 import time
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ class TrainConfig:
     max_batch_positions: int = 8192  # padded token positions per batch: bounds memory for long texts
     max_lr: float = 1e-3
     mixup_alpha: float = 0.65
+    crop: float = 1.0  # train on a random window of at least this fraction of each text (1: whole texts)
     seed: int = 0
     threads: int | None = None
     history: list[dict[str, float]] = field(default_factory=list)
@@ -60,6 +62,17 @@ def length_batches(lengths: torch.Tensor, batch_size: int, max_positions: int, r
         batches += budget_batches(chunk, lengths, batch_size, max_positions)
     rng.shuffle(batches)
     return batches
+
+
+def random_spans(lengths: list[int], min_fraction: float, rng: random.Random) -> list[tuple[int, int]]:
+    """A random contiguous window ``(start, end)`` of each text, covering at least ``min_fraction`` of
+    its ``n`` positions (and at least one)."""
+    spans = []
+    for n in lengths:
+        width = rng.randint(max(1, math.ceil(min_fraction * n)), n)
+        start = rng.randint(0, n - width)
+        spans.append((start, start + width))
+    return spans
 
 
 def mixup(hidden: torch.Tensor, pad: torch.Tensor, y: torch.Tensor, alpha: float,
@@ -124,7 +137,8 @@ def train_head(head: RoutingHead, train: Features, y_train: list[int], val: Feat
         bar = tqdm(batches, desc=f"epoch {epoch + 1}/{cfg.epochs}", unit="batch")
         total = 0.0
         for n, idx in enumerate(bar, 1):
-            hidden, pad = pad_batch(train, idx)
+            spans = random_spans([int(lengths[k]) for k in idx], cfg.crop, rng) if cfg.crop < 1 else None
+            hidden, pad = pad_batch(train, idx, spans)
             hidden, pad, y = mixup(hidden, pad, y_all[idx], cfg.mixup_alpha, gen)
             loss = -(y * head(hidden, pad).scores.log_softmax(-1)).sum(-1).mean()
             opt.zero_grad(set_to_none=True)
@@ -145,7 +159,7 @@ def train_head(head: RoutingHead, train: Features, y_train: list[int], val: Feat
     summary = {"best_epoch": best_epoch, "best_val_accuracy": best[0], "best_val_loss": best[1],
                "train_seconds": round(time.time() - t0, 1),
                "history": cfg.history, "epochs": cfg.epochs, "batch_size": cfg.batch_size,
-               "max_batch_positions": cfg.max_batch_positions, "max_lr": cfg.max_lr,
+               "max_batch_positions": cfg.max_batch_positions, "max_lr": cfg.max_lr, "crop": cfg.crop,
                "optimizer": "RAdam", "schedule": "one-cycle", "mixup": f"Beta({cfg.mixup_alpha}, {cfg.mixup_alpha})",
                "seed": cfg.seed}
     return head.eval(), summary

@@ -3,6 +3,7 @@
 import csv
 import hashlib
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -71,6 +72,11 @@ def test_train_and_evaluate_commands(tmp_path: Path, tiny_backbone_dir: Path) ->
         assert res.exit_code == 0, res.output
     first, second = (load_file(tmp_path / repo / "toy" / "head.safetensors") for repo in ("repo", "again"))
     assert all(torch.equal(first[name], second[name]) for name in first)  # seeded: same data, same weights
+    res = runner.invoke(app, ["train", "toy", "--out", str(tmp_path / "cropped"), *args, "--crop", "0.5"])
+    assert res.exit_code == 0, res.output
+    assert json.loads((tmp_path / "cropped" / "toy" / "manifest.json").read_text())["training"]["crop"] == 0.5
+    cropped = load_file(tmp_path / "cropped" / "toy" / "head.safetensors")
+    assert not all(torch.equal(first[name], cropped[name]) for name in first)
     folder = tmp_path / "repo" / "toy"
     manifest = json.loads((folder / "manifest.json").read_text())
     ev = manifest["evaluation"]
@@ -110,3 +116,22 @@ def test_checkpoint_rule_accuracy_then_validation_loss() -> None:
     assert improves(0.5, 9.0, None)
     assert improves(0.8, 9.0, (0.7, 0.1)) and not improves(0.6, 0.01, (0.7, 0.1))
     assert improves(0.7, 0.09, (0.7, 0.1)) and not improves(0.7, 0.1, (0.7, 0.1))
+
+
+def test_random_crops_are_windows_of_the_texts() -> None:
+    import random
+
+    from service.training.features import Features, pad_batch
+    from service.training.trainer import random_spans
+
+    rng = random.Random(0)
+    lengths = [1, 7, 40, 300]
+    for _ in range(50):
+        for n, (s, e) in zip(lengths, random_spans(lengths, 0.5, rng), strict=True):
+            assert 0 <= s < e <= n and e - s >= max(1, math.ceil(0.5 * n))
+    assert {e - s for s, e in (random_spans([40], 0.5, rng)[0] for _ in range(200))} == set(range(20, 41))
+    flat = torch.arange(12.0).reshape(6, 1, 2)  # two texts: 2 and 4 positions
+    feats = Features(flat, torch.tensor([0, 2, 6]))
+    hidden, pad = pad_batch(feats, [1, 0], [(1, 3), (0, 1)])
+    assert torch.equal(hidden[0], flat[3:5]) and torch.equal(hidden[1, :1], flat[:1])
+    assert pad.tolist() == [[False, False], [False, True]]
