@@ -88,9 +88,10 @@ def delete_tokens(text: str, offsets: torch.Tensor, positions: list[int]) -> str
 
 def comprehensiveness(engine: Engine, texts: list[str], lig: LayerIG | None, seed: int = 0) -> dict[str, Any]:
     """Mean drop of the predicted class's probability after deleting the top-k% credited tokens,
-    for routing credit, Layer IG (when given) and random tokens; with seconds per explanation."""
+    for routing credit, Layer IG (when given) and random tokens; with seconds per explanation.
+    Tokens are ranked by signed credit (highest first) and, in the ``*_abs`` rows, by magnitude."""
     rng = random.Random(seed)
-    methods = ["routing", "random"] + (["layer_ig"] if lig else [])
+    methods = ["routing", "routing_abs", "random"] + (["layer_ig", "layer_ig_abs"] if lig else [])
     drops = {m: {f: [] for f in FRACTIONS} for m in methods}
     seconds = {"routing": 0.0, "layer_ig": 0.0}
     labels = engine.labels
@@ -103,6 +104,7 @@ def comprehensiveness(engine: Engine, texts: list[str], lig: LayerIG | None, see
         toks = res.explanation["tokens"] if res.explanation else []
         offsets = torch.tensor([[t["start"], t["end"]] for t in toks]).reshape(-1, 2)
         ranked = {"routing": sorted(range(len(toks)), key=lambda k: -toks[k]["credit"]),
+                  "routing_abs": sorted(range(len(toks)), key=lambda k: -abs(toks[k]["credit"])),
                   "random": rng.sample(range(len(toks)), len(toks))}
         lig_offsets = offsets
         if lig is not None:
@@ -112,9 +114,10 @@ def comprehensiveness(engine: Engine, texts: list[str], lig: LayerIG | None, see
             keep = (~special).nonzero().flatten().tolist()
             lig_offsets = lig_off[keep]
             ranked["layer_ig"] = sorted(range(len(keep)), key=lambda k: -float(attr[keep[k]]))
+            ranked["layer_ig_abs"] = sorted(range(len(keep)), key=lambda k: -abs(float(attr[keep[k]])))
         edits: list[tuple[str, float, str]] = []
         for method, order in ranked.items():
-            offs = lig_offsets if method == "layer_ig" else offsets
+            offs = lig_offsets if method.startswith("layer_ig") else offsets
             for f in FRACTIONS:
                 m = max(1, round(f * len(order)))
                 edits.append((method, f, delete_tokens(text, offs, order[:m])))
