@@ -86,6 +86,12 @@ def delete_tokens(text: str, offsets: torch.Tensor, positions: list[int]) -> str
     return "".join(out)
 
 
+def rankings(scores: list[float]) -> tuple[list[int], list[int]]:
+    """Positions by score (highest first) and by magnitude (largest first)."""
+    positions = range(len(scores))
+    return sorted(positions, key=lambda k: -scores[k]), sorted(positions, key=lambda k: -abs(scores[k]))
+
+
 def comprehensiveness(engine: Engine, texts: list[str], lig: LayerIG | None, seed: int = 0) -> dict[str, Any]:
     """Mean drop of the predicted class's probability after deleting the top-k% credited tokens,
     for routing credit, Layer IG (when given) and random tokens; with seconds per explanation.
@@ -103,9 +109,8 @@ def comprehensiveness(engine: Engine, texts: list[str], lig: LayerIG | None, see
         p0 = res.scores[res.label]
         toks = res.explanation["tokens"] if res.explanation else []
         offsets = torch.tensor([[t["start"], t["end"]] for t in toks]).reshape(-1, 2)
-        ranked = {"routing": sorted(range(len(toks)), key=lambda k: -toks[k]["credit"]),
-                  "routing_abs": sorted(range(len(toks)), key=lambda k: -abs(toks[k]["credit"])),
-                  "random": rng.sample(range(len(toks)), len(toks))}
+        ranked = {"random": rng.sample(range(len(toks)), len(toks))}
+        ranked["routing"], ranked["routing_abs"] = rankings([t["credit"] for t in toks])
         lig_offsets = offsets
         if lig is not None:
             t0 = time.perf_counter()
@@ -113,8 +118,7 @@ def comprehensiveness(engine: Engine, texts: list[str], lig: LayerIG | None, see
             seconds["layer_ig"] += time.perf_counter() - t0
             keep = (~special).nonzero().flatten().tolist()
             lig_offsets = lig_off[keep]
-            ranked["layer_ig"] = sorted(range(len(keep)), key=lambda k: -float(attr[keep[k]]))
-            ranked["layer_ig_abs"] = sorted(range(len(keep)), key=lambda k: -abs(float(attr[keep[k]])))
+            ranked["layer_ig"], ranked["layer_ig_abs"] = rankings(attr[keep].tolist())
         edits: list[tuple[str, float, str]] = []
         for method, order in ranked.items():
             offs = lig_offsets if method.startswith("layer_ig") else offsets
