@@ -41,6 +41,17 @@ def later(seconds: float = 5.0) -> float:
     return time.monotonic() + seconds
 
 
+async def busy(**limits):
+    """A started batcher (one text per batch) whose model waits on ``gate``, already computing
+    ``["slow"]`` (the ``blocker``); returns ``(batcher, recorder, gate, blocker)``."""
+    gate = threading.Event()
+    b, rec = make(lambda ps: (gate.wait(5), ps)[1], max_batch_size=1, **limits)
+    b.start()
+    blocker = asyncio.ensure_future(b.submit(["slow"], [1], later()))
+    await asyncio.sleep(0.05)
+    return b, rec, gate, blocker
+
+
 async def test_concurrent_requests_are_batched_and_answered_in_order() -> None:
     b, rec = make(lambda ps: [p.upper() for p in ps])
     b.start()
@@ -78,27 +89,19 @@ async def test_failing_batch_fails_only_its_own_requests() -> None:
 
 
 async def test_overload_rejects_whole_request_without_queueing() -> None:
-    gate = threading.Event()
-    b, _rec = make(lambda ps: (gate.wait(5), ps)[1], max_batch_size=1, max_queue=3)
-    b.start()
-    first = asyncio.ensure_future(b.submit(["x"], [1], later()))
-    await asyncio.sleep(0.05)  # "x" is computing; the queue is empty
+    b, _rec, gate, first = await busy(max_queue=3)  # "slow" is computing; the queue is empty
     queued = asyncio.ensure_future(b.submit(["a", "b", "c"], [1, 1, 1], later()))
     await asyncio.sleep(0.01)
     with pytest.raises(Overloaded):
         await b.submit(["d"], [1], later())
     assert b.queue_depth == 3
     gate.set()
-    assert await first == ["x"] and await queued == ["a", "b", "c"]
+    assert await first == ["slow"] and await queued == ["a", "b", "c"]
     await b.stop(1)
 
 
 async def test_deadline_while_queued_is_answered_and_dropped_before_compute() -> None:
-    gate = threading.Event()
-    b, rec = make(lambda ps: (gate.wait(5), ps)[1], max_batch_size=1)
-    b.start()
-    blocker = asyncio.ensure_future(b.submit(["slow"], [1], later()))
-    await asyncio.sleep(0.05)
+    b, rec, gate, blocker = await busy()
     with pytest.raises(DeadlineExceeded):
         await b.submit(["late"], [1], time.monotonic() + 0.05)
     gate.set()
@@ -109,11 +112,7 @@ async def test_deadline_while_queued_is_answered_and_dropped_before_compute() ->
 
 
 async def test_cancelled_caller_is_dropped_before_compute() -> None:
-    gate = threading.Event()
-    b, rec = make(lambda ps: (gate.wait(5), ps)[1], max_batch_size=1)
-    b.start()
-    blocker = asyncio.ensure_future(b.submit(["slow"], [1], later()))
-    await asyncio.sleep(0.05)
+    b, rec, gate, blocker = await busy()
     gone = asyncio.ensure_future(b.submit(["gone"], [1], later()))
     await asyncio.sleep(0.01)
     gone.cancel()
