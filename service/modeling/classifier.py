@@ -1,14 +1,54 @@
-"""Backbone + routing head: class scores and end-to-end credit (paper §5.3, eq. 15)."""
+"""Backbone + routing head: class scores and credit assignments.
+
+Two kinds of credit (see ``service.routing.credit``):
+
+- ``"contribution"`` (default): the head's exact value-path split of a logit (or, in contrast form,
+  of ``logit_k - mean_k' logit_k'``) over (position, depth), in logit units, with its baseline.
+- ``"shares"``: the paper's end-to-end routing shares ``phi1 @ phi2 @ phi3`` (eq. 15) at unit variance:
+  how much of each position's data the routings pass to a class, not whether it raises the score.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
 from service.modeling.backbone import Backbone, Encoded
 from service.modeling.head import HeadOutput, RoutingHead
 from service.routing import credit
+
+Method = Literal["contribution", "shares"]
+METHODS: tuple[Method, ...] = ("contribution", "shares")
+
+
+@dataclass(frozen=True)
+class CreditRequest:
+    """What to explain for one text: ``targets`` (class indices; None = the predicted class), with
+    which ``method``, and for contributions whether in ``contrast`` form."""
+
+    targets: tuple[int, ...] | None = None
+    method: Method = "contribution"
+    contrast: bool = True
+
+
+@dataclass
+class Explained:
+    """One text's credit, on the CPU, over its own positions only.
+
+    Attributes:
+        targets: class indices, aligned with the last axis of ``credit``.
+        credit: ``[n, d_depth, t]``.
+        baseline: ``[t]`` the contribution method's read-out at zero hidden states (None for shares).
+        logit: ``[t]`` the explained read-out: ``credit.sum((0, 1)) + baseline == logit``.
+    """
+
+    targets: list[int]
+    credit: torch.Tensor
+    baseline: torch.Tensor | None = None
+    logit: torch.Tensor | None = None
 
 
 @dataclass
@@ -18,13 +58,13 @@ class Prediction:
     Attributes:
         probs: ``[b, n_classes]`` class probabilities.
         encoded: the backbone's output (tokens, offsets, hidden states).
-        credit: ``[b, n, d_depth, n_classes]`` end-to-end credit at unit variance, or None.
+        explained: per text, its :class:`Explained` credit or None when none was asked for.
         phi: the head's three credit matrices (batched, padded), or None.
     """
 
     probs: torch.Tensor
     encoded: Encoded
-    credit: torch.Tensor | None = None
+    explained: list[Explained | None]
     phi: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
@@ -58,11 +98,38 @@ class RoutingClassifier(torch.nn.Module):
         self.backbone, self.head, self.labels = backbone, head, labels
 
     @torch.inference_mode()
-    def predict(self, texts: list[str], explain: bool = False, return_phi: bool = False) -> Prediction:
-        """Classify ``texts``; with ``explain`` also return end-to-end credit."""
+    def predict(self, texts: list[str], explain: Sequence[CreditRequest | None] | None = None,
+                return_phi: bool = False) -> Prediction:
+        """Classify ``texts``; ``explain[b]`` says what credit text ``b`` needs (None: none).
+
+        Credit is computed only for the texts that ask for it, one batched pass per method.
+        """
         enc = self.backbone(texts)
         hidden = enc.hidden.to(dtype=next(self.head.parameters()).dtype)  # [b n e d]
         out = self.head(hidden, enc.pad)
         probs = out.scores.float().softmax(dim=-1)  # [b k]
-        e2e = end_to_end_credit(out, hidden.shape[1], hidden.shape[2]).float() if explain else None
-        return Prediction(probs=probs, encoded=enc, credit=e2e, phi=out.phi if return_phi else None)
+        explained: list[Explained | None] = [None] * len(texts)
+        requests = list(explain or [None] * len(texts))
+        predicted = probs.argmax(dim=-1).tolist()
+        groups: dict[tuple[Method, bool], list[int]] = {}
+        for b, req in enumerate(requests):
+            if req is not None:
+                groups.setdefault((req.method, req.method == "contribution" and req.contrast), []).append(b)
+        for (method, contrast), rows in groups.items():
+            wanted = [list(requests[b].targets or (predicted[b],)) for b in rows]  # type: ignore[union-attr]
+            sub = out.rows(torch.tensor(rows, device=hidden.device))
+            lengths = [enc.lengths[b] for b in rows]
+            if method == "shares":
+                e2e = end_to_end_credit(sub, hidden.shape[1], self.head.d_depth).float().cpu()  # [b' n e k]
+                for r, (b, w) in enumerate(zip(rows, wanted, strict=True)):
+                    explained[b] = Explained(w, e2e[r, : lengths[r]][..., w])  # [n e t]
+                continue
+            t_max = max(map(len, wanted))
+            targets = torch.tensor([w + w[:1] * (t_max - len(w)) for w in wanted], device=hidden.device)  # [b' t]
+            c = self.head.contributions(sub, targets, contrast)
+            values, baseline, logit = c.credit.float().cpu(), c.baseline.float().cpu(), c.logit.float().cpu()
+            for r, (b, w) in enumerate(zip(rows, wanted, strict=True)):
+                t = len(w)
+                explained[b] = Explained(w, values[r, :t, : lengths[r]].permute(1, 2, 0), baseline[r, :t],
+                                         logit[r, :t])  # [n e t], [t], [t]
+        return Prediction(probs=probs, encoded=enc, explained=explained, phi=out.phi if return_phi else None)

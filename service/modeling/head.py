@@ -1,7 +1,8 @@
 """RoutingHead (paper §5.2): three routings over the hidden states of every depth.
 
 Indices: ``n`` token positions, ``e`` depths (``d_depth``), ``d`` embedding features, ``i`` input
-vectors of the first routing (``i = n * d_depth``, position-major), ``j`` hidden vectors, ``k`` classes.
+vectors of the first routing (``i = n * d_depth``, position-major), ``j`` hidden vectors, ``k`` classes,
+``t`` explained targets.
 """
 
 from __future__ import annotations
@@ -11,22 +12,50 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from service.routing import EfficientVectorRouting
+from service.routing import EfficientVectorRouting, credit
 
 
 @dataclass
 class HeadOutput:
-    """Scores and each routing's credit matrix.
+    """Scores, each routing's credit matrix, and what the value path needs.
 
     Attributes:
         scores: ``[..., n_classes]`` logits.
         phi: ``(phi1 [..., i, n_hid], phi2 [..., n_hid, n_hid], phi3 [..., n_hid, n_classes])``.
         absent: bool ``[..., i]``, True for the padding rows of ``phi1``.
+        stack: the three routings with their inputs, ``phi`` and ``n`` (see :class:`credit.Routed`).
+        x_lin: ``[..., i, d_emb]`` the first routing's inputs less the per-depth bias ``B``: the part
+            that depends on the hidden states (0 at padding).
     """
 
     scores: torch.Tensor
     phi: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     absent: torch.Tensor
+    stack: tuple[credit.Routed, credit.Routed, credit.Routed]
+    x_lin: torch.Tensor
+
+    def rows(self, idx: torch.Tensor) -> HeadOutput:
+        """The same output for the batch rows ``idx [b']`` only."""
+        if idx.numel() == self.scores.shape[0] and bool((idx == torch.arange(len(idx), device=idx.device)).all()):
+            return self  # every row, in order: nothing to copy
+        stack = tuple(r.rows(idx) for r in self.stack)
+        return HeadOutput(scores=self.scores[idx], phi=tuple(p[idx] for p in self.phi),  # type: ignore[arg-type]
+                          absent=self.absent[idx], stack=stack, x_lin=self.x_lin[idx])  # type: ignore[arg-type]
+
+
+@dataclass
+class Contribution:
+    """Value-path credit of some targets (see :meth:`RoutingHead.contributions`).
+
+    Attributes:
+        credit: ``[..., t, n, d_depth]`` each (position, depth)'s contribution, in logit units.
+        baseline: ``[..., t]`` the read-out with every hidden state at 0 (phi and norm scales fixed).
+        logit: ``[..., t]`` the read-out itself: ``credit.sum((-2, -1)) + baseline == logit``.
+    """
+
+    credit: torch.Tensor
+    baseline: torch.Tensor
+    logit: torch.Tensor
 
 
 class RoutingHead(nn.Module):
@@ -58,15 +87,45 @@ class RoutingHead(nn.Module):
         Returns:
             :class:`HeadOutput`.
         """
-        x = nn.functional.layer_norm(hidden, (self.d_emb,))  # [...ned] per-depth normalisation
-        x = x * self.W + self.B  # [...ned]
-        x = x.flatten(-3, -2)  # [...id] positions x depths as one sequence
         if pad is None:
             pad = torch.zeros(hidden.shape[:-2], dtype=torch.bool, device=hidden.device)  # [...n]
+        x_lin = nn.functional.layer_norm(hidden, (self.d_emb,)) * self.W  # [...ned] per-depth norm and scale
+        x_lin = x_lin.masked_fill(pad[..., None, None], 0.0).flatten(-3, -2)  # [...id] positions x depths
+        x = x_lin + self.B.repeat(hidden.shape[-3], 1)  # [...id] plus each depth's bias
         absent = pad[..., None].expand(*pad.shape, self.d_depth).flatten(-2)  # [...i]
         mask = absent[..., None].expand(*absent.shape, self.n_hid)  # [...ij]
         r1 = self.route[0](x, mask=mask)
         r2 = self.route[1](r1["x_out"])
         r3 = self.route[2](r2["x_out"])
         scores = r3["x_out"].squeeze(-1)  # [...k]
-        return HeadOutput(scores=scores, phi=(r1["phi"], r2["phi"], r3["phi"]), absent=absent)
+        n1 = (~absent).sum(dim=-1).clamp(min=1).to(x.dtype)[..., None, None]  # [...11] present inputs
+        n_hid = x.new_tensor(float(self.n_hid))  # [] inputs of routings 2 and 3
+        stack = (credit.Routed(self.route[0], x.masked_fill(absent[..., None], 0.0), r1["phi"], n1, r1["x_out_raw"]),
+                 credit.Routed(self.route[1], r1["x_out"], r2["phi"], n_hid, r2["x_out_raw"]),
+                 credit.Routed(self.route[2], r2["x_out"], r3["phi"], n_hid, r3["x_out_raw"]))
+        return HeadOutput(scores=scores, phi=(r1["phi"], r2["phi"], r3["phi"]), absent=absent, stack=stack,
+                          x_lin=x_lin)
+
+    def contributions(self, out: HeadOutput, targets: torch.Tensor, contrast: bool = True) -> Contribution:
+        """Exact value-path credit of ``targets`` over (position, depth), in logit units.
+
+        With every routing's ``phi`` and every norm's scale (the per-depth norm of the hidden states
+        and the output norms of routings 1 and 2) held at their values in this forward pass, the head
+        is an affine map of the hidden states ``h [n, e, d]``, and the credit of (n, e) for target k is
+        ``sum_d (d logit_k / d h)[n, e, d] * h[n, e, d]``; the credits sum to ``logit_k - baseline_k``.
+
+        Args:
+            out: a forward pass's output.
+            targets: ``[..., t]`` class indices to explain for each sample.
+            contrast: explain ``logit_k - mean_k' logit_k'`` (what moves the probabilities) instead of
+                ``logit_k``.
+
+        Returns:
+            :class:`Contribution` with ``credit [..., t, n, d_depth]`` (0 at padding).
+        """
+        readout = nn.functional.one_hot(targets, self.n_classes).to(out.scores.dtype)  # [...tk]
+        if contrast:
+            readout = readout - 1.0 / self.n_classes  # [...tk]
+        contrib, baseline = credit.value_path(out.stack, out.x_lin, readout[..., None])  # [...ti], [...t]
+        logit = torch.einsum("...tk,...k->...t", readout, out.scores)  # [...t]
+        return Contribution(credit=contrib.unflatten(-1, (-1, self.d_depth)), baseline=baseline, logit=logit)

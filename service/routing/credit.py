@@ -1,11 +1,28 @@
-"""End-to-end credit assignment over compositions of routings (paper Appendix A, eq. 15).
+"""Credit assignment over compositions of routings.
 
-Every function is batched: a credit matrix is ``[..., i, j]`` (inputs x outputs).
+Two kinds live here, both batched:
+
+- **Routing shares** (paper Appendix A, eq. 15): compositions of the ``phi [..., i, j]`` matrices
+  (``sequential``, ``residual``, ``sum_of``, ``concatenation``). ``phi_ij`` is the share of input i's
+  data that output j uses; it says nothing of whether that data pushes a score up or down.
+- **Value-path contributions** (:func:`value_path`): hold every routing's final ``phi`` and every
+  output norm's scale at their values in a forward pass. Each routing's output
+  ``x_out_jh = N(sum_i phi_ij F(x_inp_i)_jh)`` is then an affine function of its inputs, so a stack of
+  routings is affine in the first routing's inputs, and any linear read-out of the last output
+  splits *exactly* into one term per input plus a constant (the read-out at zero input).
+
+Index letters: ``i`` inputs, ``j`` outputs, ``d`` input features, ``h`` output features, ``t``
+read-outs (targets), ``...`` batch.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import torch
+
+from service.routing.efficient import EfficientVectorRouting
 
 
 def sequential(*phis: torch.Tensor) -> torch.Tensor:
@@ -93,3 +110,92 @@ def unit_variance(phi: torch.Tensor, absent: torch.Tensor | None = None, eps: fl
     var = (((phi - mean) * w) ** 2).sum(dim=(-2, -1), keepdim=True) / (count - 1).clamp(min=1)  # [...11]
     return phi * w / (var.sqrt() + eps)  # [...ij]
 
+
+
+@dataclass(frozen=True)
+class Routed:
+    """One routing's part in a forward pass, as the value path needs it.
+
+    Attributes:
+        routing: the module (its ``W_F1``, ``W_F2``, ``B_F2`` form the votes, ``N`` the output norm).
+        x_inp: ``[..., i, d]`` the inputs it routed (absent ones zeroed).
+        phi: ``[..., i, j]`` its final "bang per bit" coefficients (0 for absent inputs).
+        n: ``[..., 1, 1]`` or ``[]`` the ``n`` of its ``1/sqrt(n)`` scaling (present inputs).
+        x_out_raw: ``[..., j, h]`` its output before the final norm (the norm's scale comes from it).
+    """
+
+    routing: EfficientVectorRouting
+    x_inp: torch.Tensor
+    phi: torch.Tensor
+    n: torch.Tensor
+    x_out_raw: torch.Tensor
+
+    def rows(self, idx: torch.Tensor) -> Routed:
+        """The same routing for the batch rows ``idx [b']`` only."""
+        def pick(t: torch.Tensor) -> torch.Tensor:
+            return t[idx] if t.dim() > 0 else t
+
+        return Routed(self.routing, pick(self.x_inp), pick(self.phi), pick(self.n), pick(self.x_out_raw))
+
+
+def _norm_scale(r: Routed) -> torch.Tensor | None:
+    """``1 / sqrt(var_h + eps)`` ``[..., j, 1]`` of the output norm ``N`` in this pass, or None without one."""
+    N = r.routing.N
+    if not (r.routing.normalize and isinstance(N, torch.nn.LayerNorm)):
+        return None
+    var = r.x_out_raw.var(dim=-1, unbiased=False, keepdim=True)  # [...j1]
+    return (var + N.eps).rsqrt()  # [...j1]
+
+
+def _pull_back_norm(g: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """Read-outs ``g [..., t, j, h]`` of a norm's output as read-outs of its input, the scale held
+    fixed: the transpose of ``x -> (x - mean_h x) * scale`` (which is self-adjoint)."""
+    if scale is None:
+        return g
+    return (g - g.mean(dim=-1, keepdim=True)) * scale[..., None, :, :]  # [...tjh]
+
+
+def value_path(stack: Sequence[Routed], x_lin: torch.Tensor, readout: torch.Tensor) -> tuple[
+        torch.Tensor, torch.Tensor]:
+    """Exact split of linear read-outs of a stack of routings over the first routing's inputs.
+
+    With every ``phi`` and norm scale fixed, each routing's pre-norm output
+    ``y_jh = sum_d (sum_i phi_ij x_id / sqrt(n)) W_F1_jd W_F2_dh + (sum_i phi_ij) B_F2_jh`` and its norm
+    ``(y - mean_h y) * scale_j`` are affine, so the stack is affine in the first routing's inputs.
+    Write those inputs as ``x_inp = x_lin + x_const``, where ``x_lin`` is the part to credit (the rest,
+    e.g. a learned bias, is credited to no input). Then, for each read-out ``t`` with weights
+    ``readout [..., t, j_L, h_L]`` on the last output,
+
+        sum_jh readout_tjh x_out_L_jh  =  sum_i contrib_ti  +  baseline_t      (exactly)
+
+    where ``contrib_ti`` is input i's part and ``baseline_t`` the read-out at ``x_lin = 0``: the votes'
+    biases ``B_F2`` of every routing and ``x_const``, carried along the same paths.
+
+    The read-outs travel back once through each routing, batched over ``t``; the ``[..., i, j, h]``
+    votes are never materialised. Cost per read-out: about one M-step of each routing.
+
+    Args:
+        stack: the routings in order of application; each one's ``x_inp`` is the previous one's output.
+        x_lin: ``[..., i, d]`` the part of the first routing's inputs to credit (0 at absent inputs).
+        readout: ``[..., t, j_L, h_L]`` weights of each read-out on the last output.
+
+    Returns:
+        ``contrib [..., t, i]`` and ``baseline [..., t]``.
+    """
+    if not stack:
+        raise ValueError("value_path() needs at least one routing")
+    g = readout  # [...tjh] read-outs of the current routing's output
+    baseline = readout.new_zeros(readout.shape[:-2])  # [...t]
+    for depth, r in enumerate(reversed(stack)):
+        R = r.routing
+        g = _pull_back_norm(g, _norm_scale(r))  # [...tjh] read-outs of the pre-norm output
+        baseline = baseline + torch.einsum("...tjh,...j,jh->...t", g, r.phi.sum(dim=-2), R.B_F2)  # [...t]
+        u = torch.einsum("...tjh,dh->...tjd", g, R.W_F2) * R.W_F1 * r.n.rsqrt()[..., None]  # [...tjd]
+        if depth + 1 < len(stack):  # read-outs of the previous routing's output, through phi
+            g = torch.einsum("...ij,...tjd->...tid", r.phi, u)  # [...tid]
+    first = stack[0]
+    per_ij = torch.einsum("...id,...tjd->...tij", x_lin, u)  # [...tij] each input's vote features, read out
+    contrib = (per_ij * first.phi[..., None, :, :]).sum(dim=-1)  # [...ti]
+    phi_x = torch.einsum("...ij,...id->...jd", first.phi, first.x_inp - x_lin)  # [...jd] x_const, contracted
+    baseline = baseline + torch.einsum("...tjd,...jd->...t", u, phi_x)  # [...t]
+    return contrib, baseline

@@ -95,8 +95,8 @@ class EfficientVectorRouting(nn.Module):
         Returns:
             ``x_out [..., n_out, d_out]``, or with ``return_dict`` a dict holding ``a_inp [...i]``,
             ``V [...ijh]`` (None when memory-efficient), ``pred_x_inp [...jd]`` and ``S [...ij]``
-            (None after a single iteration), ``R``, ``D_use``, ``D_ign``, ``phi`` (each ``[...ij]``)
-            and ``x_out [...jh]``.
+            (None after a single iteration), ``R``, ``D_use``, ``D_ign``, ``phi`` (each ``[...ij]``),
+            ``x_out_raw [...jh]`` (the last M-step's output, before the final norm) and ``x_out [...jh]``.
         """
         self._check(x_inp)
         m: Mask | None = build_mask(mask, x_inp, self.n_out)
@@ -133,6 +133,7 @@ class EfficientVectorRouting(nn.Module):
                 S = nn.functional.logsigmoid(dots * self.W_S + self.B_S)  # [...ij]
                 R = route(S, m)  # [...ij]
 
+        x_out_raw = x_out  # [...jh]
         if self.normalize:
             x_out = self.N(x_out)  # [...jh]
 
@@ -140,5 +141,5 @@ class EfficientVectorRouting(nn.Module):
             return x_out
         return {
             "a_inp": a_inp, "V": V, "pred_x_inp": pred_x_inp, "S": S, "R": R.expand_as(D_use),
-            "D_use": D_use, "D_ign": D_ign, "phi": phi, "x_out": x_out,
+            "D_use": D_use, "D_ign": D_ign, "phi": phi, "x_out_raw": x_out_raw, "x_out": x_out,
         }

@@ -6,12 +6,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from service.modeling import views
-from service.modeling.classifier import Prediction, RoutingClassifier
+from service.modeling.classifier import CreditRequest, Explained, Method, Prediction, RoutingClassifier
 from service.modeling.repository import Manifest, load_model
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -51,11 +51,14 @@ class Task:
 
     ``explain``: None (scores only), ``"predicted"`` (token credit of the predicted label), or
     ``"full"`` (the explain endpoint's views for ``targets``; None = the predicted label).
+    ``method`` and ``contrast`` choose the credit (see ``service.modeling.classifier``).
     """
 
     text: str
-    explain: str | None = None
+    explain: Literal["predicted", "full"] | None = None
     targets: tuple[str, ...] | None = None
+    method: Method = "contribution"
+    contrast: bool = True
     include_matrix: bool = False
     include_phi: bool = False
 
@@ -85,7 +88,8 @@ class Engine:
         manifest, clf = load_model(folder, device=dev, dtype=dt)
         engine = cls(manifest, clf, dev, dt, 0.0)
         if warmup:
-            engine.run([Task("warm up the model", explain="full")])
+            engine.run([Task("warm up the model", explain="full"),
+                        Task("and its routing shares", explain="full", method="shares")])
         engine.load_seconds = time.perf_counter() - t0
         return engine
 
@@ -109,28 +113,37 @@ class Engine:
         """Sequence length of each text (chunk special tokens included): the batcher's cost."""
         return self.classifier.backbone.count_tokens(texts)
 
-    def run(self, tasks: list[Task]) -> list[Result]:
-        """Classify a batch; compute credit only if some text asks for it."""
-        explain = any(t.explain for t in tasks)
-        phi = any(t.include_phi for t in tasks)
-        pred = self.classifier.predict([t.text for t in tasks], explain=explain, return_phi=phi)
-        probs = pred.probs.cpu()  # one device-to-host copy per batch, not per text
-        credit = pred.credit.cpu() if pred.credit is not None else None
-        return [self._result(pred, probs, credit, b, t) for b, t in enumerate(tasks)]
+    def _credit_request(self, task: Task) -> CreditRequest | None:
+        """The classifier's request for ``task``: every class when the full matrix is wanted."""
+        if task.explain is None:
+            return None
+        targets = None
+        if task.include_matrix:
+            targets = tuple(range(len(self.labels)))
+        elif task.targets is not None:
+            targets = tuple(self.labels.index(t) for t in task.targets)
+        return CreditRequest(targets=targets, method=task.method, contrast=task.contrast)
 
-    def _result(self, pred: Prediction, probs: torch.Tensor, credit_all: torch.Tensor | None, b: int,
-                task: Task) -> Result:
+    def run(self, tasks: list[Task]) -> list[Result]:
+        """Classify a batch; compute credit only for the texts that ask for it."""
+        phi = any(t.include_phi for t in tasks)
+        pred = self.classifier.predict([t.text for t in tasks], explain=[self._credit_request(t) for t in tasks],
+                                       return_phi=phi)
+        probs = pred.probs.cpu()  # one device-to-host copy per batch, not per text
+        return [self._result(pred, probs, b, t) for b, t in enumerate(tasks)]
+
+    def _result(self, pred: Prediction, probs: torch.Tensor, b: int, task: Task) -> Result:
         k = int(probs[b].argmax())
         scores = {lab: float(p) for lab, p in zip(self.labels, probs[b].tolist(), strict=True)}
-        n = pred.encoded.lengths[b]
         res = Result(label=self.labels[k], scores=scores)
-        if task.explain is None or credit_all is None:
+        explained = pred.explained[b]
+        if task.explain is None or explained is None:
             return res
-        credit = credit_all[b, :n]  # [n e k]
         if task.explain == "predicted":
-            res.explanation = self._predicted_view(pred, b, credit, k)
+            res.explanation = self._predicted_view(pred, b, explained, task)
         else:
-            res.explanation = self._full_view(pred, b, credit, task, list(task.targets or [self.labels[k]]))
+            targets = list(task.targets or [self.labels[k]])
+            res.explanation = self._full_view(pred, b, explained, task, targets)
         return res
 
     def _tokens(self, pred: Prediction, b: int) -> tuple[list[str], list[list[int]], list[bool]]:
@@ -138,23 +151,34 @@ class Engine:
         tokens = self.classifier.backbone.tokenizer.convert_ids_to_tokens(enc.token_ids[b].tolist())
         return tokens, enc.offsets[b].tolist(), enc.special[b].tolist()
 
-    def _predicted_view(self, pred: Prediction, b: int, credit: torch.Tensor, k: int) -> dict[str, Any]:
-        """Token credit (summed over depth) of the predicted label ``k``, special tokens left out."""
-        tokens, offsets, special = self._tokens(pred, b)
-        per_token = views.token_credit(credit)[:, k].tolist()  # [n]
-        return {"target": self.labels[k], "tokens": [
-            {"token": tok, "start": s, "end": e, "credit": c}
-            for tok, (s, e), sp, c in zip(tokens, offsets, special, per_token, strict=True) if not sp]}
+    @staticmethod
+    def _readout(ex: Explained, column: int) -> tuple[float | None, float | None]:
+        """The explained read-out and its baseline for one target column (None for routing shares)."""
+        if ex.logit is None or ex.baseline is None:
+            return None, None
+        return float(ex.logit[column]), float(ex.baseline[column])
 
-    def _full_view(self, pred: Prediction, b: int, credit: torch.Tensor, task: Task,
+    def _predicted_view(self, pred: Prediction, b: int, ex: Explained, task: Task) -> dict[str, Any]:
+        """Token credit (summed over depth) of the predicted label, special tokens summed apart."""
+        tokens, offsets, special = self._tokens(pred, b)
+        per_token = views.token_credit(ex.credit)[:, 0]  # [n]
+        logit, baseline = self._readout(ex, 0)
+        return {"target": self.labels[ex.targets[0]], "method": task.method, "contrast": task.contrast,
+                "logit": logit, "baseline": baseline,
+                "special": float(per_token[torch.tensor(special, dtype=torch.bool)].sum()),
+                "tokens": [{"token": tok, "start": s, "end": e, "credit": c}
+                           for tok, (s, e), sp, c in zip(tokens, offsets, special, per_token.tolist(), strict=True)
+                           if not sp]}
+
+    def _full_view(self, pred: Prediction, b: int, ex: Explained, task: Task,
                    targets: list[str]) -> dict[str, Any]:
         """Tokens, and per target credit per token, word, sentence and depth (plus matrix and phi)."""
         enc = pred.encoded
         tokens, offsets, special = self._tokens(pred, b)
-        per_token = views.token_credit(credit)  # [n k]
+        per_token = views.token_credit(ex.credit)  # [n t]
         words = views.words(task.text, enc.offsets[b], enc.word_ids[b], enc.special[b])
         sents = views.sentences(task.text, enc.offsets[b], enc.special[b])
-        w_credit, s_credit = views.span_credit(per_token, words), views.span_credit(per_token, sents)  # [wk], [sk]
+        w_credit, s_credit = views.span_credit(per_token, words), views.span_credit(per_token, sents)  # [wt], [st]
 
         def spans(items: list[views.Span], values: torch.Tensor) -> list[dict[str, Any]]:
             return [{"text": sp.text, "start": sp.start, "end": sp.end, "credit": float(v)}
@@ -162,18 +186,21 @@ class Engine:
 
         by_target = {}
         for target in targets:
-            j = self.labels.index(target)
-            by_target[target] = {"tokens": per_token[:, j].tolist(), "words": spans(words, w_credit[:, j]),
-                                 "sentences": spans(sents, s_credit[:, j]), "depth": credit[:, :, j].tolist()}
+            j = ex.targets.index(self.labels.index(target))
+            logit, baseline = self._readout(ex, j)
+            by_target[target] = {"logit": logit, "baseline": baseline, "tokens": per_token[:, j].tolist(),
+                                 "words": spans(words, w_credit[:, j]), "sentences": spans(sents, s_credit[:, j]),
+                                 "depth": ex.credit[:, :, j].tolist()}
         out: dict[str, Any] = {
+            "method": task.method, "contrast": task.contrast,
             "tokens": [{"token": tok, "start": s, "end": e, "special": sp}
                        for tok, (s, e), sp in zip(tokens, offsets, special, strict=True)],
             "targets": targets, "credit": by_target,
         }
         if task.include_matrix:
-            out["matrix"] = credit.tolist()
+            out["matrix"] = ex.credit.tolist()
         if task.include_phi and pred.phi is not None:
-            n_i = credit.shape[0] * credit.shape[1]
+            n_i = ex.credit.shape[0] * ex.credit.shape[1]
             phi1, phi2, phi3 = (p[b].float().cpu() for p in pred.phi)
             out["phi"] = [phi1[:n_i].tolist(), phi2.tolist(), phi3.tolist()]
         return out

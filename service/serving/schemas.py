@@ -17,14 +17,25 @@ class _Request(BaseModel):
                                     "the server's default applies when absent and its maximum caps it")
 
 
-class ClassifyRequest(_Request):
+class _CreditOptions(BaseModel):
+    method: Literal["contribution", "shares"] = Field(
+        "contribution", description='"contribution": each token\'s exact share of the logit through the head\'s '
+        'value path, in logit units, summing to logit - baseline. "shares": the paper\'s eq. 15 routing shares '
+        '(phi1 @ phi2 @ phi3 at unit variance): how much of each token\'s data the routings pass to a class, '
+        'not whether it raises the score')
+    contrast: StrictBool = Field(True, description="With method contribution: explain logit_k - mean of all "
+                                 "logits (what moves the probabilities) instead of logit_k alone")
+
+
+class ClassifyRequest(_CreditOptions, _Request):
     explain: StrictBool = Field(False, description="Also return token-level credit for each predicted label")
 
 
-class ExplainRequest(_Request):
+class ExplainRequest(_CreditOptions, _Request):
     target: str | list[Annotated[str, StringConstraints(min_length=1)]] | None = Field(
         None, description='Label(s) to explain: a label, a list of labels, or "all" (default: the predicted one)')
-    include_matrix: StrictBool = Field(False, description="Add the full end-to-end credit [n_pos, d_depth, n_classes]")
+    include_matrix: StrictBool = Field(False, description="Add the full credit matrix [n_pos, d_depth, n_classes] "
+                                       "(every class, same method)")
     include_phi: StrictBool = Field(False, description="Add each routing's credit matrix phi "
                                                  "(phi1 is [n_pos*d_depth, n_hid])")
 
@@ -36,8 +47,18 @@ class TokenCredit(BaseModel):
     credit: float
 
 
+_LOGIT = ("The explained logit (contrast form: logit - mean of all logits); null for routing shares. "
+          "Token credit (special tokens included) + baseline = logit")
+_BASELINE = "The logit with every hidden state at zero (routing coefficients and norm scales as in this pass)"
+
+
 class PredictedExplanation(BaseModel):
     target: str = Field(description="The label explained (the predicted one)")
+    method: Literal["contribution", "shares"]
+    contrast: bool
+    logit: float | None = Field(description=_LOGIT)
+    baseline: float | None = Field(description=_BASELINE)
+    special: float = Field(description="Credit of the special tokens ([CLS], [SEP] of every chunk), summed")
     tokens: list[TokenCredit] = Field(description="Credit per (non-special) token, summed over depth")
 
 
@@ -68,6 +89,8 @@ class SpanCredit(BaseModel):
 
 
 class TargetCredit(BaseModel):
+    logit: float | None = Field(description=_LOGIT)
+    baseline: float | None = Field(description=_BASELINE)
     tokens: list[float] = Field(description="Credit per token position (aligned with `tokens`), summed over depth")
     words: list[SpanCredit] = Field(description="Word pieces merged into words")
     sentences: list[SpanCredit]
@@ -78,10 +101,13 @@ class ExplainResult(BaseModel):
     label: str
     score: float
     scores: dict[str, float]
+    method: Literal["contribution", "shares"]
+    contrast: bool
     tokens: list[Token]
     targets: list[str]
     credit: dict[str, TargetCredit] = Field(description="Per target label")
-    matrix: list[list[list[float]]] | None = Field(None, description="[n_pos, d_depth, n_classes] at unit variance")
+    matrix: list[list[list[float]]] | None = Field(None, description="[n_pos, d_depth, n_classes] credit of "
+                                                   "every class, same method")
     phi: list[list[list[float]]] | None = Field(None, description="phi1, phi2, phi3 of the three routings")
 
 

@@ -5,6 +5,7 @@ import torch
 
 from service.modeling import views
 from service.modeling.backbone import Backbone
+from service.modeling.classifier import CreditRequest
 from service.modeling.repository import load_model
 
 LONG = ("The routing head reads every layer. " * 12 + "It ends here. Final words!").strip()
@@ -42,26 +43,46 @@ def test_chunking_keeps_special_tokens_in_every_chunk_and_no_padding(tiny_backbo
             assert LONG[s:e].lower() == piece
 
 
-def test_batch_invariance_of_scores_and_credit(classifier) -> None:
-    batched = classifier.predict(TEXTS, explain=True)
+ALL = CreditRequest(targets=(0, 1, 2))
+SHARES = CreditRequest(targets=(0, 1, 2), method="shares")
+
+
+@pytest.mark.parametrize("request_", [ALL, CreditRequest(targets=(2, 0), contrast=False), SHARES])
+def test_batch_invariance_of_scores_and_credit(classifier, request_: CreditRequest) -> None:
+    batched = classifier.predict(TEXTS, explain=[request_] * len(TEXTS))
     for b, text in enumerate(TEXTS):
-        alone = classifier.predict([text], explain=True)
-        n = batched.encoded.lengths[b]
+        alone = classifier.predict([text], explain=[request_])
         assert (batched.probs[b] - alone.probs[0]).abs().max() <= 1e-5
-        assert (batched.credit[b, :n] - alone.credit[0]).abs().max() <= 1e-5
-        assert (batched.credit[b, n:] == 0).all()
+        mine, ref = batched.explained[b], alone.explained[0]
+        assert mine.credit.shape == ref.credit.shape == (batched.encoded.lengths[b], 3, len(request_.targets))
+        assert (mine.credit - ref.credit).abs().max() <= 1e-5
+        if request_.method == "contribution":
+            assert (mine.baseline - ref.baseline).abs().max() <= 1e-5
 
 
-def test_credit_shapes_unit_variance_and_views(classifier) -> None:
-    pred = classifier.predict(TEXTS, explain=True, return_phi=True)
+def test_credit_only_for_the_texts_that_ask_with_their_own_targets(classifier) -> None:
+    pred = classifier.predict(TEXTS, explain=[None, CreditRequest(), None, CreditRequest(targets=(1, 2, 0))])
+    assert pred.explained[0] is None and pred.explained[2] is None
+    predicted = int(pred.probs[1].argmax())
+    assert pred.explained[1].targets == [predicted] and pred.explained[3].targets == [1, 2, 0]
+    for b in (1, 3):
+        ex = pred.explained[b]
+        assert ex.credit.shape == (pred.encoded.lengths[b], 3, len(ex.targets))
+        # completeness: the credit of every position and depth plus the baseline is the contrast logit
+        torch.testing.assert_close(ex.credit.sum((0, 1)) + ex.baseline, ex.logit, atol=1e-5, rtol=1e-5)
+    scores = torch.log(pred.probs[3])  # log-softmax: the contrast logits up to a constant per text
+    torch.testing.assert_close(pred.explained[3].logit, (scores - scores.mean())[[1, 2, 0]], atol=1e-5, rtol=1e-5)
+
+
+def test_shares_shapes_unit_variance_and_views(classifier) -> None:
+    pred = classifier.predict(TEXTS, explain=[SHARES] * len(TEXTS), return_phi=True)
     n_max = pred.encoded.hidden.shape[1]
-    assert pred.credit.shape == (len(TEXTS), n_max, 3, 3)
     phi1, phi2, phi3 = pred.phi
     assert phi1.shape == (len(TEXTS), n_max * 3, 8) and phi2.shape == (len(TEXTS), 8, 8)
     assert phi3.shape == (len(TEXTS), 8, 3)
     b = 1
-    n = pred.encoded.lengths[b]
-    c = pred.credit[b, :n]
+    c = pred.explained[b].credit
+    assert c.shape == (pred.encoded.lengths[b], 3, 3)
     assert abs(c.std().item() - 1) < 1e-3
     per_token = views.token_credit(c)
     torch.testing.assert_close(per_token, c.sum(1))
@@ -75,12 +96,11 @@ def test_credit_shapes_unit_variance_and_views(classifier) -> None:
     torch.testing.assert_close(views.span_credit(per_token, ss).sum(0), non_special, atol=1e-4, rtol=1e-4)
 
 
-def test_credit_explains_scores_through_the_chain(classifier) -> None:
+def test_shares_are_the_chain_of_the_three_phis(classifier) -> None:
     """phi1 @ phi2 @ phi3 before scaling equals the product of the head's three matrices."""
-    pred = classifier.predict(TEXTS[:1], explain=True, return_phi=True)
+    pred = classifier.predict(TEXTS[:1], explain=[SHARES], return_phi=True)
     phi1, phi2, phi3 = pred.phi
     raw = phi1[0] @ phi2[0] @ phi3[0]
-    n = pred.encoded.lengths[0]
-    scaled = pred.credit[0, :n].reshape(-1, 3)
+    scaled = pred.explained[0].credit.reshape(-1, 3)
     ratio = scaled / raw
     torch.testing.assert_close(ratio, torch.full_like(ratio, ratio[0, 0].item()), atol=1e-3, rtol=1e-3)

@@ -48,6 +48,35 @@ def test_classify_with_explain_gives_token_credit_for_the_predicted_label(tiny: 
     assert [t["token"] for t in exp["tokens"]][:3] == ["a", "second", ","]
     for t in exp["tokens"]:
         assert TEXTS[1][t["start"]:t["end"]].lower() == t["token"].removeprefix("##")
+    # completeness, checkable by the client: token credit + special tokens + baseline = (contrast) logit
+    assert exp["method"] == "contribution" and exp["contrast"] is True
+    total = sum(t["credit"] for t in exp["tokens"]) + exp["special"] + exp["baseline"]
+    assert total == pytest.approx(exp["logit"], abs=1e-4)
+    plain = post(tiny, "/v1/classify", {"inputs": [TEXTS[1]], "explain": True, "contrast": False}).json()
+    plain_exp = plain["results"][0]["explanation"]
+    assert plain_exp["contrast"] is False and plain_exp["logit"] != pytest.approx(exp["logit"])
+    total = sum(t["credit"] for t in plain_exp["tokens"]) + plain_exp["special"] + plain_exp["baseline"]
+    assert total == pytest.approx(plain_exp["logit"], abs=1e-4)
+
+
+def test_explain_credit_sums_to_logit_and_shares_stay_available(tiny: Server) -> None:
+    res = post(tiny, "/v1/explain", {"inputs": [TEXTS[1]], "target": "all"}).json()["results"][0]
+    assert res["method"] == "contribution" and res["contrast"] is True
+    logits = {lab: c["logit"] for lab, c in res["credit"].items()}
+    assert sum(logits.values()) == pytest.approx(0, abs=1e-5)  # contrast form: centred over the labels
+    for c in res["credit"].values():
+        assert sum(c["tokens"]) + c["baseline"] == pytest.approx(c["logit"], abs=1e-4)
+        words = sum(w["credit"] for w in c["words"])
+        specials = sum(v for v, t in zip(c["tokens"], res["tokens"], strict=True) if t["special"])
+        assert words + specials == pytest.approx(sum(c["tokens"]), abs=1e-4)
+        assert sum(s["credit"] for s in c["sentences"]) == pytest.approx(words, abs=1e-4)
+    shares = post(tiny, "/v1/explain", {"inputs": [TEXTS[1]], "target": "all", "method": "shares"}).json()
+    sh = shares["results"][0]
+    assert sh["method"] == "shares" and sh["contrast"] is False
+    assert all(c["logit"] is None and c["baseline"] is None for c in sh["credit"].values())
+    assert sh["credit"]["beta"]["tokens"] != pytest.approx(res["credit"]["beta"]["tokens"], abs=1e-3)
+    assert_error(post(tiny, "/v1/explain", {"inputs": ["ok"], "method": "gradient"}), 422, "validation_error",
+                 "method")
 
 
 def test_explain_views_targets_matrix_and_phi(tiny: Server) -> None:

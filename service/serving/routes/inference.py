@@ -102,7 +102,9 @@ async def classify(request: Request, state: AppState, model: str, body: Classify
     served = served_model(state, model)
     _check_limits(state, body.inputs)
     deadline = _deadline(state, body.timeout_s)
-    tasks = [Task(t, explain="predicted" if body.explain else None) for t in body.inputs]
+    contrast = body.contrast and body.method == "contribution"
+    tasks = [Task(t, explain="predicted" if body.explain else None, method=body.method, contrast=contrast)
+             for t in body.inputs]
     results = await run_tasks(request, served, tasks, deadline)
     return ClassifyResponse(model=model, results=[
         ClassifyResult(label=r.label, score=r.scores[r.label], scores=r.scores, explanation=r.explanation)
@@ -121,8 +123,9 @@ async def explain(request: Request, state: AppState, model: str, body: ExplainRe
         if size > state.settings.max_explain_elements:
             raise APIError(413, f"include_matrix/include_phi would return {size} numbers, more than the limit of "
                                 f"{state.settings.max_explain_elements}; send fewer or shorter texts")
-    tasks = [Task(t, explain="full", targets=targets, include_matrix=body.include_matrix,
-                  include_phi=body.include_phi) for t in body.inputs]
+    contrast = body.contrast and body.method == "contribution"
+    tasks = [Task(t, explain="full", targets=targets, method=body.method, contrast=contrast,
+                  include_matrix=body.include_matrix, include_phi=body.include_phi) for t in body.inputs]
     results = await run_tasks(request, served, tasks, deadline, counts)
     return ExplainResponse(model=model, labels=engine.labels, results=[
         ExplainResult(label=r.label, score=r.scores[r.label], scores=r.scores, **(r.explanation or {}))
@@ -137,7 +140,8 @@ async def classify_model(request: Request, state: State, model: str, body: Class
 
 @router.post("/models/{model}/explain", response_model=ExplainResponse, summary="Credit assignments")
 async def explain_model(request: Request, state: State, model: str, body: ExplainRequest) -> ExplainResponse:
-    """End-to-end credit (paper eq. 15) per token, word, sentence and depth for the target label(s)."""
+    """Credit per token, word, sentence and depth for the target label(s): by default each token's exact
+    contribution to the (contrast) logit through the head, with the baseline it sums to the logit with."""
     return await explain(request, state, model, body)
 
 
