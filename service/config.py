@@ -41,6 +41,11 @@ class Settings(BaseSettings):
     max_inputs: int = Field(64, ge=1, description="Texts per request")
     max_chars: int = Field(20000, ge=1, description="Characters per text")
     max_body_bytes: int = Field(2_000_000, ge=1024, description="Request body size")
+    body_timeout_s: float = Field(30.0, gt=0, description="Time to receive a request body (408 after)")
+    header_timeout_s: float = Field(10.0, gt=0, description="Time to receive a request's head after connecting "
+                                    "or starting it (408 after)")
+    max_headers: int = Field(100, ge=8, description="Request headers per request (431 above)")
+    max_header_bytes: int = Field(32768, ge=1024, description="Bytes of request headers, names and values (431 above)")
     request_timeout_s: float = Field(30.0, gt=0, description="Default deadline of a request")
     max_request_timeout_s: float = Field(120.0, gt=0, description="Largest deadline a client may ask for")
     max_explain_elements: int = Field(2_000_000, ge=1, description="Largest full credit/phi payload (numbers)")

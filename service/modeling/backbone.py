@@ -8,8 +8,12 @@ padding) are joined back into one sequence, as the paper does for IMDB.
 from __future__ import annotations
 
 import importlib
+import os
+import socket
 import threading
 from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlparse
 
 import torch
 from transformers import AutoModel, AutoTokenizer, PreTrainedTokenizerBase
@@ -36,6 +40,33 @@ def resolve_source(source: str) -> str:
             ) from e
         return str(module.get_model_path())
     return source
+
+
+def hub_offline() -> bool:
+    """Whether hub downloads are switched off (``HF_HUB_OFFLINE``, as huggingface_hub reads it)."""
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def hub_reachable(timeout_s: float = 3.0) -> bool:
+    """Whether the hub (``HF_ENDPOINT`` or huggingface.co) accepts a TCP connection within ``timeout_s``.
+
+    Name resolution can hang far longer than a socket timeout, so the probe runs in a daemon thread
+    and is abandoned after ``timeout_s``."""
+    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    host, port = url.hostname or "huggingface.co", url.port or (80 if url.scheme == "http" else 443)
+    ok = threading.Event()
+
+    def probe() -> None:
+        try:
+            socket.create_connection((host, port), timeout=timeout_s).close()
+            ok.set()
+        except OSError:
+            pass
+
+    thread = threading.Thread(target=probe, daemon=True, name="hub-probe")
+    thread.start()
+    thread.join(timeout_s)
+    return ok.is_set()
 
 
 @dataclass
@@ -89,11 +120,15 @@ class Backbone(torch.nn.Module):
     ) -> None:
         super().__init__()
         path = resolve_source(source)
+        # a hub id: without the hub (offline mode, or not reachable) only the local cache can serve it,
+        # and asking for the cache alone fails at once instead of retrying the network for a minute
+        local_only = not Path(path).is_dir() and (hub_offline() or not hub_reachable())
         try:
-            self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(path)
-            self.encoder = AutoModel.from_pretrained(path, dtype=dtype)
+            self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(path, local_files_only=local_only)
+            self.encoder = AutoModel.from_pretrained(path, dtype=dtype, local_files_only=local_only)
         except (OSError, ValueError) as e:
-            raise BackboneError(f"cannot load backbone {source!r} from {path}: {e}") from e
+            why = " (not a local folder; the hub is offline or not reachable, and it is not in the local cache)"
+            raise BackboneError(f"cannot load backbone {source!r} from {path}{why if local_only else ''}: {e}") from e
         if not getattr(self.tokenizer, "is_fast", False):
             raise BackboneError(f"backbone {source!r} needs a fast tokenizer (character offsets)")
         self.encoder.eval().requires_grad_(False).to(device)

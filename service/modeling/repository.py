@@ -113,6 +113,10 @@ def load_head(folder: Path, manifest: Manifest) -> RoutingHead:
              if state[k].shape != v.shape]
     if wrong:
         raise ModelLoadError(path, f"wrong shapes for the manifest's head config: {'; '.join(wrong[:5])}")
+    bad = [f"{k} ({int((~torch.isfinite(v)).sum())} of {v.numel()})" for k, v in state.items()
+           if v.is_floating_point() and not bool(torch.isfinite(v).all())]
+    if bad:
+        raise ModelLoadError(path, f"non-finite values (NaN or Inf) in tensor {', '.join(bad[:5])}")
     head.load_state_dict(state, strict=True)
     return head.eval().requires_grad_(False)
 

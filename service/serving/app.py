@@ -15,17 +15,19 @@ from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request, Response
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service import __version__
 from service.config import Settings
 from service.serving import errors
 from service.serving.engine import device_memory
 from service.serving.metrics import Metrics
+from service.serving.middleware import BodyGuard
+from service.serving.protocol import HttpLimits, guarded_protocol
 from service.serving.routes import health, inference, models
 from service.serving.state import AppState
 
 log = logging.getLogger("service.http")
+WRITE_GRACE_S = 2  # after the drain: time for handlers to write their last answers
 
 
 class JSONFormatter(logging.Formatter):
@@ -47,46 +49,6 @@ def setup_logging(settings: Settings) -> None:
     root.setLevel(settings.log_level.upper())
 
 
-class BodyLimit:
-    """413 for bodies over the limit, declared (Content-Length) or streamed."""
-
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
-        self.app, self.max_bytes = app, max_bytes
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
-            return await self.app(scope, receive, send)
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        length = headers.get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
-            return await self._reject(scope, receive, send, 413, f"body larger than {self.max_bytes} bytes")
-        seen = 0
-
-        async def limited() -> Message:
-            nonlocal seen
-            message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.max_bytes:
-                    raise _TooLarge
-            return message
-
-        try:
-            await self.app(scope, limited, send)
-        except _TooLarge:
-            await self._reject(scope, receive, send, 413, f"body larger than {self.max_bytes} bytes")
-
-    async def _reject(self, scope: Scope, receive: Receive, send: Send, status: int, message: str) -> None:
-        metrics: Metrics | None = getattr(scope["app"].state, "metrics", None) if "app" in scope else None
-        if metrics is not None:
-            metrics.failures.labels("validation").inc()
-        await errors.error_response(status, message)(scope, receive, send)
-
-
-class _TooLarge(Exception):
-    pass
-
-
 def create_app(settings: Settings | None = None) -> FastAPI:
     """Build the app; models load in the background once it starts (see /readyz)."""
     settings = settings or Settings()
@@ -104,7 +66,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             loader.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await loader
-            await state.close()
+            state.abort("server stopped")  # nothing is left after a drain; after a forced stop, answer the rest
+            await state.close(timeout_s=1.0)
 
     app = FastAPI(title="routing-service", version=__version__, lifespan=lifespan,
                   description="Text classification with routing heads (Heinsen 2022) and end-to-end credit "
@@ -117,7 +80,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(health.router)
 
     # added before `observe`, so it runs inside it: its 413s get a request id and are counted
-    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(BodyGuard, max_bytes=settings.max_body_bytes, timeout_s=settings.body_timeout_s)
 
     @app.middleware("http")
     async def observe(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
@@ -182,7 +145,15 @@ class DrainingServer(uvicorn.Server):
         await asyncio.sleep(0.05)  # let requests already being parsed reach the batcher
         while not state.idle and time.monotonic() < end:
             await asyncio.sleep(0.02)
-        log.info("drained (%s); shutting down", "idle" if state.idle else "timeout")
+        if not state.idle:
+            # the deadline passed first: what has not been computed is answered 503 now (Retry-After),
+            # then the handlers get a moment to write their answers
+            n = state.abort("the server's drain deadline passed before this text was computed")
+            log.warning("drain deadline passed: %d texts answered 503", n)
+            grace = time.monotonic() + WRITE_GRACE_S
+            while state.in_flight and time.monotonic() < grace:
+                await asyncio.sleep(0.02)
+        log.info("drained (%s); shutting down", "idle" if state.idle else "deadline")
         self.should_exit = True
 
 
@@ -191,8 +162,12 @@ def run_server(settings: Settings) -> None:
     setup_logging(settings)
     app = create_app(settings)
     state: AppState = app.state.app_state
+    limits = HttpLimits(max_headers=settings.max_headers, max_header_bytes=settings.max_header_bytes,
+                        header_timeout_s=settings.header_timeout_s)
+    # the drain has answered every request before uvicorn's own graceful shutdown starts, so that one
+    # only closes idle connections: a short timeout, not the drain timeout a second time
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None, access_log=False,
-                            timeout_graceful_shutdown=max(1, int(settings.drain_timeout_s)))
+                            http=guarded_protocol(limits, app.state.metrics), timeout_graceful_shutdown=WRITE_GRACE_S)
     server = DrainingServer(config, state)
 
     async def main() -> None:

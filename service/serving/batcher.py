@@ -88,7 +88,7 @@ class Batcher(Generic[P, R]):
         self._worker: asyncio.Task[None] | None = None
         self._accepting = True
         self._flush = False  # run batches without waiting for them to fill (shutting down)
-        self._busy = 0  # items taken from the queue and not yet answered
+        self._computing: list[_Item[P]] = []  # items taken from the queue and not yet answered
 
     @property
     def queue_depth(self) -> int:
@@ -96,7 +96,7 @@ class Batcher(Generic[P, R]):
 
     @property
     def idle(self) -> bool:
-        return not self._pending and self._busy == 0
+        return not self._pending and not self._computing
 
     def start(self) -> None:
         if self._worker is None:
@@ -152,6 +152,19 @@ class Batcher(Generic[P, R]):
             with contextlib.suppress(asyncio.CancelledError):
                 await self._worker
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def abort(self, reason: str) -> int:
+        """Stop accepting and answer every queued or computing item with :class:`Draining` now (a batch
+        already computing finishes in its thread, unanswered). Returns how many items were answered."""
+        self._accepting = False
+        answered = 0
+        for it in [*self._pending, *self._computing]:
+            if not it.future.done():
+                _fail(it.future, Draining(f"{self.name}: {reason}"))
+                answered += 1
+        self._pending.clear()
+        self.observer.on_queue_depth(0)
+        return answered
 
     def flush(self) -> None:
         """Stop waiting for batches to fill: the server is draining and few new texts will come."""
@@ -234,7 +247,7 @@ class Batcher(Generic[P, R]):
                 log.exception("batcher %s: unexpected error in the batching loop", self.name)
 
     async def _run(self, loop: asyncio.AbstractEventLoop, batch: list[_Item[P]]) -> None:
-        self._busy += len(batch)
+        self._computing = batch
         started = time.monotonic()
         try:
             results = await loop.run_in_executor(self._executor, self.run_batch, [it.payload for it in batch])
@@ -249,7 +262,7 @@ class Batcher(Generic[P, R]):
                 if not it.future.done():
                     it.future.set_result(r)
         finally:
-            self._busy -= len(batch)
+            self._computing = []
         widest = max(it.cost for it in batch)
         self.observer.on_batch(len(batch), widest * len(batch), sum(it.cost for it in batch),
                                [started - it.enqueued for it in batch], time.monotonic() - started)

@@ -63,11 +63,18 @@ class Task:
     include_phi: bool = False
 
 
+class NonFiniteScores(RuntimeError):
+    """The model produced NaN or Inf scores: a fault of the model, never an answer."""
+
+
 @dataclass
 class Result:
+    """One text's answer; ``error`` (the text's scores were not finite) replaces everything else."""
+
     label: str
     scores: dict[str, float]
     explanation: dict[str, Any] | None = None
+    error: str | None = None
 
 
 class Engine:
@@ -88,8 +95,11 @@ class Engine:
         manifest, clf = load_model(folder, device=dev, dtype=dt)
         engine = cls(manifest, clf, dev, dt, 0.0)
         if warmup:
-            engine.run([Task("warm up the model", explain="full"),
-                        Task("and its routing shares", explain="full", method="shares")])
+            results = engine.run([Task("warm up the model", explain="full"),
+                                  Task("and its routing shares", explain="full", method="shares")])
+            failed = [r.error for r in results if r.error]
+            if failed:
+                raise NonFiniteScores(f"model {manifest.name} failed its warm-up: {failed[0]}")
         engine.load_seconds = time.perf_counter() - t0
         return engine
 
@@ -133,6 +143,8 @@ class Engine:
         return [self._result(pred, probs, b, t) for b, t in enumerate(tasks)]
 
     def _result(self, pred: Prediction, probs: torch.Tensor, b: int, task: Task) -> Result:
+        if not bool(torch.isfinite(probs[b]).all()):
+            return Result(label="", scores={}, error=f"model {self.name} produced non-finite scores for this text")
         k = int(probs[b].argmax())
         scores = {lab: float(p) for lab, p in zip(self.labels, probs[b].tolist(), strict=True)}
         res = Result(label=self.labels[k], scores=scores)

@@ -13,12 +13,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 log = logging.getLogger("service.errors")
 
 CODES = {400: "bad_request", 401: "unauthorized", 403: "forbidden", 404: "not_found", 405: "method_not_allowed",
-         413: "payload_too_large", 415: "unsupported_media_type", 422: "validation_error",
-         429: "too_many_requests", 499: "client_closed_request", 500: "internal_error",
-         503: "service_unavailable", 504: "deadline_exceeded"}
+         408: "request_timeout", 413: "payload_too_large", 415: "unsupported_media_type", 422: "validation_error",
+         429: "too_many_requests", 431: "request_header_fields_too_large", 499: "client_closed_request",
+         500: "internal_error", 503: "service_unavailable", 504: "deadline_exceeded"}
 
 # the failure reason each status counts as in routing_failures_total
-REASONS = {401: "auth", 404: "validation", 405: "validation", 413: "validation", 415: "validation",
+REASONS = {401: "auth", 404: "validation", 405: "validation", 408: "validation", 413: "validation", 415: "validation",
            422: "validation", 499: "disconnected", 500: "internal", 504: "deadline"}
 
 
@@ -58,6 +58,8 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
         _count(request, exc.reason)
+        if exc.reason == "internal":
+            log.error("%s %s: %s", request.method, request.url.path, exc.message)
         return error_response(exc.status, exc.message, exc.code, exc.headers, exc.details)
 
     @app.exception_handler(RequestValidationError)

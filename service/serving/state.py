@@ -85,6 +85,11 @@ class AppState:
     def idle(self) -> bool:
         return self.in_flight == 0 and all(m.batcher.idle for m in self.models.values())
 
-    async def close(self) -> None:
+    def abort(self, reason: str) -> int:
+        """Answer every text still queued or computing with 'shutting down' (503); how many there were."""
+        return sum(served.batcher.abort(reason) for served in self.models.values())
+
+    async def close(self, timeout_s: float) -> None:
+        """Stop every batcher, answering what is still queued within ``timeout_s``."""
         for served in self.models.values():
-            await served.batcher.stop(self.settings.drain_timeout_s)
+            await served.batcher.stop(timeout_s)

@@ -124,3 +124,31 @@ def test_manifest_round_trip(broken: Path, tmp_path: Path) -> None:
     copy = tmp_path / "copy" / "tiny"
     shutil.copytree(broken, copy)
     assert read_manifest(copy) == read_manifest(broken)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_weights_fail_loading_naming_the_tensor(broken: Path, value: float) -> None:
+    path = broken / "head.safetensors"
+    state = load_file(str(path))
+    state["route.1.W_F2"][3, 2] = value
+    save_file(state, str(path))
+    expect(broken, "head.safetensors", r"non-finite values \(NaN or Inf\) in tensor route\.1\.W_F2 \(1 of ")
+
+
+def test_unknown_hub_backbone_fails_fast_without_the_hub(broken: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Offline mode or an unreachable hub: only the local cache is asked, which fails at once
+    (transformers' own retries took about a minute)."""
+    import time
+
+    data = json.loads((broken / "manifest.json").read_text())
+    data["backbone"]["source"] = "someone/no-such-backbone"
+    (broken / "manifest.json").write_text(json.dumps(data))
+    for offline in ("1", None):
+        if offline is None:
+            monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+            monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens on the discard port
+        else:
+            monkeypatch.setenv("HF_HUB_OFFLINE", offline)
+        t0 = time.monotonic()
+        expect(broken, "manifest.json", "someone/no-such-backbone.*not in the local cache")
+        assert time.monotonic() - t0 < 10

@@ -73,7 +73,7 @@ async def run_tasks(request: Request, served: Served, tasks: list[Task], deadlin
             await work
         raise APIError(499, "client disconnected")
     try:
-        return work.result()
+        results = work.result()
     except Overloaded as e:
         raise APIError(503, f"overloaded, retry later ({e})", headers={"Retry-After": "1"},
                        reason="overloaded") from None
@@ -83,6 +83,10 @@ async def run_tasks(request: Request, served: Served, tasks: list[Task], deadlin
         raise APIError(504, f"deadline exceeded: {e}") from None
     except Exception as e:
         raise APIError(500, f"model {engine.name} failed on this batch: {type(e).__name__}: {e}") from e
+    failed = next((r.error for r in results if r.error), None)
+    if failed:
+        raise APIError(500, failed, reason="internal")
+    return results
 
 
 def _targets(labels: list[str], target: str | list[str] | None) -> tuple[str, ...] | None:

@@ -1,0 +1,69 @@
+"""ASGI middleware that guards request bodies: the size limit and the read timeout.
+
+The whole body is read here, before the framework parses it, so that a body over the limit gets 413
+whether it declares its length or streams it in chunks (a limit raised while the framework parses
+would surface as a parse error), and a client that trickles its body gets 408 instead of holding a
+connection and a worker forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from service.serving import errors
+from service.serving.metrics import Metrics
+
+
+class BodyGuard:
+    """413 for bodies over ``max_bytes`` (declared or streamed), 408 for bodies not received within
+    ``timeout_s``; the app then gets the body as one message, and later ``receive`` calls (disconnect
+    detection) go to the client as before."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float) -> None:
+        self.app, self.max_bytes, self.timeout_s = app, max_bytes, timeout_s
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        length = headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
+            return await self._reject(scope, receive, send, 413, f"body larger than {self.max_bytes} bytes")
+        chunks: list[bytes] = []
+        seen = 0
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                while True:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        return  # the client went away: nobody to answer
+                    seen += len(message.get("body", b""))
+                    if seen > self.max_bytes:
+                        return await self._reject(scope, receive, send, 413,
+                                                  f"body larger than {self.max_bytes} bytes")
+                    chunks.append(message.get("body", b""))
+                    if not message.get("more_body", False):
+                        break
+        except TimeoutError:
+            return await self._reject(scope, receive, send, 408, f"body not received within {self.timeout_s:g} s",
+                                      headers={"Connection": "close"})
+        body = b"".join(chunks)
+        delivered = False
+
+        async def replay() -> Message:
+            nonlocal delivered
+            if not delivered:
+                delivered = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _reject(self, scope: Scope, receive: Receive, send: Send, status: int, message: str,
+                      headers: dict[str, str] | None = None) -> None:
+        metrics: Metrics | None = getattr(scope["app"].state, "metrics", None) if "app" in scope else None
+        if metrics is not None:
+            metrics.failures.labels("validation").inc()
+        await errors.error_response(status, message, headers=headers)(scope, receive, send)

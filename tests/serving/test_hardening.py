@@ -1,0 +1,206 @@
+"""What hostile traffic, shutdown under load and damaged models must not break (issue 12), over
+HTTP against real servers; raw sockets send what well-behaved clients never would."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tests.conftest import write_tiny_model
+from tests.serving.conftest import running
+from tests.serving.server import Server, metric
+
+
+@pytest.fixture(scope="module")
+def guarded(tiny_repo: Path, logs: Path) -> Iterator[Server]:
+    yield from running(logs, model_repository=tiny_repo, default_model="tiny", max_body_bytes=20000,
+                       body_timeout_s=1, header_timeout_s=1, max_headers=50, max_header_bytes=8192)
+
+
+def raw(server: Server, data: bytes, wait_s: float = 5.0, pause_s: float = 0.0) -> tuple[int, dict[str, str], bytes]:
+    """Send ``data`` (after an optional pause), read until the server closes; status, headers, body."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=wait_s) as s:
+        if pause_s:
+            time.sleep(pause_s)
+        if data:
+            s.sendall(data)
+        chunks = []
+        while True:
+            try:
+                chunk = s.recv(65536)
+            except (ConnectionResetError, TimeoutError):
+                break
+            if not chunk:
+                break
+            chunks.append(chunk)
+    head, _, body = b"".join(chunks).partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    status = int(lines[0].split()[1]) if lines[0] else 0
+    headers = {k.strip().lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:])}
+    return status, headers, body
+
+
+def assert_json_error(status: int, headers: dict[str, str], body: bytes, expected: int, code: str) -> None:
+    assert status == expected, (status, headers, body[:300])
+    assert headers["content-type"] == "application/json" and len(headers["x-request-id"]) == 32
+    assert json.loads(body)["error"]["code"] == code
+
+
+def test_chunked_body_over_the_limit_is_413(guarded: Server) -> None:
+    body = json.dumps({"inputs": ["z" * 30000]}).encode()
+
+    def chunks() -> Iterator[bytes]:  # no Content-Length: the body is streamed in chunks
+        for k in range(0, len(body), 4096):
+            yield body[k : k + 4096]
+
+    r = httpx.post(f"{guarded.url}/v1/classify", content=chunks(), headers={"Content-Type": "application/json"})
+    assert "content-length" not in r.request.headers and r.request.headers["transfer-encoding"] == "chunked"
+    assert r.status_code == 413, r.text[:300]
+    assert r.json()["error"]["code"] == "payload_too_large" and "x-request-id" in r.headers
+    small = json.dumps({"inputs": ["a chunked body under the limit"]}).encode()
+    ok = httpx.post(f"{guarded.url}/v1/classify", content=iter([small[:10], small[10:]]),
+                    headers={"Content-Type": "application/json"})
+    assert ok.status_code == 200, ok.text
+
+
+def test_a_body_that_does_not_arrive_in_time_is_408(guarded: Server) -> None:
+    head = (b"POST /v1/classify HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 100\r\n\r\n")
+    t0 = time.monotonic()
+    status, headers, body = raw(guarded, head + b'{"inputs": ["slo')  # 16 of the 100 bytes, then silence
+    assert_json_error(status, headers, body, 408, "request_timeout")
+    assert time.monotonic() - t0 < 4
+
+
+def test_idle_and_trickling_connections_are_closed_with_408(guarded: Server) -> None:
+    t0 = time.monotonic()
+    status, headers, body = raw(guarded, b"")  # connect and send nothing
+    assert_json_error(status, headers, body, 408, "request_timeout")
+    status, headers, body = raw(guarded, b"GET /healthz HTTP/1.1\r\nHost: x\r\n")  # a head that never ends
+    assert_json_error(status, headers, body, 408, "request_timeout")
+    assert time.monotonic() - t0 < 6
+    assert httpx.get(f"{guarded.url}/healthz").status_code == 200  # well-behaved clients are unaffected
+
+
+@pytest.mark.parametrize("head", [
+    b"X-Big: " + b"a" * 1_000_000 + b"\r\n",
+    b"".join(b"X-H%d: v\r\n" % k for k in range(10_000)),
+])
+def test_too_many_or_too_large_headers_are_431(guarded: Server, head: bytes) -> None:
+    status, headers, body = raw(guarded, b"GET /healthz HTTP/1.1\r\nHost: x\r\n" + head + b"\r\n")
+    assert_json_error(status, headers, body, 431, "request_header_fields_too_large")
+
+
+@pytest.mark.parametrize("request_", [
+    b"POST /v1/classify HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\n{}",
+    b"POST /v1/classify HTTP/1.1\r\nHost: x\r\nContent-Length: -5\r\n\r\n",
+    b"POST /v1/classify HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\nab\r\n0\r\n\r\n",
+    "GET /healthz?q=\u00e9t\u00e9 HTTP/1.1\r\nHost: x\r\n\r\n".encode(),
+    b"NOT HTTP AT ALL\r\n\r\n",
+])
+def test_requests_the_parser_rejects_get_json_400(guarded: Server, request_: bytes) -> None:
+    status, headers, body = raw(guarded, request_)
+    assert_json_error(status, headers, body, 400, "bad_request")
+
+
+def test_drain_deadline_answers_every_request_in_json_and_exits_in_time(tiny_repo: Path, logs: Path) -> None:
+    """More queued work than the drain timeout: results for what was computed, 503 for the rest."""
+    server = Server(logs, model_repository=tiny_repo, default_model="tiny", max_batch_size=1, max_wait_ms=0,
+                    drain_timeout_s=2, max_chars=20000).wait_ready()
+    text = "a long text that needs a great many chunks of the tiny backbone, " * 300
+    answers: list[tuple[int, str, str | None]] = []
+    sent = threading.Event()
+
+    async def load() -> None:
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+            async def one() -> None:
+                try:
+                    r = await client.post("/v1/classify", json={"inputs": [text] * 8})
+                    answers.append((r.status_code, r.headers.get("content-type", ""), r.headers.get("retry-after")))
+                except httpx.TransportError as e:
+                    answers.append((0, type(e).__name__, None))
+
+            tasks = [asyncio.create_task(one()) for _ in range(20)]
+            for _ in range(300):  # until the server holds all 20 (and this /metrics request)
+                if metric((await client.get("/metrics")).text, "routing_requests_in_flight") >= 21:
+                    break
+                await asyncio.sleep(0.02)
+            sent.set()
+            await asyncio.gather(*tasks)
+
+    thread = threading.Thread(target=lambda: asyncio.run(load()))
+    thread.start()
+    assert sent.wait(60)
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    server.terminate()
+    code = server.proc.wait(30)
+    exited = time.monotonic() - t0
+    thread.join(30)
+    log = server.log()
+    server.stop()
+    assert len(answers) == 20
+    assert all(ctype == "application/json" for _, ctype, _ in answers), answers
+    codes = [status for status, _, _ in answers]
+    assert set(codes) <= {200, 503} and codes.count(503) >= 1, codes  # the work did not fit in 2 s
+    assert all(retry for status, _, retry in answers if status == 503), answers
+    assert code == 0, log
+    assert exited < 2 + 4, f"exited {exited:.1f} s after SIGTERM with a 2 s drain timeout"
+    assert "drain deadline passed" in log
+
+
+def write_head(folder: Path, change: dict[str, float]) -> None:
+    """Overwrite some tensors of a model folder's head weights with a constant."""
+    path = folder / "head.safetensors"
+    state = load_file(str(path))
+    for name, value in change.items():
+        state[name] = torch.full_like(state[name], value)
+    save_file(state, str(path))
+
+
+@pytest.fixture(scope="module")
+def overflowing(tmp_path_factory: pytest.TempPathFactory, tiny_backbone_dir: Path) -> Path:
+    """A model whose weights are finite but whose scores overflow to Inf/NaN."""
+    repo = tmp_path_factory.mktemp("overflow")
+    folder = write_tiny_model(repo, tiny_backbone_dir, name="overflow")
+    write_head(folder, {"route.2.W_F1": 1e30, "route.2.W_F2": 1e30})
+    return repo
+
+
+def test_non_finite_scores_fail_the_warm_up(overflowing: Path, logs: Path) -> None:
+    server = Server(logs, model_repository=overflowing, default_model="overflow")
+    assert server.proc.wait(120) == 1
+    log = server.log()
+    server.stop()
+    assert "model loading failed" in log and "non-finite scores" in log and "warm-up" in log
+
+
+def test_non_finite_scores_at_run_time_are_500_and_counted(overflowing: Path, logs: Path) -> None:
+    for server in running(logs, model_repository=overflowing, default_model="overflow", warmup="false"):
+        r = httpx.post(f"{server.url}/v1/classify", json={"inputs": ["hello"]}, timeout=30)
+        assert r.status_code == 500 and r.json()["error"]["code"] == "internal_error", r.text
+        assert "non-finite" in r.json()["error"]["message"]
+        page = httpx.get(f"{server.url}/metrics").text
+        assert metric(page, "routing_failures_total", reason="internal") == 1
+        assert metric(page, "routing_requests_total", status="500") == 1
+
+
+def test_an_unknown_hub_backbone_fails_within_seconds(tiny_repo: Path, logs: Path, tmp_path: Path) -> None:
+    folder = write_tiny_model(tmp_path, Path("someone/no-such-backbone"), name="hub")
+    t0 = time.monotonic()
+    server = Server(logs, model_repository=tmp_path, default_model="hub")  # the harness sets HF_HUB_OFFLINE=1
+    assert server.proc.wait(60) == 1
+    log = server.log()
+    server.stop()
+    assert time.monotonic() - t0 < 20 and "someone/no-such-backbone" in log and "not in the local cache" in log
+    assert folder.is_dir()
