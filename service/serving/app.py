@@ -23,7 +23,7 @@ from service.serving.engine import device_memory
 from service.serving.metrics import Metrics
 from service.serving.middleware import BodyGuard
 from service.serving.protocol import HttpLimits, guarded_protocol
-from service.serving.routes import health, inference, models
+from service.serving.routes import health, inference, kserve, models, v2
 from service.serving.state import AppState
 
 log = logging.getLogger("service.http")
@@ -76,8 +76,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.metrics = metrics
     errors.install(app)
     app.include_router(inference.router)
+    app.include_router(kserve.router)
     app.include_router(models.router)
     app.include_router(health.router)
+    app.include_router(v2.router)
+    app.include_router(v2.models)
 
     # added before `observe`, so it runs inside it: its 413s get a request id and are counted
     app.add_middleware(BodyGuard, max_bytes=settings.max_body_bytes, timeout_s=settings.body_timeout_s)
@@ -91,10 +94,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         metrics.in_flight.inc()
         status = 500
         try:
-            if state.status == "draining" and request.url.path.startswith("/v1/"):
+            path = request.url.path
+            if state.status == "draining" and (path.startswith("/v1/") or errors.is_v2(path)):
                 # requests that arrived before the drain began finish; new ones are turned away
                 metrics.failures.labels("draining").inc()
-                response = errors.error_response(503, "server is shutting down", headers={"Retry-After": "5"})
+                response = errors.error_response(503, "server is shutting down", headers={"Retry-After": "5"},
+                                                 path=path)
             else:
                 response = await call_next(request)
             status = response.status_code

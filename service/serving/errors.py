@@ -1,4 +1,5 @@
-"""One JSON error shape for every 4xx/5xx: ``{"error": {"code", "message", "details"?}}``."""
+"""One JSON error shape for every 4xx/5xx: ``{"error": {"code", "message", "details"?}}``, and under
+``/v2`` the Open Inference Protocol's own, ``{"error": "message"}`` (same status codes)."""
 
 from __future__ import annotations
 
@@ -33,8 +34,16 @@ class APIError(Exception):
         self.reason = reason or REASONS.get(status)
 
 
+def is_v2(path: str) -> bool:
+    """Whether ``path`` belongs to the Open Inference Protocol v2 routes."""
+    return path == "/v2" or path.startswith("/v2/")
+
+
 def error_response(status: int, message: str, code: str | None = None, headers: dict[str, str] | None = None,
-                   details: list[dict[str, Any]] | None = None) -> JSONResponse:
+                   details: list[dict[str, Any]] | None = None, path: str = "") -> JSONResponse:
+    """The error answer for a request to ``path``."""
+    if is_v2(path):
+        return JSONResponse({"error": message}, status_code=status, headers=headers)
     body: dict[str, Any] = {"code": code or CODES.get(status, "error"), "message": message}
     if details is not None:
         body["details"] = details
@@ -60,7 +69,7 @@ def install(app: FastAPI) -> None:
         _count(request, exc.reason)
         if exc.reason == "internal":
             log.error("%s %s: %s", request.method, request.url.path, exc.message)
-        return error_response(exc.status, exc.message, exc.code, exc.headers, exc.details)
+        return error_response(exc.status, exc.message, exc.code, exc.headers, exc.details, request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -68,21 +77,22 @@ def install(app: FastAPI) -> None:
         details = [{"field": _field(tuple(e.get("loc", ()))), "message": e.get("msg", ""), "type": e.get("type", "")}
                    for e in exc.errors()]
         message = "; ".join(f"{d['field']}: {d['message']}" for d in details) or "invalid request"
-        return error_response(422, message, details=details)
+        return error_response(422, message, details=details, path=request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
         if exc.status_code == 400:  # an unparseable body (e.g. not UTF-8) is an invalid body like any other
             _count(request, "validation")
-            return error_response(422, f"body: {message}")
+            return error_response(422, f"body: {message}", path=request.url.path)
         _count(request, REASONS.get(exc.status_code))
         if exc.status_code == 404 and message == "Not Found":
             message = f"no route {request.method} {request.url.path}"
-        return error_response(exc.status_code, message, headers=getattr(exc, "headers", None))
+        return error_response(exc.status_code, message, headers=getattr(exc, "headers", None), path=request.url.path)
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:
         _count(request, "internal")
         log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return error_response(500, "internal error; the request id identifies it in the server log")
+        return error_response(500, "internal error; the request id identifies it in the server log",
+                              path=request.url.path)

@@ -66,4 +66,4 @@ class BodyGuard:
         metrics: Metrics | None = getattr(scope["app"].state, "metrics", None) if "app" in scope else None
         if metrics is not None:
             metrics.failures.labels("validation").inc()
-        await errors.error_response(status, message, headers=headers)(scope, receive, send)
+        await errors.error_response(status, message, headers=headers, path=scope["path"])(scope, receive, send)

@@ -17,7 +17,7 @@ class _Request(BaseModel):
                                     "the server's default applies when absent and its maximum caps it")
 
 
-class _CreditOptions(BaseModel):
+class CreditOptions(BaseModel):
     method: Literal["contribution", "shares"] = Field(
         "contribution", description='"contribution": each token\'s exact share of the logit through the head\'s '
         'value path, in logit units, summing to logit - baseline. "shares": the paper\'s eq. 15 routing shares '
@@ -27,11 +27,11 @@ class _CreditOptions(BaseModel):
                                  "logits (what moves the probabilities) instead of logit_k alone")
 
 
-class ClassifyRequest(_CreditOptions, _Request):
+class ClassifyRequest(CreditOptions, _Request):
     explain: StrictBool = Field(False, description="Also return token-level credit for each predicted label")
 
 
-class ExplainRequest(_CreditOptions, _Request):
+class ExplainRequest(CreditOptions, _Request):
     target: str | list[Annotated[str, StringConstraints(min_length=1)]] | None = Field(
         None, description='Label(s) to explain: a label, a list of labels, or "all" (default: the predicted one)')
     include_matrix: StrictBool = Field(False, description="Add the full credit matrix [n_pos, d_depth, n_classes] "

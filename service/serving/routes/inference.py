@@ -28,7 +28,7 @@ router = APIRouter(prefix="/v1", tags=["inference"], dependencies=[Depends(requi
                    responses=ERRORS)
 
 
-def _check_limits(state: AppState, inputs: list[str]) -> None:
+def check_limits(state: AppState, inputs: list[str]) -> None:
     s = state.settings
     if len(inputs) > s.max_inputs:
         raise APIError(413, f"too many inputs: {len(inputs)} > {s.max_inputs}")
@@ -37,7 +37,7 @@ def _check_limits(state: AppState, inputs: list[str]) -> None:
             raise APIError(413, f"inputs.{k} has {len(text)} characters, more than the limit of {s.max_chars}")
 
 
-def _deadline(state: AppState, timeout_s: float | None) -> float:
+def deadline(state: AppState, timeout_s: float | None) -> float:
     """Monotonic deadline: the request's own timeout (capped by the server's maximum) or the default."""
     s = state.settings
     return time.monotonic() + min(timeout_s or s.request_timeout_s, s.max_request_timeout_s)
@@ -89,7 +89,7 @@ async def run_tasks(request: Request, served: Served, tasks: list[Task], deadlin
     return results
 
 
-def _targets(labels: list[str], target: str | list[str] | None) -> tuple[str, ...] | None:
+def targets(labels: list[str], target: str | list[str] | None) -> tuple[str, ...] | None:
     if target is None:
         return None
     if target == "all":
@@ -104,12 +104,12 @@ def _targets(labels: list[str], target: str | list[str] | None) -> tuple[str, ..
 
 async def classify(request: Request, state: AppState, model: str, body: ClassifyRequest) -> ClassifyResponse:
     served = served_model(state, model)
-    _check_limits(state, body.inputs)
-    deadline = _deadline(state, body.timeout_s)
+    check_limits(state, body.inputs)
+    until = deadline(state, body.timeout_s)
     contrast = body.contrast and body.method == "contribution"
     tasks = [Task(t, explain="predicted" if body.explain else None, method=body.method, contrast=contrast)
              for t in body.inputs]
-    results = await run_tasks(request, served, tasks, deadline)
+    results = await run_tasks(request, served, tasks, until)
     return ClassifyResponse(model=model, results=[
         ClassifyResult(label=r.label, score=r.scores[r.label], scores=r.scores, explanation=r.explanation)
         for r in results])
@@ -118,9 +118,9 @@ async def classify(request: Request, state: AppState, model: str, body: Classify
 async def explain(request: Request, state: AppState, model: str, body: ExplainRequest) -> ExplainResponse:
     served = served_model(state, model)
     engine = served.engine
-    _check_limits(state, body.inputs)
-    deadline = _deadline(state, body.timeout_s)
-    targets = _targets(engine.labels, body.target)
+    check_limits(state, body.inputs)
+    until = deadline(state, body.timeout_s)
+    wanted = targets(engine.labels, body.target)
     counts = await count_tokens(served, body.inputs)
     if body.include_matrix or body.include_phi:
         size = sum(engine.explain_elements(n, body.include_matrix, body.include_phi) for n in counts)
@@ -128,9 +128,9 @@ async def explain(request: Request, state: AppState, model: str, body: ExplainRe
             raise APIError(413, f"include_matrix/include_phi would return {size} numbers, more than the limit of "
                                 f"{state.settings.max_explain_elements}; send fewer or shorter texts")
     contrast = body.contrast and body.method == "contribution"
-    tasks = [Task(t, explain="full", targets=targets, method=body.method, contrast=contrast,
+    tasks = [Task(t, explain="full", targets=wanted, method=body.method, contrast=contrast,
                   include_matrix=body.include_matrix, include_phi=body.include_phi) for t in body.inputs]
-    results = await run_tasks(request, served, tasks, deadline, counts)
+    results = await run_tasks(request, served, tasks, until, counts)
     return ExplainResponse(model=model, labels=engine.labels, results=[
         ExplainResult(label=r.label, score=r.scores[r.label], scores=r.scores, **(r.explanation or {}))
         for r in results])

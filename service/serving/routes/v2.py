@@ -1,0 +1,281 @@
+"""Open Inference Protocol v2 (KServe V2, Triton's HTTP/REST API), over the same batcher, limits,
+deadlines, auth and metrics as ``/v1``. Errors take the protocol's shape, ``{"error": "..."}``.
+
+Tensors of the ``infer`` endpoint: input ``text`` (BYTES ``[n]``, JSON ``data`` or the binary tensor
+extension); outputs ``label`` (BYTES ``[n]``), ``probabilities`` (FP32 ``[n, n_classes]``) and, when
+credit is asked for (parameter ``explain`` or any credit output named in ``outputs``), ``credit``
+(FP32 ``[n, max_tokens, n_targets]``), ``tokens`` (BYTES ``[n, max_tokens]``), ``token_lengths``
+(INT32 ``[n]``), ``credit_targets`` (BYTES ``[n, n_targets]``), ``logit`` and ``baseline`` (FP32
+``[n, n_targets]``). Outputs are always returned as JSON ``data``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from typing import Any, Literal
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from service import __version__
+from service.serving.engine import Result, Task
+from service.serving.errors import APIError
+from service.serving.routes import inference
+from service.serving.routes.deps import State, require_key, served_model
+
+BASIC = ("label", "probabilities")
+CREDIT = ("credit", "tokens", "token_lengths", "credit_targets", "logit", "baseline")
+LAYOUT = ("credit[b, p, t] is the credit of token p of text b for its t-th explained label, credit_targets[b, t], "
+          "in logit units (method contribution; unit-variance shares for method shares). tokens[b, p] is that "
+          "token, special tokens included; beyond token_lengths[b] tokens are '' and credit 0. For method "
+          "contribution, sum_p credit[b, p, t] + baseline[b, t] = logit[b, t] (contrast logits by default).")
+PARAMETERS = {
+    "explain": "bool: add the credit outputs (also implied by naming one in `outputs`)",
+    "target": "string: a label, labels separated by commas, or 'all' (default: the predicted label)",
+    "method": "string: 'contribution' (default) or 'shares' (eq. 15 routing shares)",
+    "contrast": "bool: explain logit_k - mean of the logits (default true) or logit_k",
+    "timeout": "int: the request's deadline in microseconds (capped by the server's maximum)",
+}
+
+class ErrorV2(BaseModel):
+    """The protocol's error shape."""
+
+    error: str
+
+
+ERRORS = {s: {"model": ErrorV2} for s in (400, 401, 404, 413, 422, 503, 504)}
+router = APIRouter(prefix="/v2", tags=["open inference protocol v2"], responses={503: {"model": ErrorV2}})
+models = APIRouter(prefix="/v2", tags=["open inference protocol v2"], dependencies=[Depends(require_key)],
+                   responses=ERRORS)
+
+
+class TensorIn(BaseModel):
+    name: str
+    datatype: str
+    shape: list[int]
+    data: list[Any] | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class OutputWanted(BaseModel):
+    name: str
+    parameters: dict[str, Any] | None = None
+
+
+class InferRequest(BaseModel):
+    """``POST /v2/models/{model}/infer`` (the JSON part, when the binary tensor extension is used)."""
+
+    model_config = ConfigDict(extra="forbid")
+    id: str | None = None
+    parameters: dict[str, str | bool | int | float] | None = None
+    inputs: list[TensorIn] = Field(min_length=1, max_length=1)
+    outputs: list[OutputWanted] | None = None
+
+
+class TensorOut(BaseModel):
+    name: str
+    datatype: Literal["BYTES", "FP32", "INT32"]
+    shape: list[int]
+    data: list[Any]
+
+
+class InferResponse(BaseModel):
+    model_name: str
+    model_version: str = "1"
+    id: str | None = None
+    outputs: list[TensorOut]
+
+
+def _tensor_meta(name: str, datatype: str, shape: list[int]) -> dict[str, Any]:
+    return {"name": name, "datatype": datatype, "shape": shape}
+
+
+@router.get("", summary="Server metadata")
+async def server_metadata() -> dict[str, Any]:
+    return {"name": "routing-service", "version": __version__, "extensions": ["binary_tensor_data"]}
+
+
+@router.get("/health/live", summary="Server liveness")
+async def live() -> dict[str, bool]:
+    return {"live": True}
+
+
+@router.get("/health/ready", summary="Server readiness (400 when not ready)", responses={400: {"model": ErrorV2}})
+async def ready(state: State) -> JSONResponse:
+    return JSONResponse({"ready": state.ready}, status_code=200 if state.ready else 400)
+
+
+@models.get("/models/{model}", summary="Model metadata")
+@models.get("/models/{model}/versions/{version}", summary="Model metadata", include_in_schema=False)
+async def model_metadata(state: State, model: str, version: str = "1") -> dict[str, Any]:
+    engine = served_model(state, model).engine
+    _check_version(version)
+    n = len(engine.labels)
+    return {
+        "name": model, "versions": ["1"], "platform": "pytorch_routing_head",
+        "inputs": [_tensor_meta("text", "BYTES", [-1])],
+        "outputs": [_tensor_meta("label", "BYTES", [-1]), _tensor_meta("probabilities", "FP32", [-1, n]),
+                    _tensor_meta("credit", "FP32", [-1, -1, -1]), _tensor_meta("tokens", "BYTES", [-1, -1]),
+                    _tensor_meta("token_lengths", "INT32", [-1]), _tensor_meta("credit_targets", "BYTES", [-1, -1]),
+                    _tensor_meta("logit", "FP32", [-1, -1]), _tensor_meta("baseline", "FP32", [-1, -1])],
+        "parameters": {"labels": engine.labels, "credit_layout": LAYOUT, "request_parameters": PARAMETERS},
+    }
+
+
+@models.get("/models/{model}/ready", summary="Model readiness")
+@models.get("/models/{model}/versions/{version}/ready", summary="Model readiness", include_in_schema=False)
+async def model_ready(state: State, model: str, version: str = "1") -> dict[str, Any]:
+    served_model(state, model)
+    _check_version(version)
+    return {"name": model, "ready": True}
+
+
+_INFER_DOC = {"requestBody": {"required": True, "content": {"application/json": {
+    "schema": InferRequest.model_json_schema(ref_template="#/components/schemas/{model}")}}}}
+
+
+@models.post("/models/{model}/infer", response_model=InferResponse, summary="Inference",
+             openapi_extra=_INFER_DOC)
+@models.post("/models/{model}/versions/{version}/infer", response_model=InferResponse, summary="Inference",
+             include_in_schema=False)
+async def infer(request: Request, state: State, model: str, version: str = "1") -> InferResponse:
+    served = served_model(state, model)
+    _check_version(version)
+    body, binary = await _parse(request)
+    texts = _texts(body.inputs[0], binary)
+    inference.check_limits(state, texts)
+    params = body.parameters or {}
+    options = _credit_options(served.engine.labels, params)
+    available = [*BASIC, *(CREDIT if options["method"] == "contribution" else CREDIT[:4])]
+    wanted = [o.name for o in body.outputs] if body.outputs else None
+    unknown = sorted(set(wanted or []) - set(available))
+    if unknown:
+        raise APIError(400, f"unknown output(s) {unknown}; with method {options['method']!r} this model gives "
+                            f"{available}")
+    explain = bool(params.get("explain", False)) or any(w in CREDIT for w in wanted or [])
+    tasks = [Task(t, explain="full" if explain else None, **options) for t in texts]
+    timeout = params.get("timeout")
+    deadline = inference.deadline(state, timeout / 1e6 if isinstance(timeout, int | float) and timeout > 0 else None)
+    results = await inference.run_tasks(request, served, tasks, deadline)
+    outputs = _outputs(results, served.engine.labels, explain)
+    names = wanted or (available if explain else list(BASIC))
+    return InferResponse(model_name=model, id=body.id, outputs=[outputs[n] for n in names])
+
+
+def _check_version(version: str) -> None:
+    if version != "1":
+        raise APIError(404, f"unknown model version {version!r}; the only version is '1'")
+
+
+async def _parse(request: Request) -> tuple[InferRequest, bytes]:
+    """The JSON part of the body and the binary part after it (binary tensor extension: the JSON is the
+    first Inference-Header-Content-Length bytes)."""
+    raw = await request.body()
+    header = request.headers.get("inference-header-content-length")
+    if header is not None and (not header.isdigit() or int(header) > len(raw)):
+        raise APIError(400, f"Inference-Header-Content-Length {header!r} does not fit a body of {len(raw)} bytes")
+    cut = int(header) if header is not None else len(raw)
+    try:
+        return InferRequest.model_validate(json.loads(raw[:cut])), raw[cut:]
+    except ValidationError as e:
+        problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'body'}: {err['msg']}" for err in e.errors())
+        raise APIError(422, problems) from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise APIError(422, f"body: not valid JSON ({e})") from None
+
+
+def _texts(tensor: TensorIn, binary: bytes) -> list[str]:
+    """The input tensor's strings, from JSON ``data`` or from the binary tensor extension."""
+    if tensor.name != "text" or tensor.datatype != "BYTES":
+        raise APIError(400, f"expected one input named 'text' of datatype BYTES, got {tensor.name!r} "
+                            f"{tensor.datatype}")
+    n = math.prod(tensor.shape) if tensor.shape else 0
+    if not tensor.shape or any(d < 0 for d in tensor.shape) or n < 1 or any(d != 1 for d in tensor.shape[1:]):
+        raise APIError(400, f"input 'text' must have shape [n] (n >= 1), got {tensor.shape}")
+    size = (tensor.parameters or {}).get("binary_data_size")
+    if tensor.data is not None:
+        items: list[Any] = tensor.data
+    elif isinstance(size, int) and 0 <= size <= len(binary):
+        items = _unpack_bytes(binary[:size])
+    else:
+        raise APIError(400, "input 'text' has neither 'data' nor a binary_data_size that fits the body")
+    if len(items) != n:
+        raise APIError(400, f"input 'text' has {len(items)} elements but shape {tensor.shape}")
+    texts = []
+    for k, item in enumerate(items):
+        if isinstance(item, bytes):
+            try:
+                item = item.decode("utf-8")
+            except UnicodeDecodeError:
+                raise APIError(400, f"text {k} is not valid UTF-8") from None
+        if not isinstance(item, str) or not item.strip():
+            raise APIError(422, f"inputs.0.data.{k}: a text must be a non-blank string")
+        texts.append(item)
+    return texts
+
+
+def _unpack_bytes(blob: bytes) -> list[bytes]:
+    """Triton's BYTES serialisation: each element is a 4-byte little-endian length, then its bytes."""
+    out, k = [], 0
+    while k < len(blob):
+        if k + 4 > len(blob):
+            raise APIError(400, "binary BYTES tensor is truncated")
+        (length,) = struct.unpack_from("<I", blob, k)
+        k += 4
+        if k + length > len(blob):
+            raise APIError(400, "binary BYTES tensor is truncated")
+        out.append(blob[k : k + length])
+        k += length
+    return out
+
+
+def _credit_options(labels: list[str], params: dict[str, Any]) -> dict[str, Any]:
+    method = params.get("method", "contribution")
+    if method not in ("contribution", "shares"):
+        raise APIError(422, f"parameters.method must be 'contribution' or 'shares', not {method!r}")
+    contrast = params.get("contrast", True)
+    if not isinstance(contrast, bool):
+        raise APIError(422, "parameters.contrast must be a bool")
+    target = params.get("target")
+    if target is not None and not isinstance(target, str):
+        raise APIError(422, "parameters.target must be a string: a label, labels separated by commas, or 'all'")
+    wanted = None if target is None else target if target == "all" else [t.strip() for t in target.split(",")]
+    return {"targets": inference.targets(labels, wanted), "method": method,
+            "contrast": contrast and method == "contribution"}
+
+
+def _outputs(results: list[Result], labels: list[str], explain: bool) -> dict[str, TensorOut]:
+    n = len(results)
+    out = {
+        "label": TensorOut(name="label", datatype="BYTES", shape=[n], data=[r.label for r in results]),
+        "probabilities": TensorOut(name="probabilities", datatype="FP32", shape=[n, len(labels)],
+                                   data=[r.scores[lab] for r in results for lab in labels]),
+    }
+    if not explain:
+        return out
+    views = [r.explanation or {} for r in results]
+    width = max(len(v["tokens"]) for v in views)
+    targets = [v["targets"] for v in views]  # the same count for every text of a request
+    t = len(targets[0])
+    credit, tokens = [], []
+    for v, labs in zip(views, targets, strict=True):
+        toks = [tok["token"] for tok in v["tokens"]]
+        tokens += toks + [""] * (width - len(toks))
+        columns = [v["credit"][lab]["tokens"] for lab in labs]
+        for p in range(width):
+            credit += [col[p] if p < len(col) else 0.0 for col in columns]
+    out["credit"] = TensorOut(name="credit", datatype="FP32", shape=[n, width, t], data=credit)
+    out["tokens"] = TensorOut(name="tokens", datatype="BYTES", shape=[n, width], data=tokens)
+    out["token_lengths"] = TensorOut(name="token_lengths", datatype="INT32", shape=[n],
+                                     data=[len(v["tokens"]) for v in views])
+    out["credit_targets"] = TensorOut(name="credit_targets", datatype="BYTES", shape=[n, t],
+                                      data=[lab for labs in targets for lab in labs])
+    if views[0]["method"] == "contribution":
+        for name in ("logit", "baseline"):
+            out[name] = TensorOut(name=name, datatype="FP32", shape=[n, t],
+                                  data=[v["credit"][lab][name] for v, labs in zip(views, targets, strict=True)
+                                        for lab in labs])
+    return out
