@@ -23,7 +23,7 @@ from service.serving.engine import device_memory
 from service.serving.metrics import Metrics
 from service.serving.middleware import BodyGuard
 from service.serving.protocol import HttpLimits, guarded_protocol
-from service.serving.routes import health, inference, kserve, models, v2
+from service.serving.routes import health, inference, kserve, models, page, v2
 from service.serving.state import AppState
 
 log = logging.getLogger("service.http")
@@ -81,6 +81,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(health.router)
     app.include_router(v2.router)
     app.include_router(v2.models)
+    app.include_router(page.router)
+    app.mount("/static", page.static, name="static")
 
     # added before `observe`, so it runs inside it: its 413s get a request id and are counted
     app.add_middleware(BodyGuard, max_bytes=settings.max_body_bytes, timeout_s=settings.body_timeout_s)

@@ -1,0 +1,130 @@
+"""The credit page in a real headless Chromium (Debian's chromium and chromium-driver, Selenium)
+against real servers. A screenshot is saved under test-artifacts/ (not committed)."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from selenium import webdriver
+from selenium.webdriver.chrome.service import Service
+from selenium.webdriver.common.by import By
+from selenium.webdriver.remote.webdriver import WebDriver
+from selenium.webdriver.support.ui import WebDriverWait
+
+from tests.serving.conftest import running
+from tests.serving.server import Server
+
+ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
+TEXT = "The first sentence is short. The second one, however, has rather more words in it!"
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[WebDriver]:
+    chromium, driver = shutil.which("chromium"), shutil.which("chromedriver")
+    assert chromium and driver, "Debian's chromium and chromium-driver are needed (the README's test command " \
+                                "installs them)"
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = chromium
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1200,1800"):
+        opts.add_argument(arg)
+    opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    b = webdriver.Chrome(service=Service(driver), options=opts)
+    try:
+        yield b
+    finally:
+        b.quit()
+
+
+def rgb(style: str) -> tuple[int, int, int]:
+    r, g, b = (int(v) for v in re.findall(r"\d+", style)[:3])
+    return r, g, b
+
+
+def wait(b: WebDriver, condition: Callable[[WebDriver], object], timeout: float = 30) -> object:
+    return WebDriverWait(b, timeout).until(condition)
+
+
+def open_page(b: WebDriver, server: Server) -> None:
+    b.get(f"{server.url}/")
+    wait(b, lambda d: d.find_elements(By.CSS_SELECTOR, "#model option") or d.find_element(By.ID, "error").text)
+
+
+def submit(b: WebDriver, text: str) -> None:
+    b.execute_script("document.getElementById('text').value = arguments[0];", text)
+    b.find_element(By.ID, "explain").click()
+    wait(b, lambda d: d.find_element(By.ID, "error").text or (
+        d.find_element(By.ID, "output").is_displayed() and not d.find_element(By.ID, "status").text))
+
+
+def test_page_shows_label_words_coloured_by_credit_and_the_depth_heatmap(tiny: Server, browser: WebDriver) -> None:
+    b = browser
+    open_page(b, tiny)
+    assert [o.get_attribute("value") for o in b.find_elements(By.CSS_SELECTOR, "#model option")] == ["tiny"]
+    submit(b, TEXT)
+    severe = [e for e in b.get_log("browser") if e["level"] == "SEVERE"]
+    assert not severe, severe  # no console errors while loading and explaining
+    ref = httpx.post(f"{tiny.url}/v1/models/tiny/explain", json={"inputs": [TEXT], "target": "all"}).json()
+    res = ref["results"][0]
+    assert b.find_element(By.ID, "label").text == res["label"]
+    bars = b.find_elements(By.CSS_SELECTOR, "#bars .bar")
+    assert [bar.get_attribute("data-label") for bar in bars] == ["alpha", "beta", "gamma"]
+
+    def check(label: str) -> list[str]:
+        spans = b.find_elements(By.CSS_SELECTOR, "#rendered .word")
+        words = res["credit"][label]["words"]
+        assert [s.text for s in spans] == [w["text"] for w in words]  # one span per word
+        colours = []
+        for s, w in zip(spans, words, strict=True):
+            assert float(s.get_attribute("data-credit")) == pytest.approx(w["credit"], abs=1e-9)
+            r, _, blue = rgb(s.value_of_css_property("background-color"))
+            if abs(w["credit"]) > 1e-6:
+                assert (blue > r) == (w["credit"] > 0), (w, r, blue)  # blue for credit above 0, red below
+            assert w["text"] in s.get_attribute("title") and "credit" in s.get_attribute("title")
+            colours.append(s.value_of_css_property("background-color"))
+        return colours
+
+    before = check(res["label"])
+    other = next(lab for lab in ("alpha", "beta", "gamma") if lab != res["label"])
+    b.find_element(By.CSS_SELECTOR, f"#targets button[data-label='{other}']").click()
+    after = check(other)
+    assert after != before  # switching the label re-colours the words
+    canvas = b.find_element(By.ID, "heatmap")
+    assert int(canvas.get_attribute("data-rows")) == len(res["tokens"]) and canvas.get_attribute("data-cols") == "3"
+    assert len(b.find_elements(By.CSS_SELECTOR, "#sentences .sentence")) == 2  # sentence totals
+    ARTIFACTS.mkdir(exist_ok=True)
+    b.save_screenshot(str(ARTIFACTS / "credit-page.png"))
+
+
+def test_an_over_long_text_shows_the_413_message(tiny: Server, browser: WebDriver) -> None:
+    open_page(browser, tiny)
+    submit(browser, "word " * 500)  # 2,500 characters: over this server's limit of 2,000
+    error = browser.find_element(By.ID, "error")
+    assert error.is_displayed() and error.text.startswith("Too large for this server") and "2000" in error.text
+
+
+def test_api_key_typed_into_the_page_and_a_20000_character_text(tiny_repo: Path, logs: Path,
+                                                                 browser: WebDriver) -> None:
+    for server in running(logs, model_repository=tiny_repo, default_model="tiny", api_keys="secret-key"):
+        b = browser
+        open_page(b, server)
+        assert "needs an API key" in b.find_element(By.ID, "error").text  # 401 has a readable message
+        b.find_element(By.ID, "key").send_keys("secret-key")
+        b.find_element(By.CSS_SELECTOR, "#key-form button").click()
+        wait(b, lambda d: d.find_elements(By.CSS_SELECTOR, "#model option"))
+        article = ("A long article keeps going with many sentences of plain words. " * 320)[:20000]
+        t0 = time.monotonic()
+        submit(b, article)
+        assert not b.find_element(By.ID, "error").text
+        n_words = len(b.find_elements(By.CSS_SELECTOR, "#rendered .word"))
+        assert n_words > 3000
+        t1 = time.monotonic()
+        assert b.execute_script("return 1 + 1") == 2  # the tab still answers
+        assert time.monotonic() - t1 < 2 and t1 - t0 < 60, (t1 - t0)
+        assert "secret-key" not in b.current_url
+        assert b.execute_script("return window.localStorage.length + window.sessionStorage.length") == 0
