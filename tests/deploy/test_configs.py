@@ -24,9 +24,12 @@ def tool(name: str) -> str:
     return path
 
 
+COMPOSE_ENV = {"PATH": "/usr/bin:/bin", "GRAFANA_ADMIN_PASSWORD": "not-a-default"}
+
+
 def test_compose_file_is_valid_and_complete() -> None:
     out = subprocess.run([tool("docker-compose"), "-f", str(ROOT / "docker-compose.yml"), "config"],
-                         capture_output=True, text=True, cwd=ROOT, env={"PATH": "/usr/bin:/bin"})
+                         capture_output=True, text=True, cwd=ROOT, env=COMPOSE_ENV)
     assert out.returncode == 0, out.stderr
     cfg = yaml.safe_load(out.stdout)
     services = cfg["services"]
@@ -37,8 +40,15 @@ def test_compose_file_is_valid_and_complete() -> None:
     gpu = services["routing-service"]["deploy"]["resources"]["reservations"]["devices"][0]
     assert gpu["capabilities"] == ["gpu"]
     profiled = subprocess.run([tool("docker-compose"), "--profile", "cpu", "config", "--services"],
-                              capture_output=True, text=True, cwd=ROOT, env={"PATH": "/usr/bin:/bin"})
+                              capture_output=True, text=True, cwd=ROOT, env=COMPOSE_ENV)
     assert "routing-service-cpu" in profiled.stdout.split()
+    assert services["grafana"]["environment"]["GF_SECURITY_ADMIN_PASSWORD"] == "not-a-default"
+
+
+def test_compose_refuses_to_start_grafana_without_a_password() -> None:
+    out = subprocess.run([tool("docker-compose"), "-f", str(ROOT / "docker-compose.yml"), "config"],
+                         capture_output=True, text=True, cwd=ROOT, env={"PATH": "/usr/bin:/bin"})
+    assert out.returncode != 0 and "GRAFANA_ADMIN_PASSWORD" in out.stderr
 
 
 def test_dockerfile_lints_clean() -> None:
