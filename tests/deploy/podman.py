@@ -1,0 +1,130 @@
+"""A container harness for the deployment tests: podman with runc, a base image made locally with
+mmdebstrap (no registry is needed), and the host's pip configuration mounted into the build.
+
+What the machine needs is detected, not assumed: the OCI runtime that works with this host's cgroup
+layout, default ulimits within the host's hard limits, the pip configuration pip itself reports.
+Everything made here lives in a cache folder outside the clone (``ROUTING_CI_CACHE``, default
+``/var/cache/routing-service-ci``) and in podman's image store, so later runs reuse it.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+CACHE = Path(os.environ.get("ROUTING_CI_CACHE", "/var/cache/routing-service-ci"))
+BASE = "localhost/routing-base:bookworm"
+BASE_PACKAGES = "python3,python3-venv,python-is-python3,ca-certificates,netbase,tzdata"
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def need(tool: str) -> str:
+    path = shutil.which(tool)
+    assert path, f"{tool} is not installed; the README's test command installs it (apt-get install podman runc " \
+                 "mmdebstrap)"
+    return path
+
+
+def run(*args: str, timeout: float = 1800, check: bool = True, env: dict[str, str] | None = None,
+        cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """Run a command with the harness's podman configuration; raise with its output when it fails."""
+    env = {**(env or os.environ), "CONTAINERS_CONF": str(containers_conf())}
+    out = subprocess.run(list(args), capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
+    if check and out.returncode != 0:
+        raise RuntimeError(f"{' '.join(args[:4])} ... exited {out.returncode}:\n{out.stdout[-3000:]}\n"
+                           f"{out.stderr[-3000:]}")
+    return out
+
+
+def runtime() -> str:
+    """runc on a hybrid cgroup layout (crun refuses it), else crun when present."""
+    hybrid = Path("/sys/fs/cgroup/unified").is_dir()
+    if not hybrid and shutil.which("crun"):
+        return "crun"
+    need("runc")
+    return "runc"
+
+
+def containers_conf() -> Path:
+    """A containers.conf for this machine (never the system's own)."""
+    path = CACHE / "containers.conf"
+    if path.is_file():
+        return path
+    CACHE.mkdir(parents=True, exist_ok=True)
+    limits = []
+    for name, rlimit, want in (("nofile", resource.RLIMIT_NOFILE, 65536), ("nproc", resource.RLIMIT_NPROC, 65536)):
+        hard = resource.getrlimit(rlimit)[1]
+        n = want if hard == resource.RLIM_INFINITY else min(want, hard)
+        limits.append(f'"{name}={n}:{n}"')
+    path.write_text(f"[containers]\ndefault_ulimits = [{', '.join(limits)}]\n[engine]\nruntime = \"{runtime()}\"\n"
+                    "cgroup_manager = \"cgroupfs\"\nevents_logger = \"file\"\n")
+    return path
+
+
+def image_exists(name: str) -> bool:
+    return run(need("podman"), "image", "exists", name, check=False).returncode == 0
+
+
+def ensure_base() -> str:
+    """The Dockerfile's Python base, made from Debian's packages (bookworm's python3 is 3.11)."""
+    if image_exists(BASE):
+        return BASE
+    tar = CACHE / "base.tar"
+    print(f"making the base image with mmdebstrap into {tar}", file=sys.stderr)
+    run(need("mmdebstrap"), "--variant=minbase", f"--include={BASE_PACKAGES}", "bookworm", str(tar))
+    run(need("podman"), "import", "--change", "ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+        "--change", "ENV LANG=C.UTF-8", str(tar), BASE)
+    tar.unlink()
+    return BASE
+
+
+def pip_mounts() -> list[str]:
+    """``-v`` options that give the build the host's pip configuration: its config files, and the
+    certificate bundle and find-links folders they or the environment name (read-only)."""
+    out = subprocess.run([sys.executable, "-m", "pip", "config", "debug"], capture_output=True, text=True)
+    files = [line.split(",")[0].strip() for line in out.stdout.splitlines() if line.strip().endswith("exists: True")]
+    paths = {f.strip().removesuffix(":").split()[-1] for f in files}
+    listing = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True).stdout
+    for line in listing.splitlines():
+        key, _, value = line.partition("=")
+        if key.rsplit(".", 1)[-1] in ("cert", "find-links"):
+            paths |= {v for v in value.strip("'\"").split() if v.startswith("/")}
+    mounts = []
+    for p in sorted(paths):
+        if Path(p).exists():
+            mounts += ["-v", f"{p}:{p}:ro"]
+    return mounts
+
+
+def build(tag: str) -> None:
+    """Build the Dockerfile's CPU variant on the local base, pip configured as on the host."""
+    run(need("podman"), "build", "--network", "host", *pip_mounts(), "--build-arg", f"PYTHON_IMAGE={ensure_base()}",
+        "--build-arg", "TORCH_VARIANT=cpu", "--build-arg", "TORCH_INDEX_URL=", "-t", tag, str(ROOT), cwd=ROOT)
+
+
+def image_size(tag: str) -> int:
+    return int(run(need("podman"), "image", "inspect", "--format", "{{.Size}}", tag).stdout.strip())
+
+
+PROMETHEUS_STAND_IN = """\
+FROM {base}
+RUN apt-get update -qq && apt-get install -y -qq --no-install-recommends prometheus wget \\
+    && rm -rf /var/lib/apt/lists/*
+WORKDIR /prometheus
+ENTRYPOINT ["/usr/bin/prometheus"]
+"""
+
+
+def ensure_prometheus(tag: str) -> None:
+    """An image of Debian's prometheus package under the compose file's upstream tag (tests only: no
+    registry is reachable here)."""
+    if image_exists(tag):
+        return
+    folder = CACHE / "prometheus-image"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "Containerfile").write_text(PROMETHEUS_STAND_IN.format(base=ensure_base()))
+    run(need("podman"), "build", "--network", "host", "-t", tag, str(folder))

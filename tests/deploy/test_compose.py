@@ -1,0 +1,72 @@
+"""The compose stack's CPU profile, brought up with podman-compose: Prometheus (Debian's package
+standing in for the upstream image, which no registry here can serve) scrapes the service on the
+compose network. Grafana's image cannot be had here and is left out. Run alone with -m container."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+import yaml
+
+from tests.deploy import podman
+from tests.serving.server import free_port
+
+pytestmark = pytest.mark.container
+COMPOSE = podman.ROOT / "docker-compose.yml"
+
+
+def compose(*args: str, env: dict[str, str], check: bool = True, timeout: float = 600) -> str:
+    exe = podman.need("podman-compose")
+    out = podman.run(exe, "-f", str(COMPOSE), "-p", "routing-ci", *args, cwd=podman.ROOT, env=env, check=check,
+                     timeout=timeout)
+    return out.stdout + out.stderr
+
+
+@pytest.fixture(scope="module")
+def stack() -> Iterator[dict[str, str]]:
+    cfg = yaml.safe_load(COMPOSE.read_text())
+    podman.ensure_prometheus(cfg["services"]["prometheus"]["image"])
+    podman.build("localhost/routing-service:cpu")  # the tag compose's CPU profile names (layers are cached)
+    env = {**os.environ, "CONTAINERS_CONF": str(podman.containers_conf()), "TORCH_VARIANT": "cpu",
+           "GRAFANA_ADMIN_PASSWORD": "compose-test", "ROUTING_PUBLISHED_PORT": str(free_port())}
+    compose("--profile", "cpu", "up", "-d", "--no-build", "routing-service-cpu", "prometheus", env=env)
+    try:
+        yield env
+    finally:
+        compose("--profile", "cpu", "down", "-v", "-t", "20", env=env, check=False)
+
+
+def prometheus_query(query: str) -> list[dict]:
+    """Ask Prometheus's HTTP API from inside its own container (no host port is needed)."""
+    url = f"http://127.0.0.1:9090/api/v1/query?query={query}"
+    out = podman.run(podman.need("podman"), "exec", "routing-ci_prometheus_1", "wget", "-qO-", url).stdout
+    doc = json.loads(out)
+    assert doc["status"] == "success", doc
+    return doc["data"]["result"]
+
+
+def test_prometheus_scrapes_the_service_on_the_compose_network(stack: dict[str, str]) -> None:
+    port = stack["ROUTING_PUBLISHED_PORT"]
+    t0 = time.monotonic()
+    up: list[dict] = []
+    while time.monotonic() - t0 < 300:
+        up = prometheus_query("up")
+        if up and up[0]["value"][1] == "1":
+            break
+        time.sleep(3)
+    assert up and up[0]["metric"]["job"] == "routing-service" and up[0]["value"][1] == "1", up
+    r = httpx.post(f"http://127.0.0.1:{port}/v1/classify", json={"inputs": ["What a great day!"]}, timeout=60)
+    assert r.status_code == 200, r.text
+    t1 = time.monotonic()
+    seen: list[dict] = []
+    while time.monotonic() - t1 < 60:  # scraped every 5 s
+        seen = prometheus_query('routing_requests_total{endpoint="/v1/classify",status="200"}')
+        if seen and float(seen[0]["value"][1]) >= 1:
+            break
+        time.sleep(2)
+    assert seen and float(seen[0]["value"][1]) >= 1, seen
