@@ -155,15 +155,20 @@ def bench_explain(
     model: Annotated[str, typer.Option(help="Bundled model to load")] = "tweet-sentiment",
     preset: Annotated[str | None, typer.Option(help="Dataset whose test split is used (default: the model)")] = None,
     n_texts: Annotated[int, typer.Option("--texts", help="Texts for the cost measurement")] = 256,
-    n_faithful: Annotated[int, typer.Option("--faithfulness-texts", help="Texts for faithfulness and IG")] = 100,
+    n_faithful: Annotated[int, typer.Option("--faithfulness-texts", help="Texts for faithfulness (0: skip)")] = 300,
+    n_timed: Annotated[int, typer.Option("--timed-texts", help="Texts for the time per explanation")] = 50,
     batch_size: int = 32,
     rounds: int = 3,
     ig_steps: Annotated[int, typer.Option(help="Layer Integrated Gradients steps")] = 50,
+    max_occlusion: Annotated[int, typer.Option(help="Leave-one-out occlusion of at most this many tokens per "
+                                                    "text (a seeded sample beyond it)")] = 128,
     model_repository: Path = Path("models"),
     device: str = "cpu",
     out: Annotated[Path, typer.Option(help="JSON result file")] = Path("bench-results/explain.json"),
 ) -> None:
-    """Cost of credit vs. classify alone and vs. Captum Layer IG, and comprehensiveness of both."""
+    """Faithfulness (comprehensiveness, sufficiency, deletion AUC, Spearman with occlusion) and cost of the
+    credit methods side by side: value path, eq. 15 shares, Layer IG, occlusion, random."""
     from service.bench import explain as eb
 
-    eb.run(model, preset or model, model_repository, n_texts, n_faithful, batch_size, rounds, ig_steps, device, out)
+    eb.run(model, preset or model, model_repository, n_texts, n_faithful, n_timed, batch_size, rounds, ig_steps,
+           max_occlusion, device, out)

@@ -1,13 +1,32 @@
-"""`routing-service bench explain`: what credit assignment costs, compared with classifying alone and
-with Captum's Layer Integrated Gradients on the same backbone + head, and whether it is faithful
-(comprehensiveness: delete the top-credited tokens and watch the predicted probability drop)."""
+"""`routing-service bench explain`: is the credit faithful, and what does it cost?
+
+Faithfulness, per text, for the predicted class's probability ``p``, with tokens ranked by each method
+(highest first; ``|.|``: largest magnitude first):
+
+- comprehensiveness at k%: ``p(text) - p(text without its top-k% tokens)`` (higher is better);
+- sufficiency at k%: ``p(text) - p(only its top-k% tokens)`` (lower is better);
+- deletion AUC: area under ``p`` as tokens are deleted in ranked order, 0 to 100% (lower is better);
+- Spearman with occlusion: rank correlation of the method's token scores with each token's
+  leave-one-out drop of ``p`` (higher is better).
+
+Methods: value-path contribution (contrast form, the API's default, and plain logit form), the paper's
+eq. 15 routing shares (signed and magnitude), Captum's Layer Integrated Gradients on the embedding
+layer through backbone + head, leave-one-token-out occlusion, and random tokens. Cost: milliseconds
+per explanation, one text at a time, and classify with credit against classify alone at two batch
+sizes. The model runs in a worker thread, as the server runs it.
+"""
 
 from __future__ import annotations
 
+import itertools
+import math
 import random
+import threading
 import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -15,43 +34,82 @@ from service.bench import report
 from service.bench.report import echo
 from service.serving.engine import Engine, Task
 
-FRACTIONS = (0.01, 0.03, 0.05, 0.10)
+FRACTIONS = (0.01, 0.05, 0.10, 0.20)
+CURVE = tuple(k / 10 for k in range(11))  # deletion curve: 0%, 10%, ..., 100% of the tokens deleted
+EXPLAINERS = {  # method -> the engine task that explains one text with it
+    "contrast": {"method": "contribution", "contrast": True},
+    "contribution": {"method": "contribution", "contrast": False},
+    "shares": {"method": "shares"},
+}
+METHODS = ("contrast", "contribution", "shares", "shares_abs", "layer_ig", "occlusion", "random")
+DESCRIPTIONS = {
+    "contrast": "value path, contrast (default)", "contribution": "value path, plain logit",
+    "shares": "eq. 15 shares, signed", "shares_abs": "eq. 15 shares, |.|", "layer_ig": "Layer IG",
+    "occlusion": "leave-one-out occlusion", "random": "random tokens",
+}
+T = TypeVar("T")
 
 
-def _timed(fn: Any, rounds: int) -> float:
-    t0 = time.perf_counter()
-    for _ in range(rounds):
-        fn()
-    return (time.perf_counter() - t0) / rounds
+def in_worker_thread(fn: Callable[[], T]) -> T:
+    """Run ``fn`` in a helper thread, as the server runs the model (torch's OpenMP threads busy-wait
+    and slow down badly on the main thread of a busy machine); re-raise its exception here."""
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # handed back to the caller
+            box["error"] = e
+
+    thread = threading.Thread(target=target, name="bench-model")
+    thread.start()
+    thread.join()
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
 
 
 def cost_of_credit(engine: Engine, texts: list[str], batch_size: int, rounds: int) -> dict[str, Any]:
-    """Seconds per text for classify, classify + token credit, and the full explain views, interleaved
-    round by round so that drift on a noisy machine hits all three alike."""
+    """Milliseconds per text for classify alone and with credit, interleaved round by round so that
+    drift on a noisy machine hits every mode alike. ``one_explained``: one text of each batch asks
+    for credit, the others classify only (what sharing a batch with explanations costs them)."""
     ordered = sorted(texts, key=len)
     batches = [ordered[k : k + batch_size] for k in range(0, len(ordered), batch_size)]
-    modes = {"classify": None, "classify_explain": "predicted", "explain_full": "full"}
-    totals = dict.fromkeys(modes, 0.0)
+    modes: dict[str, Callable[[str, int], Task]] = {
+        "classify": lambda t, _: Task(t),
+        "contrast": lambda t, _: Task(t, explain="predicted"),
+        "shares": lambda t, _: Task(t, explain="predicted", method="shares"),
+        "full_views": lambda t, _: Task(t, explain="full"),
+        "one_explained": lambda t, k: Task(t, explain="predicted" if k == 0 else None),
+    }
     names = list(modes)
-    for mode in modes.values():  # warm-up: first passes pay for allocations
-        engine.run([Task(t, explain=mode) for t in batches[0]])
+
+    def once(name: str) -> float:
+        t0 = time.perf_counter()
+        for b in batches:
+            engine.run([modes[name](t, k) for k, t in enumerate(b)])
+        return time.perf_counter() - t0
+
+    once("full_views")  # warm-up, untimed: first passes over new shapes pay for allocations
+    for name in names:
+        engine.run([modes[name](t, k) for k, t in enumerate(batches[0])])
+    totals = dict.fromkeys(names, 0.0)
     for r in range(rounds):
-        for name in names[r % 3 :] + names[: r % 3]:  # rotate the order so that none always goes first
-            mode = modes[name]
-            totals[name] += _timed(lambda m=mode: [engine.run([Task(t, explain=m) for t in b]) for b in batches], 1)
-    per_text = {k: v / rounds / len(texts) for k, v in totals.items()}
-    return {"batch_size": batch_size, "ms_per_text": {k: 1000 * v for k, v in per_text.items()},
-            "explain_over_classify": per_text["classify_explain"] / per_text["classify"],
-            "full_over_classify": per_text["explain_full"] / per_text["classify"]}
+        for name in names[r % len(names) :] + names[: r % len(names)]:  # rotate: none always goes first
+            totals[name] += once(name)
+    ms = {k: 1000 * v / rounds / len(texts) for k, v in totals.items()}
+    return {"batch_size": batch_size, "ms_per_text": ms,
+            "over_classify": {k: v / ms["classify"] for k, v in ms.items() if k != "classify"}}
 
 
 class LayerIG:
-    """Captum's Layer Integrated Gradients on the backbone's embedding layer, through backbone + head."""
+    """Captum's Layer Integrated Gradients on the backbone's embedding layer, through backbone + head,
+    for the predicted class's probability. It sees the text's first chunk (``max_length`` tokens)."""
 
     def __init__(self, engine: Engine, n_steps: int = 50) -> None:
         from captum.attr import LayerIntegratedGradients
 
-        self.engine, self.n_steps = engine, n_steps
+        self.n_steps = n_steps
         self.clf = engine.classifier
         self.tok = self.clf.backbone.tokenizer
         self.lig = LayerIntegratedGradients(self._prob, self.clf.backbone.encoder.embeddings)
@@ -61,8 +119,8 @@ class LayerIG:
         hidden = torch.stack(out.hidden_states, dim=-2).float()  # [b n e d]
         return self.clf.head(hidden, attention_mask == 0).scores.softmax(-1)[:, target]  # [b]
 
-    def explain(self, text: str, target: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Token attributions ``[n]``, offsets ``[n, 2]`` and special-token flags ``[n]`` for one text."""
+    def explain(self, text: str, target: int) -> dict[tuple[int, int], float]:
+        """Attribution of each (non-special) token of the first chunk, keyed by its character span."""
         enc = self.tok(text, return_offsets_mapping=True, return_special_tokens_mask=True, truncation=True,
                        max_length=self.clf.backbone.max_length, return_tensors="pt")
         ids, att = enc["input_ids"], enc["attention_mask"]
@@ -72,12 +130,15 @@ class LayerIG:
         with torch.enable_grad():
             attr = self.lig.attribute(ids, baselines=baseline, additional_forward_args=(att, target),
                                       n_steps=self.n_steps, internal_batch_size=self.n_steps)
-        return attr.sum(-1)[0].detach(), enc["offset_mapping"][0], special
+        scores = attr.sum(-1)[0].detach()  # [n]
+        spans = enc["offset_mapping"][0].tolist()
+        return {(s, e): float(v) for (s, e), v, sp in zip(spans, scores.tolist(), special.tolist(), strict=True)
+                if not sp}
 
 
-def delete_tokens(text: str, offsets: torch.Tensor, positions: list[int]) -> str:
+def delete_tokens(text: str, offsets: Sequence[tuple[int, int]], positions: Sequence[int]) -> str:
     """``text`` without the characters of the tokens at ``positions``."""
-    spans = sorted((int(offsets[p, 0]), int(offsets[p, 1])) for p in positions)
+    spans = sorted(offsets[p] for p in positions)
     out, last = [], 0
     for s, e in spans:
         out.append(text[last:s])
@@ -86,95 +147,245 @@ def delete_tokens(text: str, offsets: torch.Tensor, positions: list[int]) -> str
     return "".join(out)
 
 
-def rankings(scores: list[float]) -> tuple[list[int], list[int]]:
-    """Positions by score (highest first) and by magnitude (largest first)."""
-    positions = range(len(scores))
-    return sorted(positions, key=lambda k: -scores[k]), sorted(positions, key=lambda k: -abs(scores[k]))
+def ranking(scores: Sequence[float], by_magnitude: bool = False) -> list[int]:
+    """Positions by score, highest first (or by magnitude, largest first); ties keep text order."""
+    key = (lambda k: -abs(scores[k])) if by_magnitude else (lambda k: -scores[k])
+    return sorted(range(len(scores)), key=key)
 
 
-def comprehensiveness(engine: Engine, texts: list[str], lig: LayerIG | None, seed: int = 0) -> dict[str, Any]:
-    """Mean drop of the predicted class's probability after deleting the top-k% credited tokens,
-    for routing credit, Layer IG (when given) and random tokens; with seconds per explanation.
-    Tokens are ranked by signed credit (highest first) and, in the ``*_abs`` rows, by magnitude."""
-    rng = random.Random(seed)
-    methods = ["routing", "routing_abs", "random"] + (["layer_ig", "layer_ig_abs"] if lig else [])
-    drops = {m: {f: [] for f in FRACTIONS} for m in methods}
-    seconds = {"routing": 0.0, "layer_ig": 0.0}
-    labels = engine.labels
-    for n, text in enumerate(texts, 1):
-        t0 = time.perf_counter()
+def spearman(a: Sequence[float], b: Sequence[float]) -> float | None:
+    """Spearman's rank correlation (None when either side is constant or too short)."""
+    from scipy.stats import spearmanr
+
+    if len(a) < 3 or len(set(a)) < 2 or len(set(b)) < 2:
+        return None
+    return float(spearmanr(a, b).statistic)
+
+
+@dataclass
+class Probe:
+    """One text: its tokens (character spans), predicted class and probability, and each method's
+    token scores (None where a method does not score a token)."""
+
+    text: str
+    spans: list[tuple[int, int]]
+    target: str
+    p0: float
+    scores: dict[str, list[float | None]] = field(default_factory=dict)
+    occluded: list[int] = field(default_factory=list)  # token positions with an occlusion score
+
+
+class Probabilities:
+    """Probability of a label for many edited texts, each computed once, in length-sorted batches."""
+
+    def __init__(self, engine: Engine, batch_size: int) -> None:
+        self.engine, self.batch_size = engine, batch_size
+        self.cache: dict[str, dict[str, float]] = {}
+
+    def compute(self, texts: Sequence[str]) -> None:
+        todo = sorted({t for t in texts if t not in self.cache}, key=len)
+        for k in range(0, len(todo), self.batch_size):
+            batch = todo[k : k + self.batch_size]
+            for t, r in zip(batch, self.engine.run([Task(t) for t in batch]), strict=True):
+                self.cache[t] = r.scores
+
+    def __call__(self, text: str, label: str) -> float:
+        return self.cache[text][label]
+
+
+def probe(engine: Engine, probs: Probabilities, text: str, lig: LayerIG | None, rng: random.Random,
+          max_occlusion: int) -> Probe:
+    """Explain ``text`` with every method and score its tokens."""
+    tokens: list[dict[str, Any]] = []
+    pr: Probe | None = None
+    for method, options in EXPLAINERS.items():
+        res = engine.run([Task(text, explain="predicted", **options)])[0]
+        tokens = res.explanation["tokens"] if res.explanation else []
+        if pr is None:
+            pr = Probe(text, [(t["start"], t["end"]) for t in tokens], res.label, res.scores[res.label])
+        pr.scores[method] = [t["credit"] for t in tokens]
+    assert pr is not None
+    pr.scores["shares_abs"] = [abs(v) for v in pr.scores["shares"]]  # type: ignore[arg-type]
+    pr.scores["random"] = [rng.random() for _ in tokens]
+    if lig is not None:
+        by_span = lig.explain(text, engine.labels.index(pr.target))
+        pr.scores["layer_ig"] = [by_span.get(sp) for sp in pr.spans]
+    n = len(pr.spans)
+    pr.occluded = list(range(n)) if n <= max_occlusion else sorted(rng.sample(range(n), max_occlusion))
+    edited = [delete_tokens(text, pr.spans, [m]) for m in pr.occluded]
+    probs.compute(edited)
+    occ: list[float | None] = [None] * n
+    for m, e in zip(pr.occluded, edited, strict=True):
+        occ[m] = pr.p0 - probs(e, pr.target)
+    pr.scores["occlusion"] = occ
+    return pr
+
+
+def time_per_explanation(engine: Engine, texts: list[str], lig: LayerIG | None, batch_size: int,
+                         max_occlusion: int, rounds: int = 2) -> dict[str, float]:
+    """Milliseconds to explain one text with each method (classify alone for reference), one text at
+    a time. Each method explains all ``texts`` back to back, as a service would (steady state); the
+    methods' blocks alternate over ``rounds`` in a rotating order so that drift hits them alike.
+    Occlusion: one forward pass per token (up to ``max_occlusion``), in batches."""
+    def occlude(text: str) -> None:
         res = engine.run([Task(text, explain="predicted")])[0]
-        seconds["routing"] += time.perf_counter() - t0
-        target = labels.index(res.label)
-        p0 = res.scores[res.label]
-        toks = res.explanation["tokens"] if res.explanation else []
-        offsets = torch.tensor([[t["start"], t["end"]] for t in toks]).reshape(-1, 2)
-        ranked = {"random": rng.sample(range(len(toks)), len(toks))}
-        ranked["routing"], ranked["routing_abs"] = rankings([t["credit"] for t in toks])
-        lig_offsets = offsets
-        if lig is not None:
+        spans = [(t["start"], t["end"]) for t in (res.explanation or {}).get("tokens", [])][:max_occlusion]
+        edited = [delete_tokens(text, spans, [m]) for m in range(len(spans))]
+        for k in range(0, len(edited), batch_size):
+            engine.run([Task(t) for t in edited[k : k + batch_size]])
+
+    methods: dict[str, Callable[[str], Any]] = {"classify": lambda t: engine.run([Task(t)])}
+    for name, options in EXPLAINERS.items():
+        methods[name] = lambda t, o=options: engine.run([Task(t, explain="predicted", **o)])
+    if lig is not None:
+        methods["layer_ig"] = lambda t: lig.explain(t, 0)
+    methods["occlusion"] = occlude
+    names = list(methods)
+    for name in names:  # warm-up
+        methods[name](texts[0])
+    seconds = dict.fromkeys(names, 0.0)
+    for r in range(rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
             t0 = time.perf_counter()
-            attr, lig_off, special = lig.explain(text, target)
-            seconds["layer_ig"] += time.perf_counter() - t0
-            keep = (~special).nonzero().flatten().tolist()
-            lig_offsets = lig_off[keep]
-            ranked["layer_ig"], ranked["layer_ig_abs"] = rankings(attr[keep].tolist())
-        edits: list[tuple[str, float, str]] = []
-        for method, order in ranked.items():
-            offs = lig_offsets if method.startswith("layer_ig") else offsets
-            for f in FRACTIONS:
-                m = max(1, round(f * len(order)))
-                edits.append((method, f, delete_tokens(text, offs, order[:m])))
-        edited = [e[2] if e[2].strip() else "." for e in edits]
-        after = engine.run([Task(t) for t in edited])
-        for (method, f, _), r in zip(edits, after, strict=True):
-            drops[method][f].append(p0 - r.scores[res.label])
+            for text in texts:
+                methods[name](text)
+            seconds[name] += time.perf_counter() - t0
+    return {name: 1000 * v / rounds / len(texts) for name, v in seconds.items()}
+
+
+def order_of(pr: Probe, method: str) -> list[int] | None:
+    """The method's full token ranking, or None if it does not score every token of this text
+    (occlusion on a sample). Tokens a method leaves unscored (Layer IG past the first chunk) go last."""
+    scores = pr.scores.get(method)
+    if scores is None or (method == "occlusion" and len(pr.occluded) < len(pr.spans)):
+        return None
+    filled = [-math.inf if v is None else v for v in scores]
+    return ranking(filled, by_magnitude=method == "shares_abs")
+
+
+def edits(pr: Probe, order: list[int]) -> dict[str, str]:
+    """Every edited text the metrics need for one ranking."""
+    n, out = len(order), {}
+    for f in FRACTIONS:
+        k = max(1, round(f * n))
+        out[f"del{f}"] = delete_tokens(pr.text, pr.spans, order[:k])
+        out[f"keep{f}"] = delete_tokens(pr.text, pr.spans, order[k:])
+    for c in CURVE[1:-1]:
+        out[f"curve{c}"] = delete_tokens(pr.text, pr.spans, order[: round(c * n)])
+    out["curve1.0"] = delete_tokens(pr.text, pr.spans, order)
+    return out
+
+
+def metrics(pr: Probe, probs: Probabilities, edited: dict[str, str], method: str) -> dict[str, Any]:
+    """Comprehensiveness, sufficiency, deletion AUC and Spearman with occlusion for one ranking."""
+    p = {k: probs(t, pr.target) for k, t in edited.items()}
+    curve = [pr.p0] + [p[f"curve{c}"] for c in CURVE[1:]]
+    auc = sum((a + b) / 2 for a, b in itertools.pairwise(curve)) / (len(curve) - 1)
+    out: dict[str, Any] = {"comprehensiveness": {f: pr.p0 - p[f"del{f}"] for f in FRACTIONS},
+                           "sufficiency": {f: pr.p0 - p[f"keep{f}"] for f in FRACTIONS}, "deletion_auc": auc}
+    if method != "occlusion":
+        pairs = [(pr.scores[method][m], pr.scores["occlusion"][m]) for m in pr.occluded]
+        pairs = [(a, b) for a, b in pairs if a is not None and b is not None]
+        out["spearman_occlusion"] = spearman([a for a, _ in pairs], [b for _, b in pairs])  # type: ignore[misc]
+    return out
+
+
+def faithfulness(engine: Engine, texts: list[str], lig: LayerIG | None, batch_size: int, max_occlusion: int,
+                 seed: int = 0) -> dict[str, Any]:
+    """Every method's faithfulness metrics, averaged over ``texts``."""
+    rng = random.Random(seed)
+    probs = Probabilities(engine, batch_size)
+    per_method: dict[str, list[dict[str, Any]]] = {m: [] for m in METHODS}
+    t_start = time.perf_counter()
+    for n, text in enumerate(texts, 1):
+        pr = probe(engine, probs, text, lig, rng, max_occlusion)
+        plans = {m: edits(pr, order) for m in METHODS if (order := order_of(pr, m)) is not None}
+        probs.compute([t for plan in plans.values() for t in plan.values()])
+        for m, plan in plans.items():
+            per_method[m].append(metrics(pr, probs, plan, m))
+        probs.cache.clear()
         if n % 10 == 0 or n == len(texts):
-            echo(f"  faithfulness: {n}/{len(texts)} texts", err=True)
-    mean = {m: {f: sum(v) / len(v) for f, v in by_f.items()} for m, by_f in drops.items()}
-    per_expl = {k: v / len(texts) for k, v in seconds.items() if k in methods}
-    return {"mean_drop": mean, "seconds_per_explanation": per_expl, "n_texts": len(texts)}
+            eta = (time.perf_counter() - t_start) / n * (len(texts) - n)
+            echo(f"  faithfulness: {n}/{len(texts)} texts, {eta:.0f} s to go", err=True)
+    return {"n_texts": len(texts), "methods": {m: summarise(rows) for m, rows in per_method.items() if rows}}
 
 
-def run(model: str, preset: str, repository: Path, n_texts: int, n_faithful: int, batch_size: int, rounds: int,
-        n_steps: int, device: str, out: Path, seed: int = 0) -> dict[str, Any]:
+def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Means over texts (Spearman over the texts where it is defined)."""
+    def mean(values: list[float]) -> float:
+        return sum(values) / len(values) if values else float("nan")
+
+    out: dict[str, Any] = {"n_texts": len(rows)}
+    for key in ("comprehensiveness", "sufficiency"):
+        out[key] = {f: mean([r[key][f] for r in rows]) for f in FRACTIONS}
+        out[f"{key}_mean"] = mean(list(out[key].values()))
+    out["deletion_auc"] = mean([r["deletion_auc"] for r in rows])
+    rhos = [r["spearman_occlusion"] for r in rows if r.get("spearman_occlusion") is not None]
+    out["spearman_occlusion"] = mean(rhos) if rhos else None
+    return out
+
+
+def print_tables(costs: list[dict[str, Any]], ms: dict[str, float], faith: dict[str, Any]) -> None:
+    rows = [{"batch": c["batch_size"], "classify ms/text": c["ms_per_text"]["classify"],
+             **{f"{k} x": v for k, v in c["over_classify"].items()}} for c in costs]
+    echo("Cost of credit: ms per text for classify alone, and each mode over it (engine, interleaved rounds)")
+    echo(report.table(rows, list(rows[0])))
+    echo("\nMilliseconds per explanation, one text at a time (x: over classify alone, same texts)")
+    echo(report.table([{"method": k, "ms": v, "x classify": v / ms["classify"]} for k, v in ms.items()],
+                      ["method", "ms", "x classify"]))
+    if not faith["methods"]:
+        return
+    echo(f"\nFaithfulness on {faith['n_texts']} texts (predicted class's probability; comprehensiveness and "
+         "Spearman: higher is better; sufficiency and deletion AUC: lower is better)")
+    frows = []
+    for m, s in faith["methods"].items():
+        row: dict[str, Any] = {"method": DESCRIPTIONS[m], "texts": s["n_texts"]}
+        row.update({f"comp {round(100 * f)}%": v for f, v in s["comprehensiveness"].items()})
+        row["comp mean"] = s["comprehensiveness_mean"]
+        row.update({f"suff {round(100 * f)}%": v for f, v in s["sufficiency"].items()})
+        row["del AUC"] = s["deletion_auc"]
+        row["rho occl"] = "-" if s.get("spearman_occlusion") is None else s["spearman_occlusion"]
+        frows.append(row)
+    echo(report.table(frows, list(frows[0])))
+
+
+def run(model: str, preset: str, repository: Path, n_texts: int, n_faithful: int, n_timed: int, batch_size: int,
+        rounds: int, n_steps: int, max_occlusion: int, device: str, out: Path, seed: int = 0) -> dict[str, Any]:
     from service.bench.serve import test_texts
 
-    texts = test_texts(preset, n_texts, seed)
-    engine = Engine.load(repository / model, device=device)
-    echo(f"bench explain: model {model}, {len(texts)} test texts; cost of credit at batch sizes 1 and "
-         f"{batch_size}", err=True)
-    costs = [cost_of_credit(engine, texts[: max(16, len(texts) // 8)], 1, rounds),
-             cost_of_credit(engine, texts, batch_size, rounds)]
+    texts = test_texts(preset, max(n_texts, n_faithful, n_timed), seed)
+    engine = in_worker_thread(lambda: Engine.load(repository / model, device=device))
+    cost_texts = texts[:n_texts]
+    echo(f"bench explain: model {model}; cost of credit at batch sizes 1 and {batch_size} on {len(cost_texts)} "
+         "test texts", err=True)
+    costs = in_worker_thread(lambda: [cost_of_credit(engine, cost_texts[: max(16, len(cost_texts) // 8)], 1, rounds),
+                                      cost_of_credit(engine, cost_texts, batch_size, rounds)])
     try:
         lig: LayerIG | None = LayerIG(engine, n_steps)
     except ImportError:
         lig = None
-        echo("  captum is not installed (pip install -e '.[bench]'): Layer IG comparison skipped", err=True)
-    echo(f"faithfulness and per-explanation time on {n_faithful} texts (Layer IG: {n_steps} steps)", err=True)
-    faith = comprehensiveness(engine, texts[:n_faithful], lig, seed)
-
-    rows = [{"batch_size": c["batch_size"], **{f"{k}_ms": v for k, v in c["ms_per_text"].items()},
-             "explain/classify": c["explain_over_classify"], "full/classify": c["full_over_classify"]}
-            for c in costs]
-    print("Cost of credit (ms per text, engine only, same texts, interleaved rounds):")
-    print(report.table(rows, list(rows[0])))
-    spe = faith["seconds_per_explanation"]
-    print("\nSeconds per explanation (one text at a time):")
-    print(report.table([{"method": k, "seconds": v} for k, v in spe.items()], ["method", "seconds"]))
-    if "layer_ig" in spe:
-        print(f"Layer IG / routing credit per explanation: {spe['layer_ig'] / spe['routing']:.1f}x")
-    print("\nComprehensiveness: mean drop in the predicted class's probability after deleting the top-k% tokens")
-    frows = [{"method": m, **{f"top {round(100 * f)}%": v for f, v in by_f.items()}}
-             for m, by_f in faith["mean_drop"].items()]
-    print(report.table(frows, list(frows[0])))
-    summary: dict[str, Any] = {"explain_over_classify": {c["batch_size"]: c["explain_over_classify"] for c in costs},
-                               "full_over_classify": {c["batch_size"]: c["full_over_classify"] for c in costs}}
-    if "layer_ig" in spe:
-        summary["layer_ig_over_routing_per_explanation"] = spe["layer_ig"] / spe["routing"]
-    summary["mean_drop"] = faith["mean_drop"]
-    settings = {"model": model, "texts": len(texts), "faithfulness_texts": n_faithful, "batch_size": batch_size,
-                "rounds": rounds, "ig_steps": n_steps, "device": device, "fractions": FRACTIONS}
-    path = report.write_json(out, "explain", settings, {"cost": costs, "faithfulness": faith}, summary)
-    print(f"wrote {path}")
+        echo("  captum is not installed (pip install -e '.[bench]'): Layer IG left out", err=True)
+    echo(f"time per explanation on {min(n_timed, len(texts))} texts, one at a time", err=True)
+    ms = in_worker_thread(lambda: time_per_explanation(engine, texts[:n_timed], lig, batch_size, max_occlusion))
+    echo(f"faithfulness on {min(n_faithful, len(texts))} texts (Layer IG: {n_steps} steps on the first chunk; "
+         f"occlusion: up to {max_occlusion} tokens per text)", err=True)
+    faith = in_worker_thread(lambda: faithfulness(engine, texts[:n_faithful], lig, batch_size, max_occlusion, seed))
+    print_tables(costs, ms, faith)
+    summary: dict[str, Any] = {
+        "over_classify": {c["batch_size"]: c["over_classify"] for c in costs},
+        "ms_per_explanation": ms,
+        "layer_ig_over_contrast": ms["layer_ig"] / ms["contrast"] if "layer_ig" in ms else None,
+        "occlusion_over_contrast": ms["occlusion"] / ms["contrast"],
+        "faithfulness": {m: {k: s[k] for k in ("comprehensiveness_mean", "sufficiency_mean", "deletion_auc",
+                                                 "spearman_occlusion")} for m, s in faith["methods"].items()},
+    }
+    if summary["layer_ig_over_contrast"] is not None:
+        echo(f"Layer IG / value-path credit per explanation: {summary['layer_ig_over_contrast']:.1f}x")
+    settings = {"model": model, "cost_texts": len(cost_texts), "faithfulness_texts": faith["n_texts"],
+                "timed_texts": min(n_timed, len(texts)), "batch_size": batch_size, "rounds": rounds,
+                "ig_steps": n_steps, "max_occlusion": max_occlusion, "device": device, "fractions": FRACTIONS,
+                "seed": seed}
+    path = report.write_json(out, "explain", settings, {"cost": costs, "ms_per_explanation": ms,
+                                                        "faithfulness": faith}, summary)
+    echo(f"wrote {path}")
     return summary
