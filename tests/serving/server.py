@@ -1,11 +1,18 @@
-"""The real server for API tests (uvicorn in a subprocess, free port), and reading /metrics."""
+"""The real server for API tests (uvicorn in a subprocess, free port), reading /metrics, and
+holding concurrent requests in flight."""
 
 from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable
+
+import httpx
 
 from service.bench.server import LocalServer as Server
 from service.bench.server import free_port
 
-__all__ = ["Server", "free_port", "metric"]
+__all__ = ["Server", "free_port", "in_flight", "metric"]
 
 
 def metric(text: str, name: str, **labels: str) -> float:
@@ -18,3 +25,32 @@ def metric(text: str, name: str, **labels: str) -> float:
         if all(f'{k}="{v}"' in head for k, v in labels.items()):
             total += float(value)
     return total
+
+
+def in_flight(server: Server, bodies: list[dict], answer: Callable[[httpx.Response | httpx.TransportError], None],
+              wait_s: float = 60) -> threading.Thread:
+    """POST every body to /v1/classify at once from a background thread and return when the server
+    holds them all in flight; ``answer`` gets each response (or transport error) as it comes. Join
+    the returned thread to wait for all of them."""
+    sent = threading.Event()
+
+    async def load() -> None:
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+            async def one(body: dict) -> None:
+                try:
+                    answer(await client.post("/v1/classify", json=body))
+                except httpx.TransportError as e:
+                    answer(e)
+
+            tasks = [asyncio.create_task(one(b)) for b in bodies]
+            for _ in range(int(wait_s / 0.02)):  # until the server holds them all (and this /metrics request)
+                if metric((await client.get("/metrics")).text, "routing_requests_in_flight") >= len(bodies) + 1:
+                    break
+                await asyncio.sleep(0.02)
+            sent.set()
+            await asyncio.gather(*tasks)
+
+    thread = threading.Thread(target=lambda: asyncio.run(load()))
+    thread.start()
+    assert sent.wait(wait_s), "the server never held every request in flight"
+    return thread

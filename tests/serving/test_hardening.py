@@ -3,10 +3,8 @@ HTTP against real servers; raw sockets send what well-behaved clients never woul
 
 from __future__ import annotations
 
-import asyncio
 import json
 import socket
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from tests.conftest import write_tiny_model
 from tests.serving.conftest import running
-from tests.serving.server import Server, metric
+from tests.serving.server import Server, in_flight, metric
 
 
 @pytest.fixture(scope="module")
@@ -119,28 +117,14 @@ def test_drain_deadline_answers_every_request_in_json_and_exits_in_time(tiny_rep
                     drain_timeout_s=2, max_chars=20000).wait_ready()
     text = "a long text that needs a great many chunks of the tiny backbone, " * 300
     answers: list[tuple[int, str, str | None]] = []
-    sent = threading.Event()
 
-    async def load() -> None:
-        async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
-            async def one() -> None:
-                try:
-                    r = await client.post("/v1/classify", json={"inputs": [text] * 8})
-                    answers.append((r.status_code, r.headers.get("content-type", ""), r.headers.get("retry-after")))
-                except httpx.TransportError as e:
-                    answers.append((0, type(e).__name__, None))
+    def record(r: httpx.Response | httpx.TransportError) -> None:
+        if isinstance(r, httpx.Response):
+            answers.append((r.status_code, r.headers.get("content-type", ""), r.headers.get("retry-after")))
+        else:
+            answers.append((0, type(r).__name__, None))
 
-            tasks = [asyncio.create_task(one()) for _ in range(20)]
-            for _ in range(300):  # until the server holds all 20 (and this /metrics request)
-                if metric((await client.get("/metrics")).text, "routing_requests_in_flight") >= 21:
-                    break
-                await asyncio.sleep(0.02)
-            sent.set()
-            await asyncio.gather(*tasks)
-
-    thread = threading.Thread(target=lambda: asyncio.run(load()))
-    thread.start()
-    assert sent.wait(60)
+    thread = in_flight(server, [{"inputs": [text] * 8}] * 20, record)
     time.sleep(0.5)
     t0 = time.monotonic()
     server.terminate()

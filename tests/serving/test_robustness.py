@@ -1,7 +1,6 @@
 """Overload, deadlines, disconnects, API keys and shutdown, over HTTP against real servers."""
 
 import asyncio
-import threading
 import time
 from pathlib import Path
 
@@ -9,7 +8,7 @@ import httpx
 import pytest
 
 from tests.serving.conftest import running
-from tests.serving.server import Server, metric
+from tests.serving.server import Server, in_flight, metric
 
 
 @pytest.fixture(scope="module")
@@ -90,30 +89,12 @@ def test_sigterm_during_load_answers_every_accepted_request(tiny_repo: Path, log
     server = Server(logs, model_repository=tiny_repo, default_model="tiny", max_wait_ms=300, max_batch_size=1,
                     drain_timeout_s=60).wait_ready()
     results: list[int | str] = []
-    sent = threading.Event()
 
-    async def load() -> None:
-        async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
-            async def one(k: int) -> None:
-                try:
-                    text = f"text number {k}, long enough to need many chunks. " * 90
-                    r = await client.post("/v1/classify", json={"inputs": [text] * 3})
-                    results.append(r.status_code)
-                except httpx.TransportError as e:
-                    results.append(type(e).__name__)
+    def record(r: httpx.Response | httpx.TransportError) -> None:
+        results.append(r.status_code if isinstance(r, httpx.Response) else type(r).__name__)
 
-            tasks = [asyncio.create_task(one(k)) for k in range(24)]
-            for _ in range(200):  # wait until the server handles all 24 (and this /metrics request)
-                page = (await client.get("/metrics")).text
-                if metric(page, "routing_requests_in_flight") >= 25:
-                    break
-                await asyncio.sleep(0.01)
-            sent.set()
-            await asyncio.gather(*tasks)
-
-    thread = threading.Thread(target=lambda: asyncio.run(load()))
-    thread.start()
-    assert sent.wait(30)
+    bodies = [{"inputs": [f"text number {k}, long enough to need many chunks. " * 90] * 3} for k in range(24)]
+    thread = in_flight(server, bodies, record, wait_s=30)
     server.terminate()
     time.sleep(0.1)
     ready = httpx.get(f"{server.url}/readyz", timeout=5)
