@@ -94,6 +94,28 @@ class Encoded:
         return [len(t) for t in self.token_ids]
 
 
+@dataclass(frozen=True)
+class Encoding:
+    """One text tokenized once and cut into chunks: what the batcher budgets and the encoder runs.
+
+    Attributes:
+        chunks: token ids of each chunk, the tokenizer's special tokens around each.
+        offsets: ``(start, end)`` character span of each token of the joined chunks ((0, 0) for specials).
+        special: True at special tokens.
+        word_ids: index of the word each token belongs to (-1 for specials).
+    """
+
+    chunks: tuple[tuple[int, ...], ...]
+    offsets: tuple[tuple[int, int], ...]
+    special: tuple[bool, ...]
+    word_ids: tuple[int, ...]
+
+    @property
+    def n_tokens(self) -> int:
+        """Positions the text takes in the head (special tokens of every chunk included)."""
+        return len(self.special)
+
+
 @dataclass
 class _Chunk:
     text: int
@@ -161,53 +183,52 @@ class Backbone(torch.nn.Module):
         start = next(k for k in range(len(full)) if full[k : k + len(bare)] == bare)
         return full[:start], full[start + len(bare) :]
 
-    def count_tokens(self, texts: list[str]) -> list[int]:
-        """Sequence length (special tokens of every chunk included) each text will have."""
-        n_special = len(self.prefix) + len(self.suffix)
-        out = []
-        with self._tokenizer_lock:
-            all_ids = self.tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]
-        for ids in all_ids:
-            n_chunks = max(1, -(-len(ids) // self.body))
-            out.append(len(ids) + n_chunks * n_special)
-        return out
-
-    @torch.inference_mode()
-    def forward(self, texts: list[str]) -> Encoded:
-        """Encode ``texts``; see :class:`Encoded` for what comes back."""
+    def encode(self, texts: list[str]) -> list[Encoding]:
+        """Tokenize ``texts`` (one tokenizer call) and cut each into chunks of at most ``max_length``."""
         with self._tokenizer_lock:
             tok = self.tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
         body, n_pre, n_suf = self.body, len(self.prefix), len(self.suffix)
-        chunks: list[_Chunk] = []
-        token_ids, offsets, special, word_ids = [], [], [], []
+        out = []
         for t, ids in enumerate(tok["input_ids"]):
             pieces = [ids[k : k + body] for k in range(0, len(ids), body)] or [[]]
-            chunks += [_Chunk(t, self.prefix + p + self.suffix) for p in pieces]
             words = [-1 if w is None else w for w in tok.word_ids(t)]
             offs = [tuple(o) for o in tok["offset_mapping"][t]]
-            tid, toff, tspec, tword = [], [], [], []
+            toff: list[tuple[int, int]] = []
+            tspec: list[bool] = []
+            tword: list[int] = []
             for k, p in enumerate(pieces):
                 lo = k * body
-                tid += self.prefix + p + self.suffix
                 toff += [(0, 0)] * n_pre + offs[lo : lo + len(p)] + [(0, 0)] * n_suf
                 tspec += [True] * n_pre + [False] * len(p) + [True] * n_suf
                 tword += [-1] * n_pre + words[lo : lo + len(p)] + [-1] * n_suf
-            token_ids.append(torch.tensor(tid))
-            offsets.append(torch.tensor(toff, dtype=torch.long).reshape(-1, 2))
-            special.append(torch.tensor(tspec))
-            word_ids.append(torch.tensor(tword))
+            chunks = tuple(tuple(self.prefix + p + self.suffix) for p in pieces)
+            out.append(Encoding(chunks, tuple(toff), tuple(tspec), tuple(tword)))
+        return out
 
+    @torch.inference_mode()
+    def forward(self, texts: list[str] | list[Encoding]) -> Encoded:
+        """Encode ``texts`` (or run already tokenized ones); see :class:`Encoded` for what comes back."""
+        encodings = [t for t in texts if isinstance(t, Encoding)]
+        if len(encodings) != len(texts):
+            encodings = self.encode([t for t in texts if isinstance(t, str)])
+            if len(encodings) != len(texts):
+                raise TypeError("pass texts or Encodings, not both")
+        chunks = [_Chunk(b, list(c)) for b, e in enumerate(encodings) for c in e.chunks]
         states = self._run_chunks([c.ids for c in chunks])  # per chunk [L_c, d_depth, d_emb]
-        per_text: list[list[torch.Tensor]] = [[] for _ in texts]
-        for c, s in zip(chunks, states, strict=True):
-            per_text[c.text].append(s)
+        per_text: list[list[torch.Tensor]] = [[] for _ in encodings]
+        for c, st in zip(chunks, states, strict=True):
+            per_text[c.text].append(st)
         joined = [torch.cat(p, dim=0) for p in per_text]  # per text [n_t, d_depth, d_emb]
         n_max = max(len(j) for j in joined)
-        hidden = joined[0].new_zeros(len(texts), n_max, self.d_depth, self.d_emb)  # [b n depth emb]
-        pad = torch.ones(len(texts), n_max, dtype=torch.bool, device=hidden.device)  # [b n]
+        hidden = joined[0].new_zeros(len(encodings), n_max, self.d_depth, self.d_emb)  # [b n depth emb]
+        pad = torch.ones(len(encodings), n_max, dtype=torch.bool, device=hidden.device)  # [b n]
         for b, j in enumerate(joined):
             hidden[b, : len(j)] = j
             pad[b, : len(j)] = False
+        token_ids = [torch.tensor([i for c in e.chunks for i in c]) for e in encodings]
+        offsets = [torch.tensor(e.offsets, dtype=torch.long).reshape(-1, 2) for e in encodings]
+        special = [torch.tensor(e.special, dtype=torch.bool) for e in encodings]
+        word_ids = [torch.tensor(e.word_ids, dtype=torch.long) for e in encodings]
         return Encoded(hidden, pad, token_ids, offsets, special, word_ids)
 
     def _run_chunks(self, chunk_ids: list[list[int]]) -> list[torch.Tensor]:

@@ -16,7 +16,7 @@ from typing import Literal
 
 import torch
 
-from service.modeling.backbone import Backbone, Encoded
+from service.modeling.backbone import Backbone, Encoded, Encoding
 from service.modeling.head import HeadOutput, RoutingHead
 from service.routing import credit
 
@@ -98,9 +98,10 @@ class RoutingClassifier(torch.nn.Module):
         self.backbone, self.head, self.labels = backbone, head, labels
 
     @torch.inference_mode()
-    def predict(self, texts: list[str], explain: Sequence[CreditRequest | None] | None = None,
+    def predict(self, texts: list[str] | list[Encoding], explain: Sequence[CreditRequest | None] | None = None,
                 return_phi: bool = False) -> Prediction:
-        """Classify ``texts``; ``explain[b]`` says what credit text ``b`` needs (None: none).
+        """Classify ``texts`` (or texts already tokenized by ``backbone.encode``); ``explain[b]`` says what
+        credit text ``b`` needs (None: none).
 
         Credit is computed only for the texts that ask for it, one batched pass per method.
         """

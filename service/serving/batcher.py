@@ -98,6 +98,18 @@ class Batcher(Generic[P, R]):
     def idle(self) -> bool:
         return not self._pending and not self._computing
 
+    def check_room(self, n: int) -> None:
+        """Raise what :meth:`submit` would for ``n`` new items (call it before any work on them).
+
+        Raises:
+            Draining: the batcher is stopping.
+            Overloaded: the queue has no room for ``n`` more items.
+        """
+        if not self._accepting:
+            raise Draining(f"{self.name} is draining")
+        if len(self._pending) + n > self.limits.max_queue:
+            raise Overloaded(f"{self.name}: {len(self._pending)} texts queued, limit {self.limits.max_queue}")
+
     def start(self) -> None:
         if self._worker is None:
             self._worker = asyncio.get_running_loop().create_task(self._loop(), name=f"batcher-{self.name}")
@@ -110,10 +122,7 @@ class Batcher(Generic[P, R]):
             Draining: the batcher is stopping.
             DeadlineExceeded: the deadline passed first.
         """
-        if not self._accepting:
-            raise Draining(f"{self.name} is draining")
-        if len(self._pending) + len(payloads) > self.limits.max_queue:
-            raise Overloaded(f"{self.name}: {len(self._pending)} texts queued, limit {self.limits.max_queue}")
+        self.check_room(len(payloads))
         loop = asyncio.get_running_loop()
         items = [_Item(p, max(1, int(c)), deadline, loop.create_future()) for p, c in zip(payloads, costs, strict=True)]
         self._pending.extend(items)

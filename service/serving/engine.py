@@ -11,6 +11,7 @@ from typing import Any, Literal
 import torch
 
 from service.modeling import views
+from service.modeling.backbone import Encoding
 from service.modeling.classifier import CreditRequest, Explained, Method, Prediction, RoutingClassifier
 from service.modeling.repository import Manifest, load_model
 
@@ -51,10 +52,12 @@ class Task:
 
     ``explain``: None (scores only), ``"predicted"`` (token credit of the predicted label), or
     ``"full"`` (the explain endpoint's views for ``targets``; None = the predicted label).
-    ``method`` and ``contrast`` choose the credit (see ``service.modeling.classifier``).
+    ``method`` and ``contrast`` choose the credit (see ``service.modeling.classifier``). ``encoding``:
+    the text tokenized once by :meth:`Engine.encode` (the engine tokenizes it only when it is absent).
     """
 
     text: str
+    encoding: Encoding | None = None
     explain: Literal["predicted", "full"] | None = None
     targets: tuple[str, ...] | None = None
     method: Method = "contribution"
@@ -119,9 +122,9 @@ class Engine:
             "evaluation": self.manifest.evaluation, "load_seconds": round(self.load_seconds, 3),
         }
 
-    def count_tokens(self, texts: list[str]) -> list[int]:
-        """Sequence length of each text (chunk special tokens included): the batcher's cost."""
-        return self.classifier.backbone.count_tokens(texts)
+    def encode(self, texts: list[str]) -> list[Encoding]:
+        """Tokenize and chunk ``texts`` once; ``n_tokens`` of each is the batcher's cost."""
+        return self.classifier.backbone.encode(texts)
 
     def _credit_request(self, task: Task) -> CreditRequest | None:
         """The classifier's request for ``task``: every class when the full matrix is wanted."""
@@ -137,8 +140,10 @@ class Engine:
     def run(self, tasks: list[Task]) -> list[Result]:
         """Classify a batch; compute credit only for the texts that ask for it."""
         phi = any(t.include_phi for t in tasks)
-        pred = self.classifier.predict([t.text for t in tasks], explain=[self._credit_request(t) for t in tasks],
-                                       return_phi=phi)
+        missing = [t.text for t in tasks if t.encoding is None]
+        fresh = iter(self.encode(missing) if missing else [])
+        encodings = [t.encoding if t.encoding is not None else next(fresh) for t in tasks]
+        pred = self.classifier.predict(encodings, explain=[self._credit_request(t) for t in tasks], return_phi=phi)
         probs = pred.probs.cpu()  # one device-to-host copy per batch, not per text
         return [self._result(pred, probs, b, t) for b, t in enumerate(tasks)]
 

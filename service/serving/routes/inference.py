@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from dataclasses import replace
 
 from fastapi import APIRouter, Depends, Request
 
@@ -50,17 +51,30 @@ async def _watch_disconnect(request: Request) -> None:
             return
 
 
-async def count_tokens(served: Served, texts: list[str]) -> list[int]:
-    """Token count of each text (the batcher's cost), off the event loop."""
-    return await asyncio.get_running_loop().run_in_executor(None, served.engine.count_tokens, texts)
+def _refused(e: Overloaded | Draining) -> APIError:
+    """The answer when the batcher takes no more texts: 503 with Retry-After."""
+    if isinstance(e, Draining):
+        return APIError(503, "server is shutting down", headers={"Retry-After": "5"}, reason="draining")
+    return APIError(503, f"overloaded, retry later ({e})", headers={"Retry-After": "1"}, reason="overloaded")
 
 
-async def run_tasks(request: Request, served: Served, tasks: list[Task], deadline: float,
-                    costs: list[int] | None = None) -> list[Result]:
-    """Submit the texts, answer errors in the one shape, and stop if the client goes away."""
+async def encode(served: Served, tasks: list[Task]) -> list[Task]:
+    """Tokenize the tasks' texts once, off the event loop; a queue without room answers 503 first."""
+    try:
+        served.batcher.check_room(len(tasks))
+    except (Overloaded, Draining) as e:
+        raise _refused(e) from None
+    encodings = await asyncio.get_running_loop().run_in_executor(None, served.engine.encode, [t.text for t in tasks])
+    return [replace(t, encoding=e) for t, e in zip(tasks, encodings, strict=True)]
+
+
+async def run_tasks(request: Request, served: Served, tasks: list[Task], deadline: float) -> list[Result]:
+    """Submit the texts (tokenized here unless they already are), answer errors in the one shape, and
+    stop if the client goes away."""
     engine = served.engine
-    if costs is None:
-        costs = await count_tokens(served, [t.text for t in tasks])
+    if any(t.encoding is None for t in tasks):
+        tasks = await encode(served, tasks)
+    costs = [t.encoding.n_tokens for t in tasks if t.encoding is not None]
     work = asyncio.ensure_future(served.batcher.submit(tasks, costs, deadline))
     watch = asyncio.ensure_future(_watch_disconnect(request))
     try:
@@ -74,11 +88,8 @@ async def run_tasks(request: Request, served: Served, tasks: list[Task], deadlin
         raise APIError(499, "client disconnected")
     try:
         results = work.result()
-    except Overloaded as e:
-        raise APIError(503, f"overloaded, retry later ({e})", headers={"Retry-After": "1"},
-                       reason="overloaded") from None
-    except Draining:
-        raise APIError(503, "server is shutting down", headers={"Retry-After": "5"}, reason="draining") from None
+    except (Overloaded, Draining) as e:
+        raise _refused(e) from None
     except DeadlineExceeded as e:
         raise APIError(504, f"deadline exceeded: {e}") from None
     except Exception as e:
@@ -121,16 +132,17 @@ async def explain(request: Request, state: AppState, model: str, body: ExplainRe
     check_limits(state, body.inputs)
     until = deadline(state, body.timeout_s)
     wanted = targets(engine.labels, body.target)
-    counts = await count_tokens(served, body.inputs)
+    contrast = body.contrast and body.method == "contribution"
+    tasks = await encode(served, [Task(t, explain="full", targets=wanted, method=body.method, contrast=contrast,
+                                       include_matrix=body.include_matrix, include_phi=body.include_phi)
+                                  for t in body.inputs])
     if body.include_matrix or body.include_phi:
-        size = sum(engine.explain_elements(n, body.include_matrix, body.include_phi) for n in counts)
+        size = sum(engine.explain_elements(t.encoding.n_tokens, body.include_matrix, body.include_phi)
+                   for t in tasks if t.encoding is not None)
         if size > state.settings.max_explain_elements:
             raise APIError(413, f"include_matrix/include_phi would return {size} numbers, more than the limit of "
                                 f"{state.settings.max_explain_elements}; send fewer or shorter texts")
-    contrast = body.contrast and body.method == "contribution"
-    tasks = [Task(t, explain="full", targets=wanted, method=body.method, contrast=contrast,
-                  include_matrix=body.include_matrix, include_phi=body.include_phi) for t in body.inputs]
-    results = await run_tasks(request, served, tasks, until, counts)
+    results = await run_tasks(request, served, tasks, until)
     return ExplainResponse(model=model, labels=engine.labels, results=[
         ExplainResult(label=r.label, score=r.scores[r.label], scores=r.scores, **(r.explanation or {}))
         for r in results])

@@ -1,0 +1,85 @@
+"""Each text is tokenized once per request, before the queue, and a request the queue has no room for
+is answered 503 before any tokenization. In-process (the app on a test client) so that the
+tokenizer's calls can be counted."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+
+from service.config import Settings
+from service.modeling.backbone import Backbone
+from service.serving.app import create_app
+
+TEXTS = ["the first text", "a second, somewhat longer text. It has two sentences!", "Long one. " * 40]
+V2 = {"inputs": [{"name": "text", "datatype": "BYTES", "shape": [3], "data": TEXTS}], "parameters": {"explain": True}}
+
+
+class CountingTokenizer:
+    """Delegates to the real tokenizer and counts its calls (tokenizations)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner, self.calls = inner, 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        return self.inner(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def started(tiny_repo: Path, **settings: Any) -> Iterator[tuple[TestClient, CountingTokenizer]]:
+    app: FastAPI = create_app(Settings(model_repository=tiny_repo, default_model="tiny", **settings))
+    with TestClient(app) as client:
+        for _ in range(600):
+            if client.get("/readyz").status_code == 200:
+                break
+            time.sleep(0.05)
+        backbone: Backbone = app.state.app_state.models["tiny"].engine.classifier.backbone
+        counting = CountingTokenizer(backbone.tokenizer)
+        backbone.tokenizer = counting
+        yield client, counting
+
+
+@pytest.fixture(scope="module")
+def client(tiny_repo: Path) -> Iterator[tuple[TestClient, CountingTokenizer]]:
+    yield from started(tiny_repo)
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    ("/v1/classify", {"inputs": TEXTS}),
+    ("/v1/classify", {"inputs": TEXTS, "explain": True}),
+    ("/v1/explain", {"inputs": TEXTS, "target": "all", "include_matrix": True}),
+    ("/v2/models/tiny/infer", V2),
+    ("/v1/models/tiny:explain", {"instances": TEXTS}),
+])
+def test_one_tokenization_per_request(client: tuple[TestClient, CountingTokenizer], path: str, body: dict) -> None:
+    c, counting = client
+    before = counting.calls
+    r = c.post(path, json=body)
+    assert r.status_code == 200, r.text
+    assert counting.calls - before == 1  # all texts of the request in one call, and never again
+
+
+def test_a_full_queue_answers_503_without_tokenizing(tiny_repo: Path) -> None:
+    # batches wait up to 2 s to fill, so the first request's texts sit in the queue (room for 4)
+    for c, counting in started(tiny_repo, max_queue=4, max_wait_ms=2000):
+        with ThreadPoolExecutor(1) as pool:
+            first = pool.submit(c.post, "/v1/classify", json={"inputs": TEXTS})
+            deadline = time.monotonic() + 10
+            while counting.calls == 0 and time.monotonic() < deadline:  # the first request is tokenized
+                time.sleep(0.01)
+            time.sleep(0.2)  # and queued
+            before = counting.calls
+            r = c.post("/v1/classify", json={"inputs": ["one too many", "and another"]})  # 3 + 2 > 4
+            assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+            assert counting.calls == before  # refused before any tokenization
+            assert first.result(timeout=30).status_code == 200
