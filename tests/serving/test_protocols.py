@@ -99,6 +99,11 @@ def test_errors_in_the_protocols_shape(client: triton.InferenceServerClient, tin
         r = httpx.post(url, json=body)
         assert r.status_code == status and set(r.json()) == {"error"}, (body, r.text)
     assert httpx.post(url, content=b"{nope").json()["error"].startswith("body: not valid JSON")
+    text = [{"name": "text", "datatype": "BYTES", "shape": [1], "data": ["a"]}]
+    for params, field in [({"explain": "false"}, "explain"), ({"timeout": True}, "timeout"),
+                          ({"timeout": -1}, "timeout"), ({"method": "gradients"}, "method")]:
+        r = httpx.post(url, json={"inputs": text, "parameters": params})
+        assert r.status_code == 422 and field in r.json()["error"], (params, r.text)
     assert set(httpx.get(f"{tiny.url}/v2/models/tiny/versions/2").json()) == {"error"}
 
 

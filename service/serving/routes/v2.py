@@ -155,10 +155,15 @@ async def infer(request: Request, state: State, model: str, version: str = "1") 
     if unknown:
         raise APIError(400, f"unknown output(s) {unknown}; with method {options['method']!r} this model gives "
                             f"{available}")
-    explain = bool(params.get("explain", False)) or any(w in CREDIT for w in wanted or [])
+    asked = params.get("explain", False)
+    if not isinstance(asked, bool):
+        raise APIError(422, "parameters.explain must be a bool")
+    explain = asked or any(w in CREDIT for w in wanted or [])
     tasks = [Task(t, explain="full" if explain else None, **options) for t in texts]
     timeout = params.get("timeout")
-    deadline = inference.deadline(state, timeout / 1e6 if isinstance(timeout, int | float) and timeout > 0 else None)
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0):
+        raise APIError(422, "parameters.timeout must be a positive number of microseconds")
+    deadline = inference.deadline(state, timeout / 1e6 if timeout is not None else None)
     results = await inference.run_tasks(request, served, tasks, deadline)
     outputs = _outputs(results, served.engine.labels, explain)
     names = wanted or (available if explain else list(BASIC))
