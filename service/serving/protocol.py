@@ -80,7 +80,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             self._arm_head_timer()
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        # httptools may deliver one header in pieces; count bytes always, headers on each call (an upper bound)
+        # httptools calls this once per header, its name and value complete
         self._head_count += 1
         self._head_bytes += len(name) + len(value)
         lim = self.limits
