@@ -4,6 +4,7 @@ compose network. Grafana's image cannot be had here and is left out. Run alone w
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -42,10 +43,13 @@ def stack() -> Iterator[dict[str, str]]:
 
 
 def prometheus_query(query: str) -> list[dict]:
-    """Ask Prometheus's HTTP API from inside its own container (no host port is needed)."""
+    """Ask Prometheus's HTTP API from inside its own container (no host port is needed); an empty
+    result while Prometheus is not answering yet (the callers poll)."""
     url = f"http://127.0.0.1:9090/api/v1/query?query={query}"
-    out = podman.run(podman.need("podman"), "exec", "routing-ci_prometheus_1", "wget", "-qO-", url).stdout
-    doc = json.loads(out)
+    out = podman.run(podman.need("podman"), "exec", "routing-ci_prometheus_1", "wget", "-qO-", url, check=False)
+    if out.returncode != 0:
+        return []
+    doc = json.loads(out.stdout)
     assert doc["status"] == "success", doc
     return doc["data"]["result"]
 
@@ -60,6 +64,12 @@ def test_prometheus_scrapes_the_service_on_the_compose_network(stack: dict[str, 
             break
         time.sleep(3)
     assert up and up[0]["metric"]["job"] == "routing-service" and up[0]["value"][1] == "1", up
+    ready = 0  # /metrics answers while the models are still loading: wait for readiness to classify
+    while ready != 200 and time.monotonic() - t0 < 300:
+        with contextlib.suppress(httpx.TransportError):
+            ready = httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=5).status_code
+        time.sleep(1)
+    assert ready == 200, "the service never became ready"
     r = httpx.post(f"http://127.0.0.1:{port}/v1/classify", json={"inputs": ["What a great day!"]}, timeout=60)
     assert r.status_code == 200, r.text
     t1 = time.monotonic()

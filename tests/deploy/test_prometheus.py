@@ -30,8 +30,19 @@ def prometheus(tiny_repo: Path, tmp_path: Path):
     proc = subprocess.Popen([binary, f"--config.file={tmp_path / 'prometheus.yml'}",
                              f"--storage.tsdb.path={tmp_path / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
                             stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
     try:
-        yield service, f"http://127.0.0.1:{port}"
+        end = time.monotonic() + 60
+        while True:  # Prometheus takes a while to open its storage and listen
+            assert proc.poll() is None, (tmp_path / "prometheus.log").read_text()[-3000:]
+            try:
+                if httpx.get(f"{url}/-/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < end, "Prometheus not ready after 60 s"
+            time.sleep(0.2)
+        yield service, url
     finally:
         proc.terminate()
         proc.wait(20)
