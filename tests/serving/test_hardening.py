@@ -111,10 +111,13 @@ def test_requests_the_parser_rejects_get_json_400(guarded: Server, request_: byt
     assert_json_error(status, headers, body, 400, "bad_request")
 
 
+DRAIN = 3
+
+
 def test_drain_deadline_answers_every_request_in_json_and_exits_in_time(tiny_repo: Path, logs: Path) -> None:
     """More queued work than the drain timeout: results for what was computed, 503 for the rest."""
     server = Server(logs, model_repository=tiny_repo, default_model="tiny", max_batch_size=1, max_wait_ms=0,
-                    drain_timeout_s=2, max_chars=20000).wait_ready()
+                    drain_timeout_s=DRAIN, max_chars=20000).wait_ready()
     text = "a long text that needs a great many chunks of the tiny backbone, " * 300
     answers: list[tuple[int, str, str | None]] = []
 
@@ -136,10 +139,12 @@ def test_drain_deadline_answers_every_request_in_json_and_exits_in_time(tiny_rep
     assert len(answers) == 20
     assert all(ctype == "application/json" for _, ctype, _ in answers), answers
     codes = [status for status, _, _ in answers]
-    assert set(codes) <= {200, 503} and codes.count(503) >= 1, codes  # the work did not fit in 2 s
+    assert set(codes) <= {200, 503} and codes.count(503) >= 1, codes  # the work did not fit in the drain
     assert all(retry for status, _, retry in answers if status == 503), answers
     assert code == 0, log
-    assert exited < 2 + 4, f"exited {exited:.1f} s after SIGTERM with a 2 s drain timeout"
+    # the drain, then at most the batch computing at the deadline and a short grace: the old code waited
+    # the drain timeout three times over (drain, uvicorn's graceful shutdown, the batcher stop)
+    assert exited < DRAIN + 5, f"exited {exited:.1f} s after SIGTERM with a {DRAIN} s drain timeout"
     assert "drain deadline passed" in log
 
 
