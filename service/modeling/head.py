@@ -7,7 +7,7 @@ vectors of the first routing (``i = n * d_depth``, position-major), ``j`` hidden
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -23,9 +23,10 @@ class HeadOutput:
         scores: ``[..., n_classes]`` logits.
         phi: ``(phi1 [..., i, n_hid], phi2 [..., n_hid, n_hid], phi3 [..., n_hid, n_classes])``.
         absent: bool ``[..., i]``, True for the padding rows of ``phi1``.
-        stack: the three routings with their inputs, ``phi`` and ``n`` (see :class:`credit.Routed`).
+        stack: the three routings with their inputs, ``phi`` and ``n`` (see :class:`credit.Routed`); the
+            first routing's inputs as given, padding included (:meth:`RoutingHead.contributions` masks it).
         x_lin: ``[..., i, d_emb]`` the first routing's inputs less the per-depth bias ``B``: the part
-            that depends on the hidden states (0 at padding).
+            that depends on the hidden states (padding rows unmasked, as above).
     """
 
     scores: torch.Tensor
@@ -90,8 +91,8 @@ class RoutingHead(nn.Module):
         if pad is None:
             pad = torch.zeros(hidden.shape[:-2], dtype=torch.bool, device=hidden.device)  # [...n]
         x_lin = nn.functional.layer_norm(hidden, (self.d_emb,)) * self.W  # [...ned] per-depth norm and scale
-        x_lin = x_lin.masked_fill(pad[..., None, None], 0.0).flatten(-3, -2)  # [...id] positions x depths
-        x = x_lin + self.B.repeat(hidden.shape[-3], 1)  # [...id] plus each depth's bias
+        x = (x_lin + self.B).flatten(-3, -2)  # [...id] plus each depth's bias; positions x depths
+        x_lin = x_lin.flatten(-3, -2)  # [...id]
         absent = pad[..., None].expand(*pad.shape, self.d_depth).flatten(-2)  # [...i]
         mask = absent[..., None].expand(*absent.shape, self.n_hid)  # [...ij]
         r1 = self.route[0](x, mask=mask)
@@ -100,7 +101,7 @@ class RoutingHead(nn.Module):
         scores = r3["x_out"].squeeze(-1)  # [...k]
         n1 = (~absent).sum(dim=-1).clamp(min=1).to(x.dtype)[..., None, None]  # [...11] present inputs
         n_hid = x.new_tensor(float(self.n_hid))  # [] inputs of routings 2 and 3
-        stack = (credit.Routed(self.route[0], x.masked_fill(absent[..., None], 0.0), r1["phi"], n1, r1["x_out_raw"]),
+        stack = (credit.Routed(self.route[0], x, r1["phi"], n1, r1["x_out_raw"]),
                  credit.Routed(self.route[1], r1["x_out"], r2["phi"], n_hid, r2["x_out_raw"]),
                  credit.Routed(self.route[2], r2["x_out"], r3["phi"], n_hid, r3["x_out_raw"]))
         return HeadOutput(scores=scores, phi=(r1["phi"], r2["phi"], r3["phi"]), absent=absent, stack=stack,
@@ -126,6 +127,10 @@ class RoutingHead(nn.Module):
         readout = nn.functional.one_hot(targets, self.n_classes).to(out.scores.dtype)  # [...tk]
         if contrast:
             readout = readout - 1.0 / self.n_classes  # [...tk]
-        contrib, baseline = credit.value_path(out.stack, out.x_lin, readout[..., None])  # [...ti], [...t]
+        # padding takes no part (its phi is 0), but whatever it holds must not turn 0 * value into NaN
+        absent = out.absent[..., None]  # [...i1]
+        first = replace(out.stack[0], x_inp=out.stack[0].x_inp.masked_fill(absent, 0.0))  # [...id]
+        x_lin = out.x_lin.masked_fill(absent, 0.0)  # [...id]
+        contrib, baseline = credit.value_path((first, *out.stack[1:]), x_lin, readout[..., None])  # [...ti], [...t]
         logit = torch.einsum("...tk,...k->...t", readout, out.scores)  # [...t]
         return Contribution(credit=contrib.unflatten(-1, (-1, self.d_depth)), baseline=baseline, logit=logit)
