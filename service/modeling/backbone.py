@@ -208,11 +208,10 @@ class Backbone(torch.nn.Module):
     @torch.inference_mode()
     def forward(self, texts: list[str] | list[Encoding]) -> Encoded:
         """Encode ``texts`` (or run already tokenized ones); see :class:`Encoded` for what comes back."""
-        encodings = [t for t in texts if isinstance(t, Encoding)]
-        if len(encodings) != len(texts):
-            encodings = self.encode([t for t in texts if isinstance(t, str)])
-            if len(encodings) != len(texts):
-                raise TypeError("pass texts or Encodings, not both")
+        strings = [t for t in texts if isinstance(t, str)]
+        if strings and len(strings) != len(texts):
+            raise TypeError("pass texts or Encodings, not both")
+        encodings = self.encode(strings) if strings else [t for t in texts if isinstance(t, Encoding)]
         chunks = [_Chunk(b, list(c)) for b, e in enumerate(encodings) for c in e.chunks]
         states = self._run_chunks([c.ids for c in chunks])  # per chunk [L_c, d_depth, d_emb]
         per_text: list[list[torch.Tensor]] = [[] for _ in encodings]

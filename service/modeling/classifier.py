@@ -21,7 +21,6 @@ from service.modeling.head import HeadOutput, RoutingHead
 from service.routing import credit
 
 Method = Literal["contribution", "shares"]
-METHODS: tuple[Method, ...] = ("contribution", "shares")
 
 
 @dataclass(frozen=True)

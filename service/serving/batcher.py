@@ -152,10 +152,7 @@ class Batcher(Generic[P, R]):
         end = time.monotonic() + drain_timeout
         while not self.idle and time.monotonic() < end:
             await asyncio.sleep(0.01)
-        for it in self._pending:
-            if not it.future.done():
-                _fail(it.future, Draining(f"{self.name} stopped before this text was computed"))
-        self._pending.clear()
+        self.abort("stopped before this text was computed")  # what is left, queued or computing
         if self._worker is not None:
             self._worker.cancel()
             with contextlib.suppress(asyncio.CancelledError):
