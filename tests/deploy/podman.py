@@ -40,6 +40,12 @@ def run(*args: str, timeout: float = 1800, check: bool = True, env: dict[str, st
     return out
 
 
+def cli(*args: str, timeout: float = 1800, check: bool = True, cwd: Path | None = None
+        ) -> subprocess.CompletedProcess[str]:
+    """Run ``podman ARGS`` (see :func:`run`)."""
+    return run(need("podman"), *args, timeout=timeout, check=check, cwd=cwd)
+
+
 def runtime() -> str:
     """runc on a hybrid cgroup layout (crun refuses it), else crun when present."""
     hybrid = Path("/sys/fs/cgroup/unified").is_dir()
@@ -66,7 +72,7 @@ def containers_conf() -> Path:
 
 
 def image_exists(name: str) -> bool:
-    return run(need("podman"), "image", "exists", name, check=False).returncode == 0
+    return cli("image", "exists", name, check=False).returncode == 0
 
 
 def ensure_base() -> str:
@@ -76,7 +82,7 @@ def ensure_base() -> str:
     tar = CACHE / "base.tar"
     print(f"making the base image with mmdebstrap into {tar}", file=sys.stderr)
     run(need("mmdebstrap"), "--variant=minbase", f"--include={BASE_PACKAGES}", "bookworm", str(tar))
-    run(need("podman"), "import", "--change", "ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+    cli("import", "--change", "ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
         "--change", "ENV LANG=C.UTF-8", str(tar), BASE)
     tar.unlink()
     return BASE
@@ -102,12 +108,12 @@ def pip_mounts() -> list[str]:
 
 def build(tag: str) -> None:
     """Build the Dockerfile's CPU variant on the local base, pip configured as on the host."""
-    run(need("podman"), "build", "--network", "host", *pip_mounts(), "--build-arg", f"PYTHON_IMAGE={ensure_base()}",
+    cli("build", "--network", "host", *pip_mounts(), "--build-arg", f"PYTHON_IMAGE={ensure_base()}",
         "--build-arg", "TORCH_VARIANT=cpu", "--build-arg", "TORCH_INDEX_URL=", "-t", tag, str(ROOT), cwd=ROOT)
 
 
 def image_size(tag: str) -> int:
-    return int(run(need("podman"), "image", "inspect", "--format", "{{.Size}}", tag).stdout.strip())
+    return int(cli("image", "inspect", "--format", "{{.Size}}", tag).stdout.strip())
 
 
 PROMETHEUS_STAND_IN = """\
@@ -127,4 +133,4 @@ def ensure_prometheus(tag: str) -> None:
     folder = CACHE / "prometheus-image"
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "Containerfile").write_text(PROMETHEUS_STAND_IN.format(base=ensure_base()))
-    run(need("podman"), "build", "--network", "host", "-t", tag, str(folder))
+    cli("build", "--network", "host", "-t", tag, str(folder))

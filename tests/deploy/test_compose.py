@@ -46,7 +46,7 @@ def prometheus_query(query: str) -> list[dict]:
     """Ask Prometheus's HTTP API from inside its own container (no host port is needed); an empty
     result while Prometheus is not answering yet (the callers poll)."""
     url = f"http://127.0.0.1:9090/api/v1/query?query={query}"
-    out = podman.run(podman.need("podman"), "exec", "routing-ci_prometheus_1", "wget", "-qO-", url, check=False)
+    out = podman.cli("exec", "routing-ci_prometheus_1", "wget", "-qO-", url, check=False)
     if out.returncode != 0:
         return []
     doc = json.loads(out.stdout)

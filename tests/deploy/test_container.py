@@ -31,15 +31,15 @@ def image() -> str:
 def container(image: str) -> Iterator[tuple[str, str, float]]:
     port = free_port()
     t0 = time.monotonic()
-    cid = podman.run(podman.need("podman"), "run", "-d", "--network", "host", "--read-only", "--tmpfs", "/tmp",
+    cid = podman.cli("run", "-d", "--network", "host", "--read-only", "--tmpfs", "/tmp",
                      "--user", "10001:10001", "-e", f"ROUTING_PORT={port}", "-e", "ROUTING_HOST=127.0.0.1",
                      "-e", "ROUTING_DRAIN_TIMEOUT_S=10", image).stdout.strip()
     url = f"http://127.0.0.1:{port}"
     ready = None
     try:
         while time.monotonic() - t0 < 300:
-            state = podman.run(podman.need("podman"), "inspect", "--format", "{{.State.Running}}", cid).stdout.strip()
-            assert state == "true", podman.run(podman.need("podman"), "logs", cid).stderr[-3000:]
+            state = podman.cli("inspect", "--format", "{{.State.Running}}", cid).stdout.strip()
+            assert state == "true", podman.cli("logs", cid).stderr[-3000:]
             try:
                 if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
                     ready = time.monotonic() - t0
@@ -51,12 +51,12 @@ def container(image: str) -> Iterator[tuple[str, str, float]]:
         print(f"\ncontainer ready after {ready:.1f} s")
         yield cid, url, ready
     finally:
-        podman.run(podman.need("podman"), "rm", "-f", cid, check=False)
+        podman.cli("rm", "-f", cid, check=False)
 
 
 def test_image_runs_as_uid_10001_and_serves(container: tuple[str, str, float]) -> None:
     cid, url, _ = container
-    user = podman.run(podman.need("podman"), "exec", cid, "id", "-u").stdout.strip()
+    user = podman.cli("exec", cid, "id", "-u").stdout.strip()
     assert user == "10001"
     r = httpx.post(f"{url}/v1/classify", json={"inputs": ["I love this new phone, the battery lasts forever!"]},
                    timeout=60)
@@ -72,9 +72,9 @@ def test_image_runs_as_uid_10001_and_serves(container: tuple[str, str, float]) -
 
 def test_sigterm_drains_and_exits_0(container: tuple[str, str, float]) -> None:
     cid = container[0]
-    podman.run(podman.need("podman"), "kill", "--signal", "TERM", cid)
-    code = podman.run(podman.need("podman"), "wait", cid, timeout=60).stdout.strip()
-    logs = podman.run(podman.need("podman"), "logs", cid).stderr
+    podman.cli("kill", "--signal", "TERM", cid)
+    code = podman.cli("wait", cid, timeout=60).stdout.strip()
+    logs = podman.cli("logs", cid).stderr
     assert code == "0", logs[-3000:]
     lines = [json.loads(line) for line in logs.splitlines() if line.startswith("{")]
     assert any("draining" in doc["message"] for doc in lines) and any("drained" in doc["message"] for doc in lines)
