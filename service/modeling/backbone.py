@@ -154,6 +154,10 @@ class Backbone(torch.nn.Module):
         if not getattr(self.tokenizer, "is_fast", False):
             raise BackboneError(f"backbone {source!r} needs a fast tokenizer (character offsets)")
         self.encoder.eval().requires_grad_(False).to(device)
+        if getattr(self.encoder, "pooler", None) is not None:
+            # the pooled [CLS] output is never used; Hugging Face encoders skip a pooler set to None
+            # (as when built with add_pooling_layer=False), which saves one matmul per chunk
+            self.encoder.pooler = None
         cfg = self.encoder.config
         limit = min(self.tokenizer.model_max_length, getattr(cfg, "max_position_embeddings", 512))
         self.max_length = min(max_length or limit, limit)
@@ -247,8 +251,9 @@ class Backbone(torch.nn.Module):
             for r, k in enumerate(group):
                 ids[r, : len(chunk_ids[k])] = torch.tensor(chunk_ids[k])
                 att[r, : len(chunk_ids[k])] = 1
-            res = self.encoder(input_ids=ids.to(self.device), attention_mask=att.to(self.device),
-                               output_hidden_states=True)
+            # without padding in the group the all-ones mask changes nothing; leaving it out skips building it
+            mask = att.to(self.device) if len(chunk_ids[group[0]]) < L else None
+            res = self.encoder(input_ids=ids.to(self.device), attention_mask=mask, output_hidden_states=True)
             hs = torch.stack(res.hidden_states, dim=-2)  # [c L depth emb]
             for r, k in enumerate(group):
                 out[k] = hs[r, : len(chunk_ids[k])]

@@ -94,7 +94,7 @@ class RoutingHead(nn.Module):
         x = (x_lin + self.B).flatten(-3, -2)  # [...id] plus each depth's bias; positions x depths
         x_lin = x_lin.flatten(-3, -2)  # [...id]
         absent = pad[..., None].expand(*pad.shape, self.d_depth).flatten(-2)  # [...i]
-        mask = absent[..., None].expand(*absent.shape, self.n_hid)  # [...ij]
+        mask = absent[..., None].expand(*absent.shape, self.n_hid) if bool(pad.any()) else None  # [...ij]
         r1 = self.route[0](x, mask=mask)
         r2 = self.route[1](r1["x_out"])
         r3 = self.route[2](r2["x_out"])
