@@ -40,6 +40,8 @@ class Settings(BaseSettings):
     # request limits
     max_inputs: int = Field(64, ge=1, description="Texts per request")
     max_chars: int = Field(20000, ge=1, description="Characters per text")
+    max_text_tokens: int | None = Field(None, ge=1, description="Tokens per text, special tokens of every chunk "
+                                        "included (413 above; none: only max_chars limits a text)")
     max_body_bytes: int = Field(2_000_000, ge=1024, description="Request body size")
     body_timeout_s: float = Field(30.0, gt=0, description="Time to receive a request body (408 after)")
     header_timeout_s: float = Field(10.0, gt=0, description="Time to receive a request's head after connecting "

@@ -18,6 +18,8 @@ from urllib.parse import urlparse
 import torch
 from transformers import AutoModel, AutoTokenizer, PreTrainedTokenizerBase
 
+from service.modeling.encoding import Encoding
+
 
 class BackboneError(ValueError):
     """The backbone source cannot be resolved or loaded."""
@@ -92,34 +94,6 @@ class Encoded:
     @property
     def lengths(self) -> list[int]:
         return [len(t) for t in self.token_ids]
-
-
-@dataclass(frozen=True)
-class Encoding:
-    """One text tokenized once and cut into chunks: what the batcher budgets and the encoder runs.
-
-    Attributes:
-        chunks: token ids of each chunk, the tokenizer's special tokens around each.
-        offsets: ``(start, end)`` character span of each token of the joined chunks ((0, 0) for specials).
-        special: True at special tokens.
-        word_ids: index of the word each token belongs to (-1 for specials).
-    """
-
-    chunks: tuple[tuple[int, ...], ...]
-    offsets: tuple[tuple[int, int], ...]
-    special: tuple[bool, ...]
-    word_ids: tuple[int, ...]
-
-    @property
-    def n_tokens(self) -> int:
-        """Positions the text takes in the head (special tokens of every chunk included)."""
-        return len(self.special)
-
-
-@dataclass
-class _Chunk:
-    text: int
-    ids: list[int]
 
 
 class Backbone(torch.nn.Module):
@@ -216,12 +190,17 @@ class Backbone(torch.nn.Module):
         if strings and len(strings) != len(texts):
             raise TypeError("pass texts or Encodings, not both")
         encodings = self.encode(strings) if strings else [t for t in texts if isinstance(t, Encoding)]
-        chunks = [_Chunk(b, list(c)) for b, e in enumerate(encodings) for c in e.chunks]
-        states = self._run_chunks([c.ids for c in chunks])  # per chunk [L_c, d_depth, d_emb]
-        per_text: list[list[torch.Tensor]] = [[] for _ in encodings]
-        for c, st in zip(chunks, states, strict=True):
-            per_text[c.text].append(st)
-        joined = [torch.cat(p, dim=0) for p in per_text]  # per text [n_t, d_depth, d_emb]
+        states = self.run_chunks([list(c) for e in encodings for c in e.chunks])  # per chunk [L_c, d_depth, d_emb]
+        per_text, k = [], 0
+        for e in encodings:
+            per_text.append(states[k : k + len(e.chunks)])
+            k += len(e.chunks)
+        return self.join(encodings, per_text)
+
+    def join(self, encodings: list[Encoding], states: list[list[torch.Tensor]]) -> Encoded:
+        """One batch from each text's chunk states (``states[b]``: its chunks' ``[L_c, d_depth, d_emb]`` in
+        order), each text's real positions joined into one sequence and padded to the longest."""
+        joined = [torch.cat(p, dim=0) for p in states]  # per text [n_t, d_depth, d_emb]
         n_max = max(len(j) for j in joined)
         hidden = joined[0].new_zeros(len(encodings), n_max, self.d_depth, self.d_emb)  # [b n depth emb]
         pad = torch.ones(len(encodings), n_max, dtype=torch.bool, device=hidden.device)  # [b n]
@@ -234,8 +213,10 @@ class Backbone(torch.nn.Module):
         word_ids = [torch.tensor(e.word_ids, dtype=torch.long) for e in encodings]
         return Encoded(hidden, pad, token_ids, offsets, special, word_ids)
 
-    def _run_chunks(self, chunk_ids: list[list[int]]) -> list[torch.Tensor]:
-        """Run chunks through the encoder in length-sorted groups within the token budget."""
+    @torch.inference_mode()
+    def run_chunks(self, chunk_ids: list[list[int]]) -> list[torch.Tensor]:
+        """Hidden states ``[L_c, d_depth, d_emb]`` of each chunk (token ids, special tokens included), run
+        through the encoder in length-sorted groups within ``chunk_batch_tokens``."""
         order = sorted(range(len(chunk_ids)), key=lambda k: len(chunk_ids[k]))
         out: list[torch.Tensor | None] = [None] * len(chunk_ids)
         pad_id = self.tokenizer.pad_token_id or 0

@@ -104,7 +104,13 @@ class RoutingClassifier(torch.nn.Module):
 
         Credit is computed only for the texts that ask for it, one batched pass per method.
         """
-        enc = self.backbone(texts)
+        return self.classify(self.backbone(texts), explain, return_phi)
+
+    @torch.inference_mode()
+    def classify(self, enc: Encoded, explain: Sequence[CreditRequest | None] | None = None,
+                 return_phi: bool = False) -> Prediction:
+        """The head's part of :meth:`predict`, on hidden states the backbone has computed already."""
+        texts = enc.token_ids
         hidden = enc.hidden.to(dtype=next(self.head.parameters()).dtype)  # [b n e d]
         out = self.head(hidden, enc.pad)
         probs = out.scores.float().softmax(dim=-1)  # [b k]

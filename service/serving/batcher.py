@@ -1,10 +1,17 @@
 """A dynamic batcher: asyncio only, no torch and no HTTP.
 
-Callers ``submit`` a request's items (each with a cost, e.g. its token count) and await their
-results. One worker task forms batches under ``max_batch_size`` items and ``max_batch_tokens``
-padded cost (items of similar cost together), waiting at most ``max_wait_s`` for a batch to fill,
-and runs each batch through a synchronous ``run_batch`` callable in a worker thread, so the
-event loop keeps answering (health checks, metrics) while the model computes.
+Callers ``submit`` a request's items (each with a cost, e.g. its token count, and a group, e.g. the
+text it is a part of) and await their results. One worker task forms batches under
+``max_batch_size`` items and ``max_batch_tokens`` padded cost (items of similar cost together),
+waiting at most ``max_wait_s`` for a batch to fill, and runs each batch through a synchronous
+``run_batch`` callable in a worker thread, so the event loop keeps answering (health checks,
+metrics) while the model computes.
+
+Groups share the worker fairly: each batch is built around the oldest item of the group that has
+waited longest since its last batch finished, so a group of many items (a long text's chunks) is
+spread over several batches and a group that arrives meanwhile goes in the next one. ``run_batch``
+may answer an item with None when it is part of a group answered through another of its items;
+the observer counts the answers that are not None as ``completed``.
 
 Every accepted item gets exactly one answer: its result, the batch's exception, or
 :class:`DeadlineExceeded`. Items whose caller went away (cancelled future) or whose deadline
@@ -17,7 +24,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
@@ -25,6 +32,7 @@ from typing import Any, Generic, Protocol, TypeVar
 P = TypeVar("P")
 R = TypeVar("R")
 log = logging.getLogger(__name__)
+SIMILAR = 4  # an item joins a batch only if it costs at most this many times the batch's anchor
 
 
 class Overloaded(Exception):
@@ -44,7 +52,8 @@ class BatchObserver(Protocol):
 
     def on_queue_depth(self, depth: int) -> None: ...
     def on_drop(self, reason: str, n: int) -> None: ...
-    def on_batch(self, size: int, padded_cost: int, real_cost: int, waits: Sequence[float], seconds: float) -> None: ...
+    def on_batch(self, size: int, padded_cost: int, real_cost: int, waits: Sequence[float], seconds: float,
+                 completed: int) -> None: ...
 
 
 class NullObserver:
@@ -54,7 +63,8 @@ class NullObserver:
     def on_drop(self, reason: str, n: int) -> None:
         pass
 
-    def on_batch(self, size: int, padded_cost: int, real_cost: int, waits: Sequence[float], seconds: float) -> None:
+    def on_batch(self, size: int, padded_cost: int, real_cost: int, waits: Sequence[float], seconds: float,
+                 completed: int) -> None:
         pass
 
 
@@ -64,6 +74,7 @@ class _Item(Generic[P]):
     cost: int
     deadline: float
     future: asyncio.Future[Any]
+    group: Hashable
     enqueued: float = field(default_factory=time.monotonic)
 
 
@@ -89,6 +100,7 @@ class Batcher(Generic[P, R]):
         self._accepting = True
         self._flush = False  # run batches without waiting for them to fill (shutting down)
         self._computing: list[_Item[P]] = []  # items taken from the queue and not yet answered
+        self._served: dict[Hashable, float] = {}  # group -> when its last batch finished (groups still queued)
 
     @property
     def queue_depth(self) -> int:
@@ -98,33 +110,43 @@ class Batcher(Generic[P, R]):
     def idle(self) -> bool:
         return not self._pending and not self._computing
 
+    @property
+    def queued_groups(self) -> int:
+        """Groups with items waiting (what ``max_queue`` limits: a text, however many chunks it has)."""
+        return len({it.group for it in self._pending})
+
     def check_room(self, n: int) -> None:
-        """Raise what :meth:`submit` would for ``n`` new items (call it before any work on them).
+        """Raise what :meth:`submit` would for ``n`` new groups (call it before any work on them).
 
         Raises:
             Draining: the batcher is stopping.
-            Overloaded: the queue has no room for ``n`` more items.
+            Overloaded: the queue has no room for ``n`` more groups.
         """
         if not self._accepting:
             raise Draining(f"{self.name} is draining")
-        if len(self._pending) + n > self.limits.max_queue:
-            raise Overloaded(f"{self.name}: {len(self._pending)} texts queued, limit {self.limits.max_queue}")
+        queued = self.queued_groups
+        if queued + n > self.limits.max_queue:
+            raise Overloaded(f"{self.name}: {queued} texts queued, limit {self.limits.max_queue}")
 
     def start(self) -> None:
         if self._worker is None:
             self._worker = asyncio.get_running_loop().create_task(self._loop(), name=f"batcher-{self.name}")
 
-    async def submit(self, payloads: Sequence[P], costs: Sequence[int], deadline: float) -> list[R]:
+    async def submit(self, payloads: Sequence[P], costs: Sequence[int], deadline: float,
+                     groups: Sequence[Hashable] | None = None) -> list[R]:
         """Queue one request's items and wait for all their results (``deadline`` is monotonic time).
+        ``groups[k]``: the group of item k (default: each item its own group).
 
         Raises:
             Overloaded: the queue has no room for all items (nothing is queued then).
             Draining: the batcher is stopping.
             DeadlineExceeded: the deadline passed first.
         """
-        self.check_room(len(payloads))
+        keys: Sequence[Hashable] = groups if groups is not None else [object() for _ in payloads]
+        self.check_room(len(set(keys)))
         loop = asyncio.get_running_loop()
-        items = [_Item(p, max(1, int(c)), deadline, loop.create_future()) for p, c in zip(payloads, costs, strict=True)]
+        items = [_Item(p, max(1, int(c)), deadline, loop.create_future(), g)
+                 for p, c, g in zip(payloads, costs, keys, strict=True)]
         self._pending.extend(items)
         self.observer.on_queue_depth(len(self._pending))
         self._wakeup.set()
@@ -200,14 +222,18 @@ class Batcher(Generic[P, R]):
             self.observer.on_queue_depth(len(keep))
 
     def _take_batch(self) -> list[_Item[P]]:
-        """The oldest item plus the queued items closest to it in cost, within both limits."""
+        """The anchor (the oldest item of the group that has waited longest since its last batch
+        finished) plus the queued items closest to it in cost and at most ``SIMILAR`` times its cost,
+        within both limits: a short text's batch never waits for a long text's chunks."""
         lim = self.limits
-        first = self._pending[0]
-        rest = sorted(self._pending[1:], key=lambda it: abs(it.cost - first.cost))
+        first = min(self._pending, key=lambda it: (self._served.get(it.group, it.enqueued), it.enqueued))
+        rest = sorted((it for it in self._pending if it is not first), key=lambda it: abs(it.cost - first.cost))
         batch, widest = [first], first.cost
         for it in rest:
             if len(batch) >= lim.max_batch_size:
                 break
+            if it.cost > SIMILAR * first.cost:  # much costlier than the anchor: would slow its batch down
+                continue
             w = max(widest, it.cost)
             if w * (len(batch) + 1) > lim.max_batch_tokens:
                 continue
@@ -255,6 +281,7 @@ class Batcher(Generic[P, R]):
     async def _run(self, loop: asyncio.AbstractEventLoop, batch: list[_Item[P]]) -> None:
         self._computing = batch
         started = time.monotonic()
+        ok, results = False, []
         try:
             results = await loop.run_in_executor(self._executor, self.run_batch, [it.payload for it in batch])
             if len(results) != len(batch):
@@ -264,14 +291,20 @@ class Batcher(Generic[P, R]):
                 if not it.future.done():
                     _fail(it.future, e)
         else:
+            ok = True
             for it, r in zip(batch, results, strict=True):
                 if not it.future.done():
                     it.future.set_result(r)
         finally:
             self._computing = []
+        finished = time.monotonic()
+        queued = {it.group for it in self._pending}
+        self._served = {g: t for g, t in self._served.items() if g in queued}
+        self._served.update((it.group, finished) for it in batch if it.group in queued)
+        completed = sum(1 for r in results if r is not None) if ok else 0
         widest = max(it.cost for it in batch)
         self.observer.on_batch(len(batch), widest * len(batch), sum(it.cost for it in batch),
-                               [started - it.enqueued for it in batch], time.monotonic() - started)
+                               [started - it.enqueued for it in batch], finished - started, completed)
 
 
 def _fail(future: asyncio.Future[Any], exc: BaseException) -> None:

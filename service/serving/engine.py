@@ -1,19 +1,26 @@
-"""The engine: runs one batch of texts through a model on its device and turns the tensors into
-plain results. It knows torch and the model, nothing about HTTP; it runs in the batcher's thread."""
+"""The engine: runs batches of chunks through a model on its device and turns the tensors into plain
+results. It knows torch and the model, nothing about HTTP; it runs in the batcher's thread.
+
+A text is planned as one :class:`~service.serving.contract.ChunkWork` per chunk; batches of chunks
+(from any texts) run through the encoder, and the head runs on a text as soon as its last chunk has
+been encoded, in the same batch, together with the other texts completed there."""
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
 from service.modeling import views
-from service.modeling.backbone import Encoding
-from service.modeling.classifier import CreditRequest, Explained, Method, Prediction, RoutingClassifier
+from service.modeling.classifier import CreditRequest, Explained, Prediction, RoutingClassifier
+from service.modeling.encoding import Encoding
 from service.modeling.repository import Manifest, load_model
+from service.serving.contract import ChunkWork, Result, Task, TextJob
+
+__all__ = ["ChunkWork", "Engine", "NonFiniteScores", "Result", "Task"]
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -46,38 +53,8 @@ def device_memory() -> list[dict[str, float | str]]:
     return out
 
 
-@dataclass(frozen=True)
-class Task:
-    """One text and what to compute for it.
-
-    ``explain``: None (scores only), ``"predicted"`` (token credit of the predicted label), or
-    ``"full"`` (the explain endpoint's views for ``targets``; None = the predicted label).
-    ``method`` and ``contrast`` choose the credit (see ``service.modeling.classifier``). ``encoding``:
-    the text tokenized once by :meth:`Engine.encode` (the engine tokenizes it only when it is absent).
-    """
-
-    text: str
-    encoding: Encoding | None = None
-    explain: Literal["predicted", "full"] | None = None
-    targets: tuple[str, ...] | None = None
-    method: Method = "contribution"
-    contrast: bool = True
-    include_matrix: bool = False
-    include_phi: bool = False
-
-
 class NonFiniteScores(RuntimeError):
     """The model produced NaN or Inf scores: a fault of the model, never an answer."""
-
-
-@dataclass
-class Result:
-    """One text's answer; ``error`` (the text's scores were not finite) replaces everything else."""
-
-    label: str
-    scores: dict[str, float]
-    explanation: dict[str, Any] | None = None
-    error: str | None = None
 
 
 class Engine:
@@ -137,13 +114,62 @@ class Engine:
             targets = tuple(self.labels.index(t) for t in task.targets)
         return CreditRequest(targets=targets, method=task.method, contrast=task.contrast)
 
-    def run(self, tasks: list[Task]) -> list[Result]:
-        """Classify a batch; compute credit only for the texts that ask for it."""
-        phi = any(t.include_phi for t in tasks)
+    def plan(self, tasks: list[Task]) -> list[list[ChunkWork]]:
+        """Each task's chunks as units of work for the batcher (texts not yet tokenized are tokenized)."""
         missing = [t.text for t in tasks if t.encoding is None]
         fresh = iter(self.encode(missing) if missing else [])
-        encodings = [t.encoding if t.encoding is not None else next(fresh) for t in tasks]
-        pred = self.classifier.predict(encodings, explain=[self._credit_request(t) for t in tasks], return_phi=phi)
+        plans = []
+        for task in tasks:
+            enc = task.encoding if task.encoding is not None else next(fresh)
+            job = TextJob(replace(task, encoding=enc), [None] * len(enc.chunks), len(enc.chunks))
+            plans.append([ChunkWork(job, k, ids) for k, ids in enumerate(enc.chunks)])
+        return plans
+
+    def run(self, tasks: list[Task]) -> list[Result]:
+        """Classify a batch of whole texts (every chunk in this one call)."""
+        plans = self.plan(tasks)
+        answers = self.run_chunks([w for plan in plans for w in plan])
+        by_job = {id(w.job): r for w, r in zip((w for plan in plans for w in plan), answers, strict=True) if r}
+        return [by_job[id(plan[0].job)] for plan in plans]
+
+    def run_chunks(self, works: list[ChunkWork]) -> list[Result | None]:
+        """Encode a batch of chunks; run the head on every text whose last chunk this was (batched by
+        length) and answer it at that chunk's place. The other places are None."""
+        states = self.classifier.backbone.run_chunks([list(w.ids) for w in works])
+        done: dict[int, TextJob] = {}  # position in the batch -> text completed there
+        for pos, (w, st) in enumerate(zip(works, states, strict=True)):
+            w.job.states[w.k] = st
+            w.job.left -= 1
+            if w.job.left == 0:
+                done[pos] = w.job
+        answers: list[Result | None] = [None] * len(works)
+        for group in self._head_groups(done):
+            jobs = [done[pos] for pos in group]
+            for pos, res in zip(group, self._finish(jobs), strict=True):
+                answers[pos] = res
+            for job in jobs:
+                job.states = []  # the hidden states are no longer needed
+        return answers
+
+    def _head_groups(self, done: dict[int, TextJob]) -> list[list[int]]:
+        """Completed texts (by batch position) in length-sorted groups of at most ``chunk_batch_tokens``
+        padded positions (a text longer than that alone), so short texts are not padded to a long one."""
+        budget = self.classifier.backbone.chunk_batch_tokens
+        groups: list[list[int]] = []
+        for pos in sorted(done, key=lambda p: done[p].encoding.n_tokens):
+            n = done[pos].encoding.n_tokens
+            if groups and n * (len(groups[-1]) + 1) <= budget:
+                groups[-1].append(pos)
+            else:
+                groups.append([pos])
+        return groups
+
+    def _finish(self, jobs: list[TextJob]) -> list[Result]:
+        """The head's part for texts whose chunks are all encoded."""
+        tasks = [j.task for j in jobs]
+        enc = self.classifier.backbone.join([j.encoding for j in jobs], [j.states for j in jobs])
+        pred = self.classifier.classify(enc, explain=[self._credit_request(t) for t in tasks],
+                                        return_phi=any(t.include_phi for t in tasks))
         probs = pred.probs.cpu()  # one device-to-host copy per batch, not per text
         return [self._result(pred, probs, b, t) for b, t in enumerate(tasks)]
 

@@ -22,6 +22,7 @@ FAILURE_REASONS = ("validation", "overloaded", "deadline", "disconnected", "auth
 
 DeviceMemory = Callable[[], Iterable[dict[str, float | str]]]
 
+CHUNK = "(a text, or max_length tokens of a longer one)"
 
 class _DeviceMemoryCollector(Collector):
     """CUDA memory per device, read at scrape time from a callable the engine supplies."""
@@ -53,18 +54,20 @@ class Metrics:
         self.request_duration = Histogram("routing_request_duration_seconds", "HTTP request duration",
                                           ["endpoint"], buckets=LATENCY_BUCKETS, registry=r)
         self.in_flight = Gauge("routing_requests_in_flight", "HTTP requests being handled", registry=r)
-        self.queue_wait = Histogram("routing_queue_wait_seconds", "Time a text waited in the queue", ["model"],
-                                    buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_wait = Histogram("routing_queue_wait_seconds", f"Time a chunk {CHUNK} waited in the queue",
+                                    ["model"], buckets=LATENCY_BUCKETS, registry=r)
         self.batch_seconds = Histogram("routing_batch_compute_seconds", "Time in the model per batch", ["model"],
                                        buckets=LATENCY_BUCKETS, registry=r)
-        self.batch_size = Histogram("routing_batch_size", "Texts per batch", ["model"], buckets=BATCH_SIZE_BUCKETS,
-                                    registry=r)
+        self.batch_size = Histogram("routing_batch_size", f"Chunks {CHUNK} per batch", ["model"],
+                                    buckets=BATCH_SIZE_BUCKETS, registry=r)
         self.batch_tokens = Histogram("routing_batch_padded_tokens", "Padded tokens per batch", ["model"],
                                       buckets=TOKEN_BUCKETS, registry=r)
         self.padding_ratio = Histogram("routing_batch_padding_ratio", "Share of a batch's tokens that are padding",
                                        ["model"], buckets=RATIO_BUCKETS, registry=r)
-        self.queue_depth = Gauge("routing_queue_depth", "Texts waiting in the queue", ["model"], registry=r)
-        self.texts = Counter("routing_texts_processed_total", "Texts run through the model", ["model"], registry=r)
+        self.queue_depth = Gauge("routing_queue_depth", f"Chunks {CHUNK} waiting in the queue", ["model"],
+                                 registry=r)
+        self.texts = Counter("routing_texts_processed_total", "Texts answered by the model (every chunk encoded, "
+                             "head computed)", ["model"], registry=r)
         self.tokens = Counter("routing_tokens_processed_total", "Real tokens run through the model", ["model"],
                               registry=r)
         self.failures = Counter("routing_failures_total", "Requests that failed, by reason", ["reason"],
@@ -101,7 +104,8 @@ class BatchMetrics:
     def on_drop(self, reason: str, n: int) -> None:
         self.m.dropped.labels(self.model, reason).inc(n)
 
-    def on_batch(self, size: int, padded_cost: int, real_cost: int, waits: Sequence[float], seconds: float) -> None:
+    def on_batch(self, size: int, padded_cost: int, real_cost: int, waits: Sequence[float], seconds: float,
+                 completed: int) -> None:
         m, model = self.m, self.model
         m.batch_size.labels(model).observe(size)
         m.batch_tokens.labels(model).observe(padded_cost)
@@ -109,5 +113,5 @@ class BatchMetrics:
         m.batch_seconds.labels(model).observe(seconds)
         for w in waits:
             m.queue_wait.labels(model).observe(w)
-        m.texts.labels(model).inc(size)
+        m.texts.labels(model).inc(completed)
         m.tokens.labels(model).inc(real_cost)

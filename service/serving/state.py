@@ -13,7 +13,8 @@ from typing import Literal
 from service.config import Settings
 from service.modeling.repository import discover
 from service.serving.batcher import Batcher, BatchLimits
-from service.serving.engine import Engine, Result, Task
+from service.serving.contract import ChunkWork, Result
+from service.serving.engine import Engine
 from service.serving.metrics import Metrics
 
 log = logging.getLogger("service.state")
@@ -22,7 +23,7 @@ log = logging.getLogger("service.state")
 @dataclass
 class Served:
     engine: Engine
-    batcher: Batcher[Task, Result]
+    batcher: Batcher[ChunkWork, Result | None]
 
 
 @dataclass
@@ -62,7 +63,8 @@ class AppState:
                 engine = await loop.run_in_executor(
                     None, lambda n=name: Engine.load(s.model_repository / n, s.device, s.dtype, s.warmup))
                 limits = BatchLimits(s.max_batch_size, s.max_batch_tokens, s.max_wait_ms / 1000, s.max_queue)
-                batcher: Batcher[Task, Result] = Batcher(engine.run, limits, self.metrics.observer(name), name)
+                batcher: Batcher[ChunkWork, Result | None] = Batcher(engine.run_chunks, limits,
+                                                                     self.metrics.observer(name), name)
                 batcher.start()
                 self.models[name] = Served(engine, batcher)
                 self.metrics.model_load.labels(name).set(time.perf_counter() - t0)

@@ -14,6 +14,7 @@ class Recorder:
         self.batches: list[list[str]] = []
         self.drops: dict[str, int] = {}
         self.depths: list[int] = []
+        self.completed: list[int] = []
 
     def on_queue_depth(self, depth: int) -> None:
         self.depths.append(depth)
@@ -21,8 +22,8 @@ class Recorder:
     def on_drop(self, reason: str, n: int) -> None:
         self.drops[reason] = self.drops.get(reason, 0) + n
 
-    def on_batch(self, size, padded_cost, real_cost, waits, seconds) -> None:
-        pass
+    def on_batch(self, size, padded_cost, real_cost, waits, seconds, completed) -> None:
+        self.completed.append(completed)
 
 
 def make(run, **limits):
@@ -142,4 +143,42 @@ async def test_event_loop_stays_free_while_a_batch_computes() -> None:
     await asyncio.sleep(0.05)
     assert time.monotonic() - t0 < 0.2
     await work
+    await b.stop(1)
+
+
+async def test_a_group_arriving_behind_a_long_one_goes_in_the_next_batch() -> None:
+    """A long text's 12 chunks (one group) fill three batches; a short text that arrives while the first
+    computes is in the second batch, not after the long text, and never rides with its chunks."""
+    gates = [threading.Event() for _ in range(8)]
+    calls = iter(gates)
+
+    def run(ps):
+        next(calls).wait(5)
+        return [None if p.startswith("long") and p != "long11" else p for p in ps]
+
+    b, rec = make(run, max_batch_size=8, max_batch_tokens=400, max_wait_s=0.0)
+    b.start()
+    long = asyncio.ensure_future(b.submit([f"long{k}" for k in range(12)], [100] * 12, later(),
+                                          groups=["long"] * 12))
+    await asyncio.sleep(0.05)  # the first batch (4 chunks) is computing
+    short = asyncio.ensure_future(b.submit(["short"], [5], later()))
+    await asyncio.sleep(0.05)
+    for g in gates:
+        g.set()
+    assert await short == ["short"]
+    assert (await long)[11] == "long11"
+    assert [len(x) for x in rec.batches] == [4, 1, 4, 4], rec.batches
+    assert rec.batches[1] == ["short"]
+    assert rec.completed == [0, 1, 0, 1]  # None answers are parts, not completed work
+    await b.stop(1)
+
+
+async def test_groups_take_turns() -> None:
+    """Two long groups queued together alternate batch by batch instead of one finishing first."""
+    b, rec = make(lambda ps: ps, max_batch_size=2, max_batch_tokens=1000, max_wait_s=0.05)
+    b.start()
+    await asyncio.gather(b.submit([f"a{k}" for k in range(4)], [10] * 4, later(), groups=["a"] * 4),
+                         b.submit([f"b{k}" for k in range(4)], [10] * 4, later(), groups=["b"] * 4))
+    firsts = [batch[0][0] for batch in rec.batches]
+    assert len(rec.batches) == 4 and firsts == ["a", "b", "a", "b"]
     await b.stop(1)

@@ -10,7 +10,7 @@ from dataclasses import replace
 from fastapi import APIRouter, Depends, Request
 
 from service.serving.batcher import DeadlineExceeded, Draining, Overloaded
-from service.serving.engine import Result, Task
+from service.serving.contract import Result, Task
 from service.serving.errors import APIError
 from service.serving.routes.deps import State, require_json, require_key, served_model
 from service.serving.schemas import (
@@ -58,13 +58,18 @@ def _refused(e: Overloaded | Draining) -> APIError:
     return APIError(503, f"overloaded, retry later ({e})", headers={"Retry-After": "1"}, reason="overloaded")
 
 
-async def encode(served: Served, tasks: list[Task]) -> list[Task]:
-    """Tokenize the tasks' texts once, off the event loop; a queue without room answers 503 first."""
+async def encode(state: AppState, served: Served, tasks: list[Task]) -> list[Task]:
+    """Tokenize the tasks' texts once, off the event loop; a queue without room answers 503 first, a
+    text over ``max_text_tokens`` 413."""
     try:
         served.batcher.check_room(len(tasks))
     except (Overloaded, Draining) as e:
         raise _refused(e) from None
     encodings = await asyncio.get_running_loop().run_in_executor(None, served.engine.encode, [t.text for t in tasks])
+    cap = state.settings.max_text_tokens
+    for k, e in enumerate(encodings):
+        if cap is not None and e.n_tokens > cap:
+            raise APIError(413, f"inputs.{k} has {e.n_tokens} tokens, more than the limit of {cap}")
     return [replace(t, encoding=e) for t, e in zip(tasks, encodings, strict=True)]
 
 
@@ -73,9 +78,10 @@ async def run_tasks(request: Request, served: Served, tasks: list[Task], deadlin
     stop if the client goes away."""
     engine = served.engine
     if any(t.encoding is None for t in tasks):
-        tasks = await encode(served, tasks)
-    costs = [t.encoding.n_tokens for t in tasks if t.encoding is not None]
-    work = asyncio.ensure_future(served.batcher.submit(tasks, costs, deadline))
+        tasks = await encode(request.app.state.app_state, served, tasks)
+    chunks = [w for plan in engine.plan(tasks) for w in plan]  # a long text: several chunks, one group
+    work = asyncio.ensure_future(served.batcher.submit(chunks, [w.cost for w in chunks], deadline,
+                                                       groups=[w.job for w in chunks]))
     watch = asyncio.ensure_future(_watch_disconnect(request))
     try:
         await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
@@ -87,13 +93,15 @@ async def run_tasks(request: Request, served: Served, tasks: list[Task], deadlin
             await work
         raise APIError(499, "client disconnected")
     try:
-        results = work.result()
+        answers = work.result()
     except (Overloaded, Draining) as e:
         raise _refused(e) from None
     except DeadlineExceeded as e:
         raise APIError(504, f"deadline exceeded: {e}") from None
     except Exception as e:
         raise APIError(500, f"model {engine.name} failed on this batch: {type(e).__name__}: {e}") from e
+    by_job = {id(w.job): r for w, r in zip(chunks, answers, strict=True) if r is not None}
+    results = [by_job[id(w.job)] for w in chunks if w.k == 0]
     failed = next((r.error for r in results if r.error), None)
     if failed:
         raise APIError(500, failed, reason="internal")
@@ -133,7 +141,7 @@ async def explain(request: Request, state: AppState, model: str, body: ExplainRe
     until = deadline(state, body.timeout_s)
     wanted = targets(engine.labels, body.target)
     contrast = body.contrast and body.method == "contribution"
-    tasks = await encode(served, [Task(t, explain="full", targets=wanted, method=body.method, contrast=contrast,
+    tasks = await encode(state, served, [Task(t, explain="full", targets=wanted, method=body.method, contrast=contrast,
                                        include_matrix=body.include_matrix, include_phi=body.include_phi)
                                   for t in body.inputs])
     if body.include_matrix or body.include_phi:

@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from service import __version__
-from service.serving.engine import Result, Task
+from service.serving.contract import Result, Task
 from service.serving.errors import APIError
 from service.serving.routes import inference
 from service.serving.routes.deps import State, require_key, served_model

@@ -1,0 +1,27 @@
+"""A text tokenized once and cut into chunks (no torch): what the batcher budgets and the encoder runs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Encoding:
+    """One text tokenized once and cut into chunks: what the batcher budgets and the encoder runs.
+
+    Attributes:
+        chunks: token ids of each chunk, the tokenizer's special tokens around each.
+        offsets: ``(start, end)`` character span of each token of the joined chunks ((0, 0) for specials).
+        special: True at special tokens.
+        word_ids: index of the word each token belongs to (-1 for specials).
+    """
+
+    chunks: tuple[tuple[int, ...], ...]
+    offsets: tuple[tuple[int, int], ...]
+    special: tuple[bool, ...]
+    word_ids: tuple[int, ...]
+
+    @property
+    def n_tokens(self) -> int:
+        """Positions the text takes in the head (special tokens of every chunk included)."""
+        return len(self.special)

@@ -1,0 +1,76 @@
+"""What routes hand the engine and what they get back: plain dataclasses, no torch, no HTTP.
+
+A route turns a request into :class:`Task` s (one per text, tokenized once), the engine's
+:meth:`~service.serving.engine.Engine.plan` cuts each into :class:`ChunkWork` (one per chunk of
+``max_length`` tokens) for the batcher, and the batch that computes a text's last chunk answers it
+with a :class:`Result`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from service.modeling.encoding import Encoding
+
+Explain = Literal["predicted", "full"]
+"""``"predicted"``: token credit of the predicted label (classify); ``"full"``: the explain views."""
+Method = Literal["contribution", "shares"]
+
+
+@dataclass(frozen=True)
+class Task:
+    """One text and what to compute for it.
+
+    ``explain``: None (scores only), ``"predicted"`` or ``"full"`` (see :data:`Explain`); ``targets``:
+    the labels to explain (None = the predicted label). ``method`` and ``contrast`` choose the credit
+    (see ``service.modeling.classifier``). ``encoding``: the text tokenized once (the engine tokenizes
+    it only when it is absent).
+    """
+
+    text: str
+    encoding: Encoding | None = None
+    explain: Explain | None = None
+    targets: tuple[str, ...] | None = None
+    method: Method = "contribution"
+    contrast: bool = True
+    include_matrix: bool = False
+    include_phi: bool = False
+
+
+@dataclass
+class Result:
+    """One text's answer; ``error`` (the text's scores were not finite) replaces everything else."""
+
+    label: str
+    scores: dict[str, float]
+    explanation: dict[str, Any] | None = None
+    error: str | None = None
+
+
+@dataclass(eq=False)
+class TextJob:
+    """A text on its way through the model: each chunk's hidden states as the batches compute them."""
+
+    task: Task
+    states: list[Any]
+    left: int
+
+    @property
+    def encoding(self) -> Encoding:
+        if self.task.encoding is None:
+            raise ValueError("a planned task is always encoded")
+        return self.task.encoding
+
+
+@dataclass(frozen=True, eq=False)
+class ChunkWork:
+    """The batcher's unit: chunk ``k`` of a text. Its cost is its token count; the text is its group."""
+
+    job: TextJob
+    k: int
+    ids: tuple[int, ...] = field(repr=False)
+
+    @property
+    def cost(self) -> int:
+        return len(self.ids)

@@ -1,0 +1,109 @@
+"""Chunk-level scheduling: a long text's chunks run over several batches, interleaved with other
+texts' work, the head runs once all of them are encoded, and the answer is the same as computing the
+text alone. The per-text token cap answers 413."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+from fastapi.testclient import TestClient
+
+from service.serving.contract import ChunkWork, Result
+from service.serving.engine import Engine, Task
+from tests.serving.test_tokenize_once import started
+
+LONG = " ".join(f"word{k} is here, and then." for k in range(60))  # many chunks of the tiny model's 16 tokens
+SHORT = ["a short text", "another one!"]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_repo: Path) -> Engine:
+    return Engine.load(tiny_repo / "tiny")
+
+
+def same(a: Result, b: Result) -> None:
+    assert a.label == b.label
+    for k in a.scores:
+        assert abs(a.scores[k] - b.scores[k]) <= 1e-5
+    ca = torch.tensor([t["credit"] for t in a.explanation["tokens"]])
+    cb = torch.tensor([t["credit"] for t in b.explanation["tokens"]])
+    torch.testing.assert_close(ca, cb, atol=1e-5, rtol=0)
+
+
+def test_a_long_text_split_over_batches_among_other_work_gets_the_same_answer(engine: Engine) -> None:
+    task = Task(LONG, explain="predicted")
+    alone = engine.run([task])[0]
+    (plan,) = engine.plan([task])
+    assert len(plan) > 6
+    others = [w for p in engine.plan([Task(t, explain="predicted") for t in SHORT]) for w in p]
+    batches: list[list[ChunkWork]] = [plan[:3] + others[:1], plan[3:5], others[1:] + plan[5:]]
+    answers = [engine.run_chunks(b) for b in batches]
+    # only the batch holding a text's last chunk answers it, at that chunk's place
+    assert all(a is None for a in answers[0][:3] + answers[1])
+    assert answers[0][3] is not None and answers[2][0] is not None
+    assert all(a is None for a in answers[2][1:-1])
+    same(answers[2][-1], alone)
+    same(answers[0][3], engine.run([Task(SHORT[0], explain="predicted")])[0])
+    assert plan[0].job.states == []  # the hidden states are let go once the text is answered
+
+
+def test_a_short_request_goes_ahead_of_a_long_texts_remaining_chunks(tiny_repo: Path) -> None:
+    """With the first batch of a long text's chunks computing, a short request arriving then is in the
+    next batch and is answered before the long text; the long text's answer is unchanged."""
+    for c, _ in started(tiny_repo, max_batch_tokens=64, max_wait_ms=0):
+        short_behind_long(c)
+
+
+def short_behind_long(c: TestClient) -> None:
+    batcher = c.app.state.app_state.models["tiny"].batcher
+    expected = c.post("/v1/classify", json={"inputs": [LONG]}).json()["results"][0]
+    gate, first = threading.Event(), threading.Event()
+    batches: list[list[str]] = []
+    run_chunks = batcher.run_batch
+
+    def gated(works: list[ChunkWork]) -> list[Result | None]:
+        batches.append([w.job.task.text for w in works])
+        if len(batches) == 1:
+            first.set()
+            gate.wait(10)
+        return run_chunks(works)
+
+    batcher.run_batch = gated
+    done: dict[str, float] = {}
+
+    def post(text: str) -> dict:
+        r = c.post("/v1/classify", json={"inputs": [text]})
+        done[text] = time.monotonic()
+        assert r.status_code == 200, r.text
+        return r.json()["results"][0]
+
+    with ThreadPoolExecutor(2) as pool:
+        long = pool.submit(post, LONG)
+        assert first.wait(10)
+        short = pool.submit(post, SHORT[0])
+        time.sleep(0.3)  # the short request is queued behind the computing batch
+        gate.set()
+        assert short.result(10)["label"]
+        got = long.result(10)
+    assert batches[1][0] == SHORT[0]  # the next batch is built around it
+    assert sum(b.count(LONG) for b in batches) > 6 and len(batches) > 3
+    assert done[SHORT[0]] < done[LONG]
+    assert got["label"] == expected["label"]
+    for k, p in expected["scores"].items():
+        assert abs(got["scores"][k] - p) <= 1e-5
+
+
+def test_the_token_cap_answers_413_and_is_off_by_default(tiny_repo: Path) -> None:
+    for c, _ in started(tiny_repo, max_text_tokens=40):
+        r = c.post("/v1/classify", json={"inputs": ["fine", LONG]})
+        assert r.status_code == 413 and "inputs.1 has" in r.json()["error"]["message"]
+        assert "limit of 40" in r.json()["error"]["message"]
+        assert c.post("/v1/explain", json={"inputs": [LONG]}).status_code == 413
+        assert c.post("/v1/classify", json={"inputs": ["fine"]}).status_code == 200
+    for c, _ in started(tiny_repo):
+        assert c.post("/v1/classify", json={"inputs": [LONG]}).status_code == 200
