@@ -30,15 +30,22 @@ def serve(
     max_batch_size: Annotated[int | None, typer.Option()] = None,
     max_wait_ms: Annotated[float | None, typer.Option()] = None,
     log_json: Annotated[bool | None, typer.Option("--log-json/--no-log-json")] = None,
+    torch_threads: Annotated[int | None, typer.Option(help="Torch intra-op threads (default: usable CPUs)")] = None,
+    omp_wait_policy: Annotated[str | None, typer.Option(help="active | passive (OMP_WAIT_POLICY)")] = None,
 ) -> None:
     """Start the HTTP service (options override ROUTING_* environment variables)."""
     from service.config import Settings
-    from service.serving.app import run_server
+    from service.threads import set_wait_policy
 
     given = {"model_repository": model_repository, "models": models, "host": host, "port": port,
              "device": device, "dtype": dtype, "max_batch_size": max_batch_size, "max_wait_ms": max_wait_ms,
-             "log_json": log_json}
-    run_server(Settings(**{k: v for k, v in given.items() if v is not None}))
+             "log_json": log_json, "torch_threads": torch_threads, "omp_wait_policy": omp_wait_policy}
+    settings = Settings(**{k: v for k, v in given.items() if v is not None})
+    set_wait_policy(settings.omp_wait_policy)  # before torch loads, or it has no effect
+
+    from service.serving.app import run_server
+
+    run_server(settings)
 
 
 @app.command()
@@ -139,15 +146,23 @@ def bench_serve(
     max_batch_size: int = 32,
     offline_batch_sizes: str = "8,16,32,64",
     url: Annotated[str | None, typer.Option(help="Target a running server (batching-off run skipped)")] = None,
+    threads: Annotated[str, typer.Option(help="Extra servers at the top level: threads:wait-policy pairs "
+                                              "(auto = usable CPUs, default = the runtime's wait policy)")] = (
+        "1:default,auto:passive,1:passive"),
+    long_chars: Annotated[int, typer.Option(help="Characters of the long text for the interference figure "
+                                                 "(0: skip)")] = 20000,
     out: Annotated[Path, typer.Option(help="JSON result file")] = Path("bench-results/serve.json"),
 ) -> None:
-    """Served throughput and latency vs. concurrency, batching on vs. off, and served vs. offline limit."""
+    """Served throughput and latency vs. concurrency, batching on vs. off, thread settings, short requests
+    while a long text is served, and served vs. the offline limit (worker thread, as the server runs it)."""
     from service.bench import serve as sb
 
+    pairs = [p.split(":") for p in threads.split(",") if p]
+    configs = [(None if t == "auto" else int(t), None if w == "default" else w) for t, w in pairs]
     sb.run(model=model, preset=preset or model, levels=[int(c) for c in concurrency.split(",")], duration=duration,
            n_texts=n_texts, repository=model_repository, device=device, max_wait_ms=max_wait_ms,
            max_batch_size=max_batch_size, offline_batch_sizes=[int(b) for b in offline_batch_sizes.split(",")],
-           url=url, out=out)
+           url=url, out=out, thread_configs=configs, long_chars=long_chars)
 
 
 @bench_app.command("explain")

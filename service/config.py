@@ -31,6 +31,13 @@ class Settings(BaseSettings):
     api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list, description="Bearer keys for /v1")
     protect_metrics: bool = Field(False, description="Require an API key for /metrics too")
 
+    # compute threads
+    torch_threads: int | None = Field(None, ge=1, description="Torch intra-op threads (default: the CPUs this "
+                                      "process may use: affinity mask, capped by a cgroup CPU quota)")
+    omp_wait_policy: Literal["active", "passive"] | None = Field(
+        None, description="How idle OpenMP threads wait (OMP_WAIT_POLICY; default: the runtime's own, a short "
+        "spin then sleep); applies when set before torch loads, as `routing-service serve` does")
+
     # batching
     max_batch_size: int = Field(32, ge=1, description="Texts per batch")
     max_batch_tokens: int = Field(8192, ge=16, description="Padded tokens per batch")

@@ -21,18 +21,19 @@ from __future__ import annotations
 import itertools
 import math
 import random
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 
 from service.bench import report
-from service.bench.report import echo
+from service.bench.report import echo, in_worker_thread
+from service.serving import render
 from service.serving.engine import Engine, Task
+from service.serving.schemas import TokenCredit
 
 FRACTIONS = (0.01, 0.05, 0.10, 0.20)
 CURVE = tuple(k / 10 for k in range(11))  # deletion curve: 0%, 10%, ..., 100% of the tokens deleted
@@ -47,26 +48,6 @@ DESCRIPTIONS = {
     "shares": "eq. 15 shares, signed", "shares_abs": "eq. 15 shares, |.|", "layer_ig": "Layer IG",
     "occlusion": "leave-one-out occlusion", "random": "random tokens",
 }
-T = TypeVar("T")
-
-
-def in_worker_thread(fn: Callable[[], T]) -> T:
-    """Run ``fn`` in a helper thread, as the server runs the model (torch's OpenMP threads busy-wait
-    and slow down badly on the main thread of a busy machine); re-raise its exception here."""
-    box: dict[str, Any] = {}
-
-    def target() -> None:
-        try:
-            box["value"] = fn()
-        except BaseException as e:  # handed back to the caller
-            box["error"] = e
-
-    thread = threading.Thread(target=target, name="bench-model")
-    thread.start()
-    thread.join()
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
 
 
 def cost_of_credit(engine: Engine, texts: list[str], batch_size: int, rounds: int) -> dict[str, Any]:
@@ -77,10 +58,10 @@ def cost_of_credit(engine: Engine, texts: list[str], batch_size: int, rounds: in
     batches = [ordered[k : k + batch_size] for k in range(0, len(ordered), batch_size)]
     modes: dict[str, Callable[[str, int], Task]] = {
         "classify": lambda t, _: Task(t),
-        "contrast": lambda t, _: Task(t, explain="predicted"),
-        "shares": lambda t, _: Task(t, explain="predicted", method="shares"),
+        "contrast": lambda t, _: Task(t, explain="tokens"),
+        "shares": lambda t, _: Task(t, explain="tokens", method="shares"),
         "full_views": lambda t, _: Task(t, explain="full"),
-        "one_explained": lambda t, k: Task(t, explain="predicted" if k == 0 else None),
+        "one_explained": lambda t, k: Task(t, explain="tokens" if k == 0 else None),
     }
     names = list(modes)
 
@@ -196,14 +177,14 @@ class Probabilities:
 def probe(engine: Engine, probs: Probabilities, text: str, lig: LayerIG | None, rng: random.Random,
           max_occlusion: int) -> Probe:
     """Explain ``text`` with every method and score its tokens."""
-    tokens: list[dict[str, Any]] = []
+    tokens: list[TokenCredit] = []
     pr: Probe | None = None
     for method, options in EXPLAINERS.items():
-        res = engine.run([Task(text, explain="predicted", **options)])[0]
-        tokens = res.explanation["tokens"] if res.explanation else []
+        res = engine.run([Task(text, explain="tokens", **options)])[0]
+        tokens = render.classify_result(res).explanation.tokens  # type: ignore[union-attr]
         if pr is None:
-            pr = Probe(text, [(t["start"], t["end"]) for t in tokens], res.label, res.scores[res.label])
-        pr.scores[method] = [t["credit"] for t in tokens]
+            pr = Probe(text, [(t.start, t.end) for t in tokens], res.label, res.scores[res.label])
+        pr.scores[method] = [t.credit for t in tokens]
     assert pr is not None
     pr.scores["shares_abs"] = [abs(v) for v in pr.scores["shares"]]  # type: ignore[arg-type]
     pr.scores["random"] = [rng.random() for _ in tokens]
@@ -228,15 +209,16 @@ def time_per_explanation(engine: Engine, texts: list[str], lig: LayerIG | None, 
     methods' blocks alternate over ``rounds`` in a rotating order so that drift hits them alike.
     Occlusion: one forward pass per token (up to ``max_occlusion``), in batches."""
     def occlude(text: str) -> None:
-        res = engine.run([Task(text, explain="predicted")])[0]
-        spans = [(t["start"], t["end"]) for t in (res.explanation or {}).get("tokens", [])][:max_occlusion]
+        res = engine.run([Task(text, explain="tokens")])[0]
+        spans = [(t.start, t.end) for t in render.classify_result(res).explanation.tokens  # type: ignore[union-attr]
+                 ][:max_occlusion]
         edited = [delete_tokens(text, spans, [m]) for m in range(len(spans))]
         for k in range(0, len(edited), batch_size):
             engine.run([Task(t) for t in edited[k : k + batch_size]])
 
     methods: dict[str, Callable[[str], Any]] = {"classify": lambda t: engine.run([Task(t)])}
     for name, options in EXPLAINERS.items():
-        methods[name] = lambda t, o=options: engine.run([Task(t, explain="predicted", **o)])
+        methods[name] = lambda t, o=options: engine.run([Task(t, explain="tokens", **o)])
     if lig is not None:
         methods["layer_ig"] = lambda t: lig.explain(t, 0)
     methods["occlusion"] = occlude

@@ -7,10 +7,13 @@ import json
 import os
 import platform
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 
 def echo(message: str, err: bool = False) -> None:
@@ -69,3 +72,22 @@ def write_json(path: Path, kind: str, settings: dict[str, Any], results: Any, su
     doc = {"benchmark": kind, "machine": machine(), "settings": settings, "summary": summary, "results": results}
     path.write_text(json.dumps(doc, indent=2))
     return path
+
+
+def in_worker_thread(fn: Callable[[], T]) -> T:
+    """Run ``fn`` in a helper thread, as the server runs the model (torch's OpenMP threads busy-wait
+    and slow down badly on the main thread of a busy machine); re-raise its exception here."""
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # handed back to the caller
+            box["error"] = e
+
+    thread = threading.Thread(target=target, name="bench-model")
+    thread.start()
+    thread.join()
+    if "error" in box:
+        raise box["error"]
+    return box["value"]

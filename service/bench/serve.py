@@ -1,10 +1,17 @@
 """`routing-service bench serve`: closed-loop HTTP load at several concurrency levels, the same load
-with dynamic batching off, and the engine's offline limit on the same texts, all in one run."""
+with dynamic batching off, the top level under other thread settings, short requests while one long
+text is served, and the engine's offline limit on the same texts, all in one run.
+
+The offline limit is measured in a worker thread, exactly as the server runs the model (torch's
+OpenMP threads busy-wait and collapse on a busy main thread); the main-thread figure is printed beside
+it for reference."""
 
 from __future__ import annotations
 
 import asyncio
 import random
+import statistics
+import string
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,7 +20,8 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from service.bench.report import echo
+from service.bench import report
+from service.bench.report import echo, in_worker_thread
 from service.bench.server import LocalServer
 
 
@@ -47,11 +55,12 @@ class Level:
                 "errors": self.errors, "requests": len(self.latencies) + self.errors}
 
 
-def _batch_stats(url: str) -> tuple[float, float]:
+def _batch_stats(url: str, family: str = "routing_batch_size") -> tuple[float, float]:
+    """Sum and count of a histogram of the server's, over every model."""
     text = httpx.get(f"{url}/metrics", timeout=10).text
     s = c = 0.0
     for fam in text_string_to_metric_families(text):
-        if fam.name == "routing_batch_size":
+        if fam.name == family:
             for sample in fam.samples:
                 if sample.name.endswith("_sum"):
                     s += sample.value
@@ -94,14 +103,16 @@ async def closed_loop(url: str, path: str, texts: list[str], concurrency: int, s
 
 def offline_limit(repository: Path, model: str, texts: list[str], batch_sizes: list[int], seconds: float,
                   device: str) -> dict[str, Any]:
-    """The engine alone (no HTTP, no queue): best throughput over ``batch_sizes`` on ``texts``."""
+    """The engine alone (no HTTP, no queue): throughput by batch size on ``texts``, in a worker thread as
+    the server runs it; at the best batch size also on the main thread, for reference."""
     from service.serving.engine import Engine, Task
 
-    engine = Engine.load(repository / model, device=device)
+    engine = in_worker_thread(lambda: Engine.load(repository / model, device=device))
     ordered = sorted(texts, key=len)  # similar lengths together, as the batcher does: the best case
-    by_size = {}
-    for bs in batch_sizes:
+
+    def throughput(bs: int) -> float:
         batches = [ordered[k : k + bs] for k in range(0, len(ordered), bs)]
+        engine.run([Task(t) for t in batches[0]])  # warm-up at this shape
         n = k = 0
         t0 = time.perf_counter()
         while time.perf_counter() - t0 < seconds:
@@ -109,27 +120,82 @@ def offline_limit(repository: Path, model: str, texts: list[str], batch_sizes: l
             engine.run([Task(t) for t in batch])
             n += len(batch)
             k += 1
-        by_size[bs] = n / (time.perf_counter() - t0)
-        echo(f"  offline batch size {bs}: {by_size[bs]:.1f} texts/s", err=True)
+        return n / (time.perf_counter() - t0)
+
+    by_size = {}
+    for bs in batch_sizes:
+        by_size[bs] = in_worker_thread(lambda b=bs: throughput(b))
+        echo(f"  offline batch size {bs} (worker thread): {by_size[bs]:.1f} texts/s", err=True)
     best = max(by_size, key=lambda b: by_size[b])
-    return {"by_batch_size": by_size, "best_batch_size": best, "throughput": by_size[best]}
+    main_thread = throughput(best)
+    echo(f"  offline batch size {best} (main thread): {main_thread:.1f} texts/s", err=True)
+    return {"by_batch_size": by_size, "best_batch_size": best, "throughput": by_size[best],
+            "main_thread_throughput": main_thread}
+
+
+def long_text(n_chars: int, seed: int = 0) -> str:
+    """A valid text of ``n_chars`` characters where every character is one token (letters between dots)."""
+    rng = random.Random(seed)
+    return ".".join(rng.choice(string.ascii_lowercase) for _ in range((n_chars + 1) // 2))[:n_chars]
+
+
+async def interference(url: str, short: list[str], long: str, n_idle: int = 20) -> dict[str, Any]:
+    """Short requests, one at a time: idle, then while one long text is being served.
+
+    ``one_batch_s`` is the mean compute time of a batch while the long text is served alone (its chunks,
+    then the head), measured first; the target is ``3 x idle p50 + one batch`` for every short request
+    sent while the long text is in flight."""
+    async with httpx.AsyncClient(base_url=url, timeout=300) as client:
+        async def post(text: str) -> float:
+            t0 = time.perf_counter()
+            r = await client.post("/v1/classify", json={"inputs": [text]})
+            r.raise_for_status()
+            return time.perf_counter() - t0
+
+        idle = [await post(short[k % len(short)]) for k in range(n_idle)]
+        s0, c0 = _batch_stats(url, "routing_batch_compute_seconds")
+        alone = await post(long)
+        s1, c1 = _batch_stats(url, "routing_batch_compute_seconds")
+        one_batch = (s1 - s0) / max(c1 - c0, 1)
+        task = asyncio.ensure_future(post(long))
+        during: list[float] = []
+        k = 0
+        while not task.done():
+            during.append(await post(short[k % len(short)]))
+            k += 1
+        served_long = await task
+    idle_p50 = statistics.median(idle)
+    limit = 3 * idle_p50 + one_batch
+    worst = max(during) if during else float("nan")
+    return {"idle_p50_ms": 1000 * idle_p50, "one_batch_ms": 1000 * one_batch, "batches_alone": c1 - c0,
+            "long_alone_s": alone, "long_with_shorts_s": served_long, "short_requests": len(during),
+            "short_p50_ms": 1000 * statistics.median(during) if during else float("nan"),
+            "short_max_ms": 1000 * worst, "limit_ms": 1000 * limit, "met": bool(during) and worst <= limit}
 
 
 def run(model: str, preset: str, levels: list[int], duration: float, n_texts: int, repository: Path, device: str,
         max_wait_ms: float, max_batch_size: int, offline_batch_sizes: list[int], url: str | None,
-        out: Path) -> dict[str, Any]:
+        out: Path, thread_configs: list[tuple[int | None, str | None]], long_chars: int) -> dict[str, Any]:
     """The whole benchmark: print tables, write JSON, return the summary."""
-    from service.bench import report
-
     texts = test_texts(preset, n_texts)
     echo(f"bench serve: model {model}, {len(texts)} test texts (mean {sum(map(len, texts)) / len(texts):.0f}"
          f" chars), levels {levels}, {duration:.0f} s each", err=True)
     logs = out.parent / "logs"
     runs: dict[str, list[dict]] = {}
-    configs = [("batching", {"max_batch_size": max_batch_size, "max_wait_ms": max_wait_ms})]
+    top = max(levels)
+    configs: list[tuple[str, dict[str, Any], list[int]]] = [
+        ("batching", {"max_batch_size": max_batch_size, "max_wait_ms": max_wait_ms}, levels)]
     if url is None:
-        configs.append(("no_batching", {"max_batch_size": 1, "max_wait_ms": 0}))
-    for name, cfg in configs:
+        configs.append(("no_batching", {"max_batch_size": 1, "max_wait_ms": 0}, levels))
+        for threads, policy in thread_configs:
+            cfg: dict[str, Any] = {"max_batch_size": max_batch_size, "max_wait_ms": max_wait_ms}
+            if threads:
+                cfg["torch_threads"] = threads
+            if policy:
+                cfg["omp_wait_policy"] = policy
+            configs.append((f"threads={threads or 'auto'} wait={policy or 'default'}", cfg, [top]))
+    inter: dict[str, Any] | None = None
+    for name, cfg, lv in configs:
         server = None
         if url is None:
             server = LocalServer(logs, model_repository=repository, models=model, default_model=model,
@@ -138,24 +204,41 @@ def run(model: str, preset: str, levels: list[int], duration: float, n_texts: in
         try:
             asyncio.run(closed_loop(target, "/v1/classify", texts, 4, 2.0))  # warm-up
             runs[name] = []
-            for c in levels:
+            for c in lv:
                 row = asyncio.run(closed_loop(target, "/v1/classify", texts, c, duration)).row()
                 runs[name].append(row)
                 echo(f"  {name} c={c}: {row['throughput']:.1f} texts/s, p50 {row['p50_ms']:.0f} ms, "
                      f"p99 {row['p99_ms']:.0f} ms, mean batch {row['mean_batch']:.1f}, errors {row['errors']}",
                      err=True)
+            if name == "batching" and long_chars:
+                echo(f"  short requests while one {long_chars}-character text is served", err=True)
+                inter = asyncio.run(interference(target, texts, long_text(long_chars)))
         finally:
             if server is not None:
                 server.stop()
     offline = offline_limit(repository, model, texts, offline_batch_sizes, duration, device)
+    return report_all(runs, offline, inter, top, max_wait_ms, out, {
+        "model": model, "texts": len(texts), "levels": levels, "duration_s": duration, "device": device,
+        "max_wait_ms": max_wait_ms, "max_batch_size": max_batch_size, "url": url, "long_chars": long_chars,
+        "thread_configs": thread_configs})
+
+
+def report_all(runs: dict[str, list[dict]], offline: dict[str, Any], inter: dict[str, Any] | None, top: int,
+               max_wait_ms: float, out: Path, settings: dict[str, Any]) -> dict[str, Any]:
     cols = ["concurrency", "throughput", "p50_ms", "p95_ms", "p99_ms", "mean_batch", "errors", "requests"]
     for name, rows in runs.items():
         echo(f"\n{name} (texts/s, latency per request of one text):")
         echo(report.table(rows, cols))
     by_size = {k: round(v, 1) for k, v in offline["by_batch_size"].items()}
-    echo(f"\noffline engine limit: {offline['throughput']:.1f} texts/s at batch size {offline['best_batch_size']}"
-         f" (texts/s by batch size: {by_size})")
-    summary: dict[str, object] = {"offline_texts_per_s": offline["throughput"]}
+    echo(f"\noffline engine limit (worker thread, as the server runs it): {offline['throughput']:.1f} texts/s at "
+         f"batch size {offline['best_batch_size']} (by batch size: {by_size}); main thread: "
+         f"{offline['main_thread_throughput']:.1f} texts/s")
+    at_top = {name: rows[-1] for name, rows in runs.items() if rows and rows[-1]["concurrency"] == top}
+    summary: dict[str, Any] = {
+        "offline_texts_per_s": offline["throughput"],
+        "offline_main_thread_texts_per_s": offline["main_thread_throughput"],
+        f"served_over_offline_at_c{top}": {n: r["throughput"] / offline["throughput"] for n, r in at_top.items()},
+    }
     best = max(runs["batching"], key=lambda r: r["throughput"])
     summary["served_over_offline_at_saturation"] = best["throughput"] / offline["throughput"]
     summary["saturation_concurrency"] = best["concurrency"]
@@ -169,11 +252,15 @@ def run(model: str, preset: str, levels: list[int], duration: float, n_texts: in
         echo("\nbatching on / off (same texts, same run); p99 limit = 2 x single-request p50 + max_wait_ms:")
         echo(report.table(ratios, ["concurrency", "throughput_on_over_off", "p99_on_ms", "p99_limit_ms"]))
         summary["batching_on_over_off"] = {r["concurrency"]: r["throughput_on_over_off"] for r in ratios}
-        summary["p99_vs_limit"] = {r["concurrency"]: [r["p99_on_ms"], r["p99_limit_ms"]] for r in ratios}
-    echo(f"\nserved / offline at saturation (c={best['concurrency']}): "
-         f"{summary['served_over_offline_at_saturation']:.3f}")
-    settings = {"model": model, "texts": len(texts), "levels": levels, "duration_s": duration, "device": device,
-                "max_wait_ms": max_wait_ms, "max_batch_size": max_batch_size, "url": url}
-    path = report.write_json(out, "serve", settings, {"runs": runs, "offline": offline}, summary)
+    echo(f"\nat concurrency {top}, served / offline (worker thread):")
+    echo(report.table([{"server": n, "texts/s": r["throughput"], "served/offline": r["throughput"] /
+                        offline["throughput"], "p50_ms": r["p50_ms"], "p99_ms": r["p99_ms"]}
+                       for n, r in at_top.items()], ["server", "texts/s", "served/offline", "p50_ms", "p99_ms"]))
+    if inter is not None:
+        echo("\nshort requests while one long text is served (target: each <= 3 x idle p50 + one batch):")
+        echo(report.table([inter], list(inter)))
+        summary["long_text_interference"] = inter
+    path = report.write_json(out, "serve", settings, {"runs": runs, "offline": offline, "interference": inter},
+                             summary)
     echo(f"wrote {path}")
     return summary

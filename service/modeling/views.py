@@ -1,12 +1,12 @@
-"""Readable views of one text's end-to-end credit ``[n, d_depth, k]`` (paper §5.3): summed over
-depth per token, word pieces merged into words, and tokens grouped into sentences."""
+"""Readable views of one text's credit: word pieces merged into words, tokens grouped into sentences,
+and a view's credit as the sum over its tokens. Plain Python (no torch): the serving layer builds
+them off the model thread."""
 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-
-import torch
 
 _SENTENCE = re.compile(r"[^.!?\n]+(?:[.!?]+|$)", re.MULTILINE)
 
@@ -21,53 +21,43 @@ class Span:
     tokens: list[int]
 
 
-def token_credit(credit: torch.Tensor) -> torch.Tensor:
-    """``[n, d_depth, k] -> [n, k]``: credit of each token position, summed over depth."""
-    return credit.sum(dim=1)  # [nk]
-
-
-def words(text: str, offsets: torch.Tensor, word_ids: torch.Tensor, special: torch.Tensor) -> list[Span]:
+def words(text: str, offsets: Iterable[Sequence[int]], word_ids: Iterable[int], special: Iterable[bool]) -> list[Span]:
     """Merge word pieces: one span per word, in order (special tokens belong to no word).
 
     A word split over two chunks keeps one span holding the tokens of both.
     """
     spans: dict[int, Span] = {}
-    for pos, (w, is_special) in enumerate(zip(word_ids.tolist(), special.tolist(), strict=True)):
+    for pos, ((s, e), w, is_special) in enumerate(zip(offsets, word_ids, special, strict=True)):
+        w = int(w)
         if is_special or w < 0:
             continue
-        s, e = (int(v) for v in offsets[pos])
         if w in spans:
             sp = spans[w]
-            sp.start, sp.end = min(sp.start, s), max(sp.end, e)
+            sp.start, sp.end = min(sp.start, int(s)), max(sp.end, int(e))
             sp.tokens.append(pos)
         else:
-            spans[w] = Span("", s, e, [pos])
+            spans[w] = Span("", int(s), int(e), [pos])
     out = sorted(spans.values(), key=lambda sp: sp.start)
     for sp in out:
         sp.text = text[sp.start : sp.end]
     return out
 
 
-def sentences(text: str, offsets: torch.Tensor, special: torch.Tensor) -> list[Span]:
+def sentences(text: str, offsets: Iterable[Sequence[int]], special: Iterable[bool]) -> list[Span]:
     """Split ``text`` into sentences and give each the non-special tokens that start inside it."""
     spans = [Span(m.group().strip(), m.start(), m.end(), []) for m in _SENTENCE.finditer(text) if m.group().strip()]
     if not spans:
         spans = [Span(text, 0, len(text), [])]
     k = 0
-    for pos, is_special in enumerate(special.tolist()):
+    for pos, ((start, _end), is_special) in enumerate(zip(offsets, special, strict=True)):
         if is_special:
             continue
-        start = int(offsets[pos, 0])
-        while k + 1 < len(spans) and start >= spans[k + 1].start:
+        while k + 1 < len(spans) and int(start) >= spans[k + 1].start:
             k += 1
         spans[k].tokens.append(pos)
     return spans
 
 
-def span_credit(per_token: torch.Tensor, spans: list[Span]) -> torch.Tensor:
-    """``[n, k] -> [len(spans), k]``: summed credit of each span's tokens."""
-    out = per_token.new_zeros(len(spans), per_token.shape[-1])  # [sk]
-    for s, sp in enumerate(spans):
-        if sp.tokens:
-            out[s] = per_token[sp.tokens].sum(dim=0)  # [k]
-    return out
+def span_credit(per_token: Sequence[float], spans: list[Span]) -> list[float]:
+    """Summed credit of each span's tokens."""
+    return [float(sum(per_token[p] for p in sp.tokens)) for sp in spans]

@@ -13,8 +13,8 @@ from typing import Any, Literal
 
 from service.modeling.encoding import Encoding
 
-Explain = Literal["predicted", "full"]
-"""``"predicted"``: token credit of the predicted label (classify); ``"full"``: the explain views."""
+Explain = Literal["tokens", "full"]
+"""``"tokens"``: credit per token of the targets; ``"full"``: also per (token, depth), for the explain views."""
 Method = Literal["contribution", "shares"]
 
 
@@ -22,7 +22,7 @@ Method = Literal["contribution", "shares"]
 class Task:
     """One text and what to compute for it.
 
-    ``explain``: None (scores only), ``"predicted"`` or ``"full"`` (see :data:`Explain`); ``targets``:
+    ``explain``: None (scores only), ``"tokens"`` or ``"full"`` (see :data:`Explain`); ``targets``:
     the labels to explain (None = the predicted label). ``method`` and ``contrast`` choose the credit
     (see ``service.modeling.classifier``). ``encoding``: the text tokenized once (the engine tokenizes
     it only when it is absent).
@@ -38,13 +38,55 @@ class Task:
     include_phi: bool = False
 
 
+@dataclass(frozen=True)
+class Token:
+    """A token position: the token, its character span in the text ((0, 0) for special tokens)."""
+
+    token: str
+    start: int
+    end: int
+    special: bool
+
+
+@dataclass
+class TargetCredit:
+    """Credit of one target label.
+
+    Attributes:
+        tokens: per token position, summed over depth.
+        depth: ``[n_tokens][d_depth]`` per (position, depth); None when only token credit was asked for.
+        logit, baseline: the explained read-out and its value at zero hidden states
+            (``sum(tokens) + baseline == logit``); None for routing shares.
+    """
+
+    label: str
+    tokens: list[float]
+    depth: list[list[float]] | None
+    logit: float | None
+    baseline: float | None
+
+
+@dataclass
+class Credit:
+    """One text's credit: its tokens (every position, special ones included) and each target's credit;
+    ``matrix`` (``[n][d_depth][n_classes]``) and ``phi`` (the three routings') when asked for."""
+
+    method: Method
+    contrast: bool
+    tokens: list[Token]
+    word_ids: list[int]
+    targets: list[TargetCredit]
+    matrix: list[list[list[float]]] | None = None
+    phi: list[Any] | None = None
+
+
 @dataclass
 class Result:
     """One text's answer; ``error`` (the text's scores were not finite) replaces everything else."""
 
     label: str
     scores: dict[str, float]
-    explanation: dict[str, Any] | None = None
+    credit: Credit | None = None
     error: str | None = None
 
 

@@ -14,11 +14,10 @@ from typing import Any
 
 import torch
 
-from service.modeling import views
 from service.modeling.classifier import CreditRequest, Explained, Prediction, RoutingClassifier
 from service.modeling.encoding import Encoding
 from service.modeling.repository import Manifest, load_model
-from service.serving.contract import ChunkWork, Result, Task, TextJob
+from service.serving.contract import ChunkWork, Credit, Result, TargetCredit, Task, TextJob, Token
 
 __all__ = ["ChunkWork", "Engine", "NonFiniteScores", "Result", "Task"]
 
@@ -180,73 +179,32 @@ class Engine:
         scores = {lab: float(p) for lab, p in zip(self.labels, probs[b].tolist(), strict=True)}
         res = Result(label=self.labels[k], scores=scores)
         explained = pred.explained[b]
-        if task.explain is None or explained is None:
-            return res
-        if task.explain == "predicted":
-            res.explanation = self._predicted_view(pred, b, explained, task)
-        else:
-            targets = list(task.targets or [self.labels[k]])
-            res.explanation = self._full_view(pred, b, explained, task, targets)
+        if task.explain is not None and explained is not None:
+            res.credit = self._credit(pred, b, explained, task, res.label)
         return res
 
-    def _tokens(self, pred: Prediction, b: int) -> tuple[list[str], list[list[int]], list[bool]]:
+    def _credit(self, pred: Prediction, b: int, ex: Explained, task: Task, predicted: str) -> Credit:
+        """Plain numbers of one text's credit (views are built from them off the model thread)."""
         enc = pred.encoded
-        tokens = self.classifier.backbone.tokenizer.convert_ids_to_tokens(enc.token_ids[b].tolist())
-        return tokens, enc.offsets[b].tolist(), enc.special[b].tolist()
-
-    @staticmethod
-    def _readout(ex: Explained, column: int) -> tuple[float | None, float | None]:
-        """The explained read-out and its baseline for one target column (None for routing shares)."""
-        if ex.logit is None or ex.baseline is None:
-            return None, None
-        return float(ex.logit[column]), float(ex.baseline[column])
-
-    def _predicted_view(self, pred: Prediction, b: int, ex: Explained, task: Task) -> dict[str, Any]:
-        """Token credit (summed over depth) of the predicted label, special tokens summed apart."""
-        tokens, offsets, special = self._tokens(pred, b)
-        per_token = views.token_credit(ex.credit)[:, 0]  # [n]
-        logit, baseline = self._readout(ex, 0)
-        return {"target": self.labels[ex.targets[0]], "method": task.method, "contrast": task.contrast,
-                "logit": logit, "baseline": baseline,
-                "special": float(per_token[torch.tensor(special, dtype=torch.bool)].sum()),
-                "tokens": [{"token": tok, "start": s, "end": e, "credit": c}
-                           for tok, (s, e), sp, c in zip(tokens, offsets, special, per_token.tolist(), strict=True)
-                           if not sp]}
-
-    def _full_view(self, pred: Prediction, b: int, ex: Explained, task: Task,
-                   targets: list[str]) -> dict[str, Any]:
-        """Tokens, and per target credit per token, word, sentence and depth (plus matrix and phi)."""
-        enc = pred.encoded
-        tokens, offsets, special = self._tokens(pred, b)
-        per_token = views.token_credit(ex.credit)  # [n t]
-        words = views.words(task.text, enc.offsets[b], enc.word_ids[b], enc.special[b])
-        sents = views.sentences(task.text, enc.offsets[b], enc.special[b])
-        w_credit, s_credit = views.span_credit(per_token, words), views.span_credit(per_token, sents)  # [wt], [st]
-
-        def spans(items: list[views.Span], values: torch.Tensor) -> list[dict[str, Any]]:
-            return [{"text": sp.text, "start": sp.start, "end": sp.end, "credit": float(v)}
-                    for sp, v in zip(items, values.tolist(), strict=True)]
-
-        by_target = {}
-        for target in targets:
-            j = ex.targets.index(self.labels.index(target))
-            logit, baseline = self._readout(ex, j)
-            by_target[target] = {"logit": logit, "baseline": baseline, "tokens": per_token[:, j].tolist(),
-                                 "words": spans(words, w_credit[:, j]), "sentences": spans(sents, s_credit[:, j]),
-                                 "depth": ex.credit[:, :, j].tolist()}
-        out: dict[str, Any] = {
-            "method": task.method, "contrast": task.contrast,
-            "tokens": [{"token": tok, "start": s, "end": e, "special": sp}
-                       for tok, (s, e), sp in zip(tokens, offsets, special, strict=True)],
-            "targets": targets, "credit": by_target,
-        }
+        names = self.classifier.backbone.tokenizer.convert_ids_to_tokens(enc.token_ids[b].tolist())
+        tokens = [Token(t, s, e, sp) for t, (s, e), sp in
+                  zip(names, enc.offsets[b].tolist(), enc.special[b].tolist(), strict=True)]
+        full = task.explain == "full"
+        targets = []
+        for label in task.targets or (predicted,):  # the full matrix covers every class; these are the asked ones
+            j = ex.targets.index(self.labels.index(label))
+            logit, baseline = (None, None) if ex.logit is None or ex.baseline is None else (
+                float(ex.logit[j]), float(ex.baseline[j]))
+            depth = ex.credit[:, :, j].tolist() if full else None  # [n][e]
+            targets.append(TargetCredit(label, ex.credit[:, :, j].sum(dim=1).tolist(), depth, logit, baseline))
+        credit = Credit(task.method, task.contrast, tokens, enc.word_ids[b].tolist(), targets)
         if task.include_matrix:
-            out["matrix"] = ex.credit.tolist()
+            credit.matrix = ex.credit.tolist()
         if task.include_phi and pred.phi is not None:
             n_i = ex.credit.shape[0] * ex.credit.shape[1]
             phi1, phi2, phi3 = (p[b].float().cpu() for p in pred.phi)
-            out["phi"] = [phi1[:n_i].tolist(), phi2.tolist(), phi3.tolist()]
-        return out
+            credit.phi = [phi1[:n_i].tolist(), phi2.tolist(), phi3.tolist()]
+        return credit
 
     def explain_elements(self, n_tokens: int, include_matrix: bool, include_phi: bool) -> int:
         """How many numbers the full matrix and the phis add for a text of ``n_tokens``."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +17,7 @@ from service.serving.batcher import Batcher, BatchLimits
 from service.serving.contract import ChunkWork, Result
 from service.serving.engine import Engine
 from service.serving.metrics import Metrics
+from service.threads import set_torch_threads
 
 log = logging.getLogger("service.state")
 
@@ -52,6 +54,9 @@ class AppState:
         s = self.settings
         loop = asyncio.get_running_loop()
         try:
+            threads = set_torch_threads(s.torch_threads)
+            log.info("torch intra-op threads: %d; OMP_WAIT_POLICY=%s", threads,
+                     os.environ.get("OMP_WAIT_POLICY", "(runtime default)"))
             names = self.model_names(s.model_repository)
             if not names:
                 raise ValueError(f"no models in {s.model_repository}")

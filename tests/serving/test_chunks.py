@@ -30,17 +30,17 @@ def same(a: Result, b: Result) -> None:
     assert a.label == b.label
     for k in a.scores:
         assert abs(a.scores[k] - b.scores[k]) <= 1e-5
-    ca = torch.tensor([t["credit"] for t in a.explanation["tokens"]])
-    cb = torch.tensor([t["credit"] for t in b.explanation["tokens"]])
+    ca = torch.tensor(a.credit.targets[0].tokens)
+    cb = torch.tensor(b.credit.targets[0].tokens)
     torch.testing.assert_close(ca, cb, atol=1e-5, rtol=0)
 
 
 def test_a_long_text_split_over_batches_among_other_work_gets_the_same_answer(engine: Engine) -> None:
-    task = Task(LONG, explain="predicted")
+    task = Task(LONG, explain="tokens")
     alone = engine.run([task])[0]
     (plan,) = engine.plan([task])
     assert len(plan) > 6
-    others = [w for p in engine.plan([Task(t, explain="predicted") for t in SHORT]) for w in p]
+    others = [w for p in engine.plan([Task(t, explain="tokens") for t in SHORT]) for w in p]
     batches: list[list[ChunkWork]] = [plan[:3] + others[:1], plan[3:5], others[1:] + plan[5:]]
     answers = [engine.run_chunks(b) for b in batches]
     # only the batch holding a text's last chunk answers it, at that chunk's place
@@ -48,7 +48,7 @@ def test_a_long_text_split_over_batches_among_other_work_gets_the_same_answer(en
     assert answers[0][3] is not None and answers[2][0] is not None
     assert all(a is None for a in answers[2][1:-1])
     same(answers[2][-1], alone)
-    same(answers[0][3], engine.run([Task(SHORT[0], explain="predicted")])[0])
+    same(answers[0][3], engine.run([Task(SHORT[0], explain="tokens")])[0])
     assert plan[0].job.states == []  # the hidden states are let go once the text is answered
 
 

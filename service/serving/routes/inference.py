@@ -9,6 +9,7 @@ from dataclasses import replace
 
 from fastapi import APIRouter, Depends, Request
 
+from service.serving import render
 from service.serving.batcher import DeadlineExceeded, Draining, Overloaded
 from service.serving.contract import Result, Task
 from service.serving.errors import APIError
@@ -16,11 +17,9 @@ from service.serving.routes.deps import State, require_json, require_key, served
 from service.serving.schemas import (
     ClassifyRequest,
     ClassifyResponse,
-    ClassifyResult,
     ErrorResponse,
     ExplainRequest,
     ExplainResponse,
-    ExplainResult,
 )
 from service.serving.state import AppState, Served
 
@@ -126,12 +125,12 @@ async def classify(request: Request, state: AppState, model: str, body: Classify
     check_limits(state, body.inputs)
     until = deadline(state, body.timeout_s)
     contrast = body.contrast and body.method == "contribution"
-    tasks = [Task(t, explain="predicted" if body.explain else None, method=body.method, contrast=contrast)
+    tasks = [Task(t, explain="tokens" if body.explain else None, method=body.method, contrast=contrast)
              for t in body.inputs]
     results = await run_tasks(request, served, tasks, until)
-    return ClassifyResponse(model=model, results=[
-        ClassifyResult(label=r.label, score=r.scores[r.label], scores=r.scores, explanation=r.explanation)
-        for r in results])
+    views = [render.classify_result(r) for r in results] if not body.explain else await render.off_loop(
+        lambda: [render.classify_result(r) for r in results])
+    return ClassifyResponse(model=model, results=views)
 
 
 async def explain(request: Request, state: AppState, model: str, body: ExplainRequest) -> ExplainResponse:
@@ -151,9 +150,9 @@ async def explain(request: Request, state: AppState, model: str, body: ExplainRe
             raise APIError(413, f"include_matrix/include_phi would return {size} numbers, more than the limit of "
                                 f"{state.settings.max_explain_elements}; send fewer or shorter texts")
     results = await run_tasks(request, served, tasks, until)
-    return ExplainResponse(model=model, labels=engine.labels, results=[
-        ExplainResult(label=r.label, score=r.scores[r.label], scores=r.scores, **(r.explanation or {}))
-        for r in results])
+    views = await render.off_loop(lambda: [render.explain_result(r, t) for r, t in zip(results, body.inputs,
+                                                                                        strict=True)])
+    return ExplainResponse(model=model, labels=engine.labels, results=views)
 
 
 @router.post("/models/{model}/classify", response_model=ClassifyResponse, summary="Classify texts")

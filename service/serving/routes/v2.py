@@ -159,7 +159,7 @@ async def infer(request: Request, state: State, model: str, version: str = "1") 
     if not isinstance(asked, bool):
         raise APIError(422, "parameters.explain must be a bool")
     explain = asked or any(w in CREDIT for w in wanted or [])
-    tasks = [Task(t, explain="full" if explain else None, **options) for t in texts]
+    tasks = [Task(t, explain="tokens" if explain else None, **options) for t in texts]
     timeout = params.get("timeout")
     if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0):
         raise APIError(422, "parameters.timeout must be a positive number of microseconds")
@@ -261,26 +261,25 @@ def _outputs(results: list[Result], labels: list[str], explain: bool) -> dict[st
     }
     if not explain:
         return out
-    views = [r.explanation or {} for r in results]
-    width = max(len(v["tokens"]) for v in views)
-    targets = [v["targets"] for v in views]  # the same count for every text of a request
-    t = len(targets[0])
+    credits = [r.credit for r in results if r.credit is not None]
+    width = max(len(c.tokens) for c in credits)
+    t = len(credits[0].targets)  # the same count for every text of a request
     credit, tokens = [], []
-    for v, labs in zip(views, targets, strict=True):
-        toks = [tok["token"] for tok in v["tokens"]]
+    for c in credits:
+        toks = [tok.token for tok in c.tokens]
         tokens += toks + [""] * (width - len(toks))
-        columns = [v["credit"][lab]["tokens"] for lab in labs]
+        columns = [target.tokens for target in c.targets]
         for p in range(width):
             credit += [col[p] if p < len(col) else 0.0 for col in columns]
     out["credit"] = TensorOut(name="credit", datatype="FP32", shape=[n, width, t], data=credit)
     out["tokens"] = TensorOut(name="tokens", datatype="BYTES", shape=[n, width], data=tokens)
     out["token_lengths"] = TensorOut(name="token_lengths", datatype="INT32", shape=[n],
-                                     data=[len(v["tokens"]) for v in views])
+                                     data=[len(c.tokens) for c in credits])
     out["credit_targets"] = TensorOut(name="credit_targets", datatype="BYTES", shape=[n, t],
-                                      data=[lab for labs in targets for lab in labs])
-    if views[0]["method"] == "contribution":
-        for name in ("logit", "baseline"):
-            out[name] = TensorOut(name=name, datatype="FP32", shape=[n, t],
-                                  data=[v["credit"][lab][name] for v, labs in zip(views, targets, strict=True)
-                                        for lab in labs])
+                                      data=[target.label for c in credits for target in c.targets])
+    if credits[0].method == "contribution":
+        out["logit"] = TensorOut(name="logit", datatype="FP32", shape=[n, t],
+                                 data=[target.logit for c in credits for target in c.targets])
+        out["baseline"] = TensorOut(name="baseline", datatype="FP32", shape=[n, t],
+                                    data=[target.baseline for c in credits for target in c.targets])
     return out

@@ -1,0 +1,67 @@
+"""One step from the engine's results to the response models: words, sentences, rounding-free lists.
+Routes run it off the event loop and off the model thread (see :func:`off_loop`)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import TypeVar
+
+from service.modeling import views
+from service.serving.contract import Credit, Result
+from service.serving.schemas import (
+    ClassifyResult,
+    ExplainResult,
+    PredictedExplanation,
+    SpanCredit,
+    TokenCredit,
+)
+from service.serving.schemas import TargetCredit as TargetCreditView
+from service.serving.schemas import Token as TokenView
+
+T = TypeVar("T")
+
+
+async def off_loop(fn: Callable[[], T]) -> T:
+    """Run ``fn`` in the default thread pool: response views of long texts take a while to build."""
+    return await asyncio.get_running_loop().run_in_executor(None, fn)
+
+
+def predicted(credit: Credit) -> PredictedExplanation:
+    """Token credit (summed over depth) of the one explained label, special tokens summed apart."""
+    target = credit.targets[0]
+    return PredictedExplanation(
+        target=target.label, method=credit.method, contrast=credit.contrast, logit=target.logit,
+        baseline=target.baseline,
+        special=float(sum(c for tok, c in zip(credit.tokens, target.tokens, strict=True) if tok.special)),
+        tokens=[TokenCredit(token=tok.token, start=tok.start, end=tok.end, credit=c)
+                for tok, c in zip(credit.tokens, target.tokens, strict=True) if not tok.special])
+
+
+def classify_result(res: Result) -> ClassifyResult:
+    return ClassifyResult(label=res.label, score=res.scores[res.label], scores=res.scores,
+                          explanation=predicted(res.credit) if res.credit is not None else None)
+
+
+def explain_result(res: Result, text: str) -> ExplainResult:
+    """Tokens, and per target credit per token, word, sentence and depth (plus matrix and phi)."""
+    c = res.credit
+    if c is None:
+        raise ValueError("an explain result needs its credit")
+    offsets = [(t.start, t.end) for t in c.tokens]
+    special = [t.special for t in c.tokens]
+    words = views.words(text, offsets, c.word_ids, special)
+    sents = views.sentences(text, offsets, special)
+
+    def spans(items: list[views.Span], values: list[float]) -> list[SpanCredit]:
+        return [SpanCredit(text=sp.text, start=sp.start, end=sp.end, credit=v)
+                for sp, v in zip(items, values, strict=True)]
+
+    by_target = {t.label: TargetCreditView(
+        logit=t.logit, baseline=t.baseline, tokens=t.tokens, words=spans(words, views.span_credit(t.tokens, words)),
+        sentences=spans(sents, views.span_credit(t.tokens, sents)), depth=t.depth or [])
+        for t in c.targets}
+    return ExplainResult(
+        label=res.label, score=res.scores[res.label], scores=res.scores, method=c.method, contrast=c.contrast,
+        tokens=[TokenView(token=t.token, start=t.start, end=t.end, special=t.special) for t in c.tokens],
+        targets=[t.label for t in c.targets], credit=by_target, matrix=c.matrix, phi=c.phi)

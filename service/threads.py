@@ -1,0 +1,52 @@
+"""How many threads torch computes with, and how its OpenMP threads wait between parallel regions.
+
+Torch's intra-op threads are OpenMP threads that busy-wait for the next parallel region. On a small
+machine the event loop, the tokenizer and the HTTP stack need the same cores, so the defaults here are
+derived from the CPUs this process may really use (its affinity mask, capped by a cgroup CPU quota, as
+in a container with a CPU limit), not from the host's core count that torch would otherwise take.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import sys
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
+
+
+def available_cpus() -> int:
+    """CPUs this process may use: its affinity mask, capped by a cgroup v2 CPU quota when there is one."""
+    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        quota, period = CGROUP_CPU_MAX.read_text().split()[:2]
+        if quota != "max":
+            n = min(n, math.ceil(int(quota) / int(period)))
+    except (OSError, ValueError):
+        pass
+    return max(1, n)
+
+
+def set_wait_policy(policy: str | None) -> None:
+    """Set OpenMP's wait policy (``OMP_WAIT_POLICY``) for this process. It is read once, when torch's
+    OpenMP runtime loads, so this must run before torch is imported; afterwards it only warns."""
+    if policy is None:
+        return
+    if "torch" in sys.modules:
+        if os.environ.get("OMP_WAIT_POLICY", "").lower() != policy:
+            log.warning("omp_wait_policy=%s ignored: torch is already loaded (set OMP_WAIT_POLICY before start)",
+                        policy)
+        return
+    os.environ["OMP_WAIT_POLICY"] = policy.upper()
+
+
+def set_torch_threads(n: int | None) -> int:
+    """Use ``n`` intra-op threads (None: :func:`available_cpus`); returns the number set."""
+    import torch
+
+    threads = n or available_cpus()
+    torch.set_num_threads(threads)
+    return threads
