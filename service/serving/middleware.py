@@ -1,4 +1,5 @@
-"""ASGI middleware that guards request bodies: the size limit and the read timeout.
+"""Middleware: every request observed (request id, metrics, log line, 503 while draining), and request
+bodies guarded (the size limit and the read timeout).
 
 The whole body is read here, before the framework parses it, so that a body over the limit gets 413
 whether it declares its length or streams it in chunks (a limit raised while the framework parses
@@ -9,11 +10,60 @@ connection and a worker forever.
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
 
+from fastapi import Request, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.serving import errors
 from service.serving.metrics import Metrics
+from service.serving.state import AppState
+
+log = logging.getLogger("service.http")
+Handler = Callable[[Request, Callable[[Request], Awaitable[Response]]], Awaitable[Response]]
+
+
+def observe(metrics: Metrics) -> Handler:
+    """HTTP middleware: request id (``X-Request-ID``, the client's or a new one), in-flight count, request
+    metrics and one log line per request; new inference requests get 503 once the server drains."""
+
+    async def observing(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        state: AppState = request.app.state.app_state
+        t0 = time.perf_counter()
+        state.in_flight += 1
+        metrics.in_flight.inc()
+        status = 500
+        try:
+            path = request.url.path
+            if state.status == "draining" and (path.startswith("/v1/") or errors.is_v2(path)):
+                # requests that arrived before the drain began finish; new ones are turned away
+                metrics.failures.labels("draining").inc()
+                response = errors.error_response(503, errors.SHUTTING_DOWN, headers=errors.retry_after("draining"),
+                                                 path=path)
+            else:
+                response = await call_next(request)
+            status = response.status_code
+        finally:
+            state.in_flight -= 1
+            metrics.in_flight.dec()
+            route = request.scope.get("route")
+            endpoint = getattr(route, "path", "unmatched")
+            elapsed = time.perf_counter() - t0
+            metrics.requests.labels(endpoint, str(status)).inc()
+            metrics.request_duration.labels(endpoint).observe(elapsed)
+            if endpoint not in ("/metrics", "/healthz", "/readyz") or status >= 400:
+                log.info("%s %s %d %.1f ms", request.method, request.url.path, status, 1000 * elapsed,
+                         extra={"fields": {"request_id": request_id, "method": request.method,
+                                           "path": request.url.path, "status": status,
+                                           "duration_ms": round(1000 * elapsed, 2)}})
+        response.headers["X-Request-ID"] = request_id
+        return response
+
+    return observing
 
 
 class BodyGuard:

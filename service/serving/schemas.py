@@ -149,5 +149,5 @@ class ErrorResponse(BaseModel):
 
 
 class Health(BaseModel):
-    status: Literal["ok", "loading", "draining", "failed"]
+    status: Literal["ok", "loading", "draining", "stopped", "failed"]
     models: list[str] = []

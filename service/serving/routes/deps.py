@@ -7,7 +7,7 @@ from typing import Annotated
 
 from fastapi import Depends, Header, Request
 
-from service.serving.errors import APIError
+from service.serving.errors import APIError, unavailable
 from service.serving.state import AppState, Served
 
 
@@ -49,8 +49,7 @@ def served_model(state: AppState, name: str) -> Served:
     While draining, requests that arrived before the drain still get their model (the middleware
     turns new ones away)."""
     if state.status not in ("ok", "draining"):
-        raise APIError(503, f"models are {state.status}" + (f": {state.error}" if state.error else ""),
-                       headers={"Retry-After": "5"}, reason="overloaded")
+        raise unavailable(f"models are {state.status}" + (f": {state.error}" if state.error else ""), "loading")
     served = state.models.get(name)
     if served is None:
         raise APIError(404, f"unknown model {name!r}; available: {sorted(state.models)}")

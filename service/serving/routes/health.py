@@ -8,6 +8,7 @@ from fastapi import APIRouter, Header, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from service.serving.errors import retry_after
 from service.serving.routes.deps import State, check_key
 from service.serving.schemas import Health
 
@@ -24,7 +25,7 @@ async def healthz(state: State) -> Health:
 async def readyz(state: State) -> JSONResponse:
     """200 once every model is loaded and warm; 503 while loading, draining, or after a failed load."""
     body = Health(status=state.status, models=sorted(state.models))
-    headers = None if state.ready else {"Retry-After": "5"}
+    headers = None if state.ready else retry_after("draining" if state.status == "draining" else "loading")
     return JSONResponse(body.model_dump(), status_code=200 if state.ready else 503, headers=headers)
 
 

@@ -9,7 +9,7 @@ from dataclasses import replace
 
 from fastapi import APIRouter, Depends, Request
 
-from service.serving import render
+from service.serving import errors, render
 from service.serving.batcher import DeadlineExceeded, Draining, Overloaded
 from service.serving.contract import Result, Task
 from service.serving.errors import APIError
@@ -53,8 +53,8 @@ async def _watch_disconnect(request: Request) -> None:
 def _refused(e: Overloaded | Draining) -> APIError:
     """The answer when the batcher takes no more texts: 503 with Retry-After."""
     if isinstance(e, Draining):
-        return APIError(503, "server is shutting down", headers={"Retry-After": "5"}, reason="draining")
-    return APIError(503, f"overloaded, retry later ({e})", headers={"Retry-After": "1"}, reason="overloaded")
+        return errors.unavailable(errors.SHUTTING_DOWN, "draining")
+    return errors.unavailable(f"overloaded, retry later ({e})", "overloaded")
 
 
 async def encode(state: AppState, served: Served, tasks: list[Task]) -> list[Task]:

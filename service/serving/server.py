@@ -1,0 +1,90 @@
+"""The process around the app: uvicorn with guarded HTTP parsing, draining on SIGTERM, exit codes."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+import time
+from typing import Any
+
+import uvicorn
+
+from service.config import Settings
+from service.serving.app import create_app
+from service.serving.logs import setup_logging
+from service.serving.protocol import HttpLimits, guarded_protocol
+from service.serving.state import AppState
+
+log = logging.getLogger("service.http")
+WRITE_GRACE_S = 2  # after the drain: time for handlers to write their last answers
+
+
+class DrainingServer(uvicorn.Server):
+    """On the first SIGTERM/SIGINT: readiness goes 503 and new requests get 503 while every accepted
+    request is answered; then uvicorn shuts down. A second signal exits at once."""
+
+    def __init__(self, config: uvicorn.Config, state: AppState) -> None:
+        super().__init__(config)
+        self.app_state = state
+        self._draining = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def serve(self, sockets: Any = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if self._draining or self._loop is None:
+            return super().handle_exit(sig, frame)
+        self._draining = True
+        log.info("signal %s: draining (at most %.0f s)", sig, self.app_state.settings.drain_timeout_s)
+        self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain()))
+
+    async def _drain(self) -> None:
+        state = self.app_state
+        state.start_draining()
+        end = time.monotonic() + state.settings.drain_timeout_s
+        await asyncio.sleep(0.05)  # let requests already being parsed reach the batcher
+        while not state.idle and time.monotonic() < end:
+            await asyncio.sleep(0.02)
+        if not state.idle:
+            # the deadline passed first: what has not been computed is answered 503 now (Retry-After),
+            # then the handlers get a moment to write their answers
+            n = state.abort("the server's drain deadline passed before this text was computed")
+            log.warning("drain deadline passed: %d texts answered 503", n)
+            grace = time.monotonic() + WRITE_GRACE_S
+            while state.in_flight and time.monotonic() < grace:
+                await asyncio.sleep(0.02)
+        log.info("drained (%s); shutting down", "idle" if state.idle else "deadline")
+        self.should_exit = True
+
+
+def run_server(settings: Settings) -> None:
+    """Serve until SIGTERM; exit 1 if the models could not be loaded."""
+    setup_logging(settings)
+    app = create_app(settings)
+    state: AppState = app.state.app_state
+    limits = HttpLimits(max_headers=settings.max_headers, max_header_bytes=settings.max_header_bytes,
+                        header_timeout_s=settings.header_timeout_s)
+    # the drain has answered every request before uvicorn's own graceful shutdown starts, so that one
+    # only closes idle connections: a short timeout, not the drain timeout a second time
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None, access_log=False,
+                            http=guarded_protocol(limits, app.state.metrics), timeout_graceful_shutdown=WRITE_GRACE_S)
+    server = DrainingServer(config, state)
+
+    async def main() -> None:
+        async def exit_if_load_fails() -> None:
+            while state.status == "loading":
+                await asyncio.sleep(0.1)
+            if state.status == "failed":
+                server.should_exit = True
+
+        watcher = asyncio.create_task(exit_if_load_fails())
+        await server.serve()
+        watcher.cancel()
+
+    asyncio.run(main())
+    if state.status == "failed":
+        log.error("exiting: %s", state.error)
+        sys.exit(1)
