@@ -15,7 +15,7 @@ from service.config import Settings
 from service.serving import errors
 from service.serving.engine import device_memory
 from service.serving.metrics import Metrics
-from service.serving.middleware import BodyGuard, observe
+from service.serving.middleware import BodyGuard, Observe
 from service.serving.routes import health, inference, kserve, models, page, v2
 from service.serving.state import AppState
 
@@ -55,10 +55,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(page.router)
     app.mount("/static", page.static, name="static")
 
-    # added before `observe`, so it runs inside it: its 413s get a request id and are counted
+    # added before `Observe`, so it runs inside it: its 413s get a request id and are counted
     app.add_middleware(BodyGuard, max_bytes=settings.max_body_bytes, timeout_s=settings.body_timeout_s)
 
-    app.middleware("http")(observe(metrics))
+    app.add_middleware(Observe, metrics=metrics)  # added last: the outermost, it sees every answer
     return app
 
 

@@ -13,9 +13,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
 
-from fastapi import Request, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.serving import errors
@@ -23,47 +21,57 @@ from service.serving.metrics import Metrics
 from service.serving.state import AppState
 
 log = logging.getLogger("service.http")
-Handler = Callable[[Request, Callable[[Request], Awaitable[Response]]], Awaitable[Response]]
 
 
-def observe(metrics: Metrics) -> Handler:
-    """HTTP middleware: request id (``X-Request-ID``, the client's or a new one), in-flight count, request
-    metrics and one log line per request; new inference requests get 503 once the server drains."""
+class Observe:
+    """Every HTTP request: a request id (``X-Request-ID``, the client's or a new one), the in-flight count,
+    request metrics and one log line; new inference requests get 503 once the server drains.
+    Plain ASGI (no per-request task or stream, unlike ``BaseHTTPMiddleware``): it runs on every request."""
 
-    async def observing(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
-        state: AppState = request.app.state.app_state
-        t0 = time.perf_counter()
-        state.in_flight += 1
-        metrics.in_flight.inc()
+    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        m = self.metrics
+        request_id = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"x-request-id"), None)
+        request_id = request_id or uuid.uuid4().hex
+        state: AppState = scope["app"].state.app_state
+        path, method = scope["path"], scope["method"]
         status = 500
+        t0 = time.perf_counter()
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                message.setdefault("headers", [])
+                message["headers"] = [*message["headers"], (b"x-request-id", request_id.encode("latin-1"))]
+            await send(message)
+
+        state.in_flight += 1
+        m.in_flight.inc()
         try:
-            path = request.url.path
             if state.status == "draining" and (path.startswith("/v1/") or errors.is_v2(path)):
                 # requests that arrived before the drain began finish; new ones are turned away
-                metrics.failures.labels("draining").inc()
+                m.failures.labels("draining").inc()
                 response = errors.error_response(503, errors.SHUTTING_DOWN, headers=errors.retry_after("draining"),
                                                  path=path)
+                await response(scope, receive, send_with_id)
             else:
-                response = await call_next(request)
-            status = response.status_code
+                await self.app(scope, receive, send_with_id)
         finally:
             state.in_flight -= 1
-            metrics.in_flight.dec()
-            route = request.scope.get("route")
-            endpoint = getattr(route, "path", "unmatched")
+            m.in_flight.dec()
+            endpoint = getattr(scope.get("route"), "path", "unmatched")
             elapsed = time.perf_counter() - t0
-            metrics.requests.labels(endpoint, str(status)).inc()
-            metrics.request_duration.labels(endpoint).observe(elapsed)
+            m.requests.labels(endpoint, str(status)).inc()
+            m.request_duration.labels(endpoint).observe(elapsed)
             if endpoint not in ("/metrics", "/healthz", "/readyz") or status >= 400:
-                log.info("%s %s %d %.1f ms", request.method, request.url.path, status, 1000 * elapsed,
-                         extra={"fields": {"request_id": request_id, "method": request.method,
-                                           "path": request.url.path, "status": status,
-                                           "duration_ms": round(1000 * elapsed, 2)}})
-        response.headers["X-Request-ID"] = request_id
-        return response
-
-    return observing
+                log.info("%s %s %d %.1f ms", method, path, status, 1000 * elapsed,
+                         extra={"fields": {"request_id": request_id, "method": method, "path": path,
+                                           "status": status, "duration_ms": round(1000 * elapsed, 2)}})
 
 
 class BodyGuard:
