@@ -1,0 +1,54 @@
+"""The parts of `bench serve` on the tiny model: the long text is what it says, the offline limit is
+measured in a worker thread with the main-thread figure beside it, and the interference figure
+comes from real requests against a real server."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+
+import pytest
+
+from service.bench import serve
+from service.modeling.backbone import Backbone
+from tests.serving.server import Server
+
+
+def test_long_text_has_one_token_per_character(tiny_backbone_dir: Path) -> None:
+    text = serve.long_text(2001)
+    assert len(text) == 2001 and text == serve.long_text(2001)  # seeded
+    (enc,) = Backbone(str(tiny_backbone_dir), max_length=16).encode([text])
+    n_text = sum(not s for s in enc.special)
+    assert n_text == 2001
+
+
+def test_offline_limit_runs_the_engine_in_a_worker_thread(tiny_repo: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from service.serving.engine import Engine
+
+    threads: list[str] = []
+    run = Engine.run
+
+    def recording(self: Engine, tasks: list) -> list:
+        threads.append(threading.current_thread().name)
+        return run(self, tasks)
+
+    monkeypatch.setattr(Engine, "run", recording)
+    texts = ["a short text", "another one", "and a third, longer text than the others"] * 4
+    out = serve.offline_limit(tiny_repo, "tiny", texts, [2, 4], 0.3, "cpu")
+    assert set(out["by_batch_size"]) == {2, 4} and out["best_batch_size"] in (2, 4)
+    assert out["throughput"] == max(out["by_batch_size"].values()) > 0 and out["main_thread_throughput"] > 0
+    assert "bench-model" in threads and "MainThread" in threads  # both figures, each where it says
+
+
+def test_interference_sends_short_requests_while_the_long_text_is_served(tiny_repo: Path, tmp_path: Path) -> None:
+    srv = Server(tmp_path, model_repository=tiny_repo, default_model="tiny", max_batch_tokens=64,
+                 max_wait_ms=0).wait_ready()
+    try:
+        out = asyncio.run(serve.interference(srv.url, ["a short text", "another"], serve.long_text(4000), n_idle=5))
+    finally:
+        srv.stop()
+    assert out["batches_alone"] > 10  # the long text's chunks ran over many batches
+    assert out["short_requests"] >= 1 and out["short_max_ms"] >= out["short_p50_ms"] > 0
+    assert out["limit_ms"] == pytest.approx(3 * out["idle_p50_ms"] + out["one_batch_ms"])
+    assert out["met"] == (out["short_max_ms"] <= out["limit_ms"])
