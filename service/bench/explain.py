@@ -51,8 +51,9 @@ DESCRIPTIONS = {
 
 
 def cost_of_credit(engine: Engine, texts: list[str], batch_size: int, rounds: int) -> dict[str, Any]:
-    """Milliseconds per text for classify alone and with credit, interleaved round by round so that
-    drift on a noisy machine hits every mode alike. ``one_explained``: one text of each batch asks
+    """Milliseconds per text for classify alone and with credit, response views included (the service
+    builds them off the model thread, but they are work all the same), interleaved round by round so
+    that drift on a noisy machine hits every mode alike. ``one_explained``: one text of each batch asks
     for credit, the others classify only (what sharing a batch with explanations costs them)."""
     ordered = sorted(texts, key=len)
     batches = [ordered[k : k + batch_size] for k in range(0, len(ordered), batch_size)]
@@ -65,15 +66,22 @@ def cost_of_credit(engine: Engine, texts: list[str], batch_size: int, rounds: in
     }
     names = list(modes)
 
+    def answer(name: str, b: list[str]) -> list[Any]:
+        """One batch as the service answers it: the engine, then the response views (render)."""
+        results = engine.run([modes[name](t, k) for k, t in enumerate(b)])
+        if name == "full_views":
+            return [render.explain_result(r, t) for r, t in zip(results, b, strict=True)]
+        return [render.classify_result(r) for r in results]
+
     def once(name: str) -> float:
         t0 = time.perf_counter()
         for b in batches:
-            engine.run([modes[name](t, k) for k, t in enumerate(b)])
+            answer(name, b)
         return time.perf_counter() - t0
 
     once("full_views")  # warm-up, untimed: first passes over new shapes pay for allocations
     for name in names:
-        engine.run([modes[name](t, k) for k, t in enumerate(batches[0])])
+        answer(name, batches[0])
     totals = dict.fromkeys(names, 0.0)
     for r in range(rounds):
         for name in names[r % len(names) :] + names[: r % len(names)]:  # rotate: none always goes first

@@ -49,8 +49,12 @@ class LocalServer:
         raise TimeoutError(f"server not ready after {timeout} s:\n{self.log()}")
 
     def log(self) -> str:
+        """The end of the server's log."""
+        return self.full_log()[-5000:]
+
+    def full_log(self) -> str:
         self._log.flush()
-        return self.log_path.read_text()[-5000:]
+        return self.log_path.read_text()
 
     def terminate(self) -> None:
         if self.proc.poll() is None:

@@ -306,6 +306,9 @@ class Batcher(Generic[P, R]):
         self._served.update((it.group, finished) for it in batch if it.group in queued)
         completed = sum(1 for r in results if r is not None) if ok else 0
         widest = max(it.cost for it in batch)
+        log.debug("batch %s: %d items, %d groups, cost %d (padded %d), %.4f s", self.name, len(batch),
+                  len({it.group for it in batch}), sum(it.cost for it in batch), widest * len(batch),
+                  finished - started)
         self.observer.on_batch(len(batch), widest * len(batch), sum(it.cost for it in batch),
                                [started - it.enqueued for it in batch], finished - started, completed)
 

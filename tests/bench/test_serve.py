@@ -43,12 +43,14 @@ def test_offline_limit_runs_the_engine_in_a_worker_thread(tiny_repo: Path, monke
 
 def test_interference_sends_short_requests_while_the_long_text_is_served(tiny_repo: Path, tmp_path: Path) -> None:
     srv = Server(tmp_path, model_repository=tiny_repo, default_model="tiny", max_batch_tokens=64,
-                 max_wait_ms=0).wait_ready()
+                 max_wait_ms=0, log_level="debug").wait_ready()
     try:
-        out = asyncio.run(serve.interference(srv.url, ["a short text", "another"], serve.long_text(4000), n_idle=5))
+        out = asyncio.run(serve.interference(srv.url, ["a short text", "another"], serve.long_text(4000), n_idle=5,
+                                             server_log=srv.full_log))
     finally:
         srv.stop()
     assert out["batches_alone"] > 10  # the long text's chunks ran over many batches
     assert out["short_requests"] >= 1 and out["short_max_ms"] >= out["short_p50_ms"] > 0
     assert out["limit_ms"] == pytest.approx(3 * out["idle_p50_ms"] + out["one_batch_ms"])
+    assert out["one_batch_is"] == "longest" and out["one_batch_ms"] >= out["mean_batch_ms"] > 0
     assert out["met"] == (out["short_max_ms"] <= out["limit_ms"])
