@@ -45,6 +45,7 @@ class Level:
     texts: int
     batch_sum: float
     batch_count: float
+    compute_s: float  # time the model spent on batches meanwhile
 
     def row(self) -> dict[str, Any]:
         lat = sorted(self.latencies)
@@ -54,6 +55,8 @@ class Level:
 
         return {"concurrency": self.concurrency, "throughput": self.texts / self.seconds, "p50_ms": q(0.5),
                 "p95_ms": q(0.95), "p99_ms": q(0.99), "mean_batch": self.batch_sum / max(self.batch_count, 1),
+                "model_busy": self.compute_s / self.seconds,
+                "batch_ms": 1000 * self.compute_s / max(self.batch_count, 1),
                 "errors": self.errors, "requests": len(self.latencies) + self.errors}
 
 
@@ -75,6 +78,7 @@ async def closed_loop(url: str, path: str, texts: list[str], concurrency: int, s
                       body: dict[str, Any] | None = None) -> Level:
     """``concurrency`` clients, each sending one text at a time for ``seconds``."""
     s0, c0 = _batch_stats(url)
+    b0, _ = _batch_stats(url, "routing_batch_compute_seconds")
     latencies: list[float] = []
     errors = 0
     end = time.monotonic() + seconds
@@ -100,7 +104,8 @@ async def closed_loop(url: str, path: str, texts: list[str], concurrency: int, s
         await asyncio.gather(*(worker(w) for w in range(concurrency)))
         elapsed = time.monotonic() - t_start
     s1, c1 = _batch_stats(url)
-    return Level(concurrency, elapsed, latencies, errors, len(latencies), s1 - s0, c1 - c0)
+    b1, _ = _batch_stats(url, "routing_batch_compute_seconds")
+    return Level(concurrency, elapsed, latencies, errors, len(latencies), s1 - s0, c1 - c0, b1 - b0)
 
 
 def offline_limit(repository: Path, model: str, texts: list[str], batch_sizes: list[int], seconds: float,
@@ -243,7 +248,8 @@ def run(model: str, preset: str, levels: list[int], duration: float, n_texts: in
 
 def report_all(runs: dict[str, list[dict]], offline: dict[str, Any], inter: dict[str, Any] | None, top: int,
                max_wait_ms: float, out: Path, settings: dict[str, Any]) -> dict[str, Any]:
-    cols = ["concurrency", "throughput", "p50_ms", "p95_ms", "p99_ms", "mean_batch", "errors", "requests"]
+    cols = ["concurrency", "throughput", "p50_ms", "p95_ms", "p99_ms", "mean_batch", "model_busy", "batch_ms",
+            "errors", "requests"]
     for name, rows in runs.items():
         echo(f"\n{name} (texts/s, latency per request of one text):")
         echo(report.table(rows, cols))
@@ -270,10 +276,17 @@ def report_all(runs: dict[str, list[dict]], offline: dict[str, Any], inter: dict
         echo("\nbatching on / off (same texts, same run); p99 limit = 2 x single-request p50 + max_wait_ms:")
         echo(report.table(ratios, ["concurrency", "throughput_on_over_off", "p99_on_ms", "p99_limit_ms"]))
         summary["batching_on_over_off"] = {r["concurrency"]: r["throughput_on_over_off"] for r in ratios}
-    echo(f"\nat concurrency {top}, served / offline (worker thread):")
-    echo(report.table([{"server": n, "texts/s": r["throughput"], "served/offline": r["throughput"] /
-                        offline["throughput"], "p50_ms": r["p50_ms"], "p99_ms": r["p99_ms"]}
-                       for n, r in at_top.items()], ["server", "texts/s", "served/offline", "p50_ms", "p99_ms"]))
+    def offline_batch_ms(mean_batch: float) -> float:
+        """Offline time of one batch of the measured size nearest ``mean_batch``."""
+        size = min(offline["by_batch_size"], key=lambda b: abs(int(b) - mean_batch))
+        return 1000 * int(size) / offline["by_batch_size"][size]
+
+    echo(f"\nat concurrency {top}, served / offline (worker thread); model busy: share of the time the model "
+         "computed batches; batch ms: per batch in the server, and offline at the nearest batch size:")
+    rows = [{"server": n, "texts/s": r["throughput"], "served/offline": r["throughput"] / offline["throughput"],
+             "p50_ms": r["p50_ms"], "p99_ms": r["p99_ms"], "model_busy": r["model_busy"], "batch_ms": r["batch_ms"],
+             "offline_batch_ms": offline_batch_ms(r["mean_batch"])} for n, r in at_top.items()]
+    echo(report.table(rows, list(rows[0]) if rows else []))
     if inter is not None:
         echo("\nshort requests while one long text is served (target: each <= 3 x idle p50 + one batch):")
         echo(report.table([inter], list(inter)))
