@@ -143,7 +143,7 @@ def bench_serve(
     device: str = "cpu",
     max_wait_ms: float = 5.0,
     max_batch_size: int = 32,
-    offline_batch_sizes: str = "8,16,32,64",
+    offline_batch_sizes: str = "1,8,16,32,64",
     url: Annotated[str | None, typer.Option(help="Target a running server (batching-off run skipped)")] = None,
     threads: Annotated[str, typer.Option(help="Extra servers at the top level: threads:wait-policy pairs "
                                               "(auto = usable CPUs, default = the runtime's wait policy)")] = (
