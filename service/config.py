@@ -42,7 +42,7 @@ class Settings(BaseSettings):
         "spin then sleep); applies when set before torch loads, as `routing-service serve` does")
 
     # batching
-    max_batch_size: int = Field(32, ge=1, description="Texts per batch")
+    max_batch_size: int = Field(32, ge=1, description="Chunks per batch (a text, or max_length tokens of a longer one)")
     max_batch_tokens: int = Field(8192, ge=16, description="Padded tokens per batch")
     max_wait_ms: float = Field(5.0, ge=0, description="How long a batch may wait to fill")
     max_queue: int = Field(1024, ge=1, description="Texts waiting; beyond it requests get 503")

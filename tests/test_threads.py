@@ -1,0 +1,61 @@
+"""Thread defaults come from the CPUs the process may use, a cgroup CPU quota included, and the OpenMP
+wait policy is only set while it can still take effect."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from service import threads
+
+
+@pytest.mark.parametrize(("cpu_max", "expected"), [
+    ("150000 100000\n", lambda n: min(n, 2)),  # 1.5 CPUs of quota: 2 threads (rounded up)
+    ("100000 100000\n", lambda n: 1),
+    ("max 100000\n", lambda n: n),  # no quota
+    (None, lambda n: n),  # no cgroup v2 file
+])
+def test_available_cpus_honours_the_cgroup_quota(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cpu_max, expected
+                                                 ) -> None:
+    path = tmp_path / "cpu.max"
+    if cpu_max is not None:
+        path.write_text(cpu_max)
+    monkeypatch.setattr(threads, "CGROUP_CPU_MAX", path)
+    affinity = len(os.sched_getaffinity(0))
+    assert threads.available_cpus() == expected(affinity) >= 1
+
+
+def test_torch_threads_default_and_explicit(monkeypatch: pytest.MonkeyPatch) -> None:
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.setattr(threads, "available_cpus", lambda: 1)
+        assert threads.set_torch_threads(None) == 1 and torch.get_num_threads() == 1
+        assert threads.set_torch_threads(2) == 2 and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_wait_policy_is_not_set_once_torch_is_loaded(monkeypatch: pytest.MonkeyPatch,
+                                                     caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    with caplog.at_level(logging.WARNING):
+        threads.set_wait_policy("passive")  # torch is loaded in this process: too late
+    assert "OMP_WAIT_POLICY" not in os.environ and "ignored" in caplog.text
+    threads.set_wait_policy(None)
+    assert "OMP_WAIT_POLICY" not in os.environ
+
+
+def test_the_serve_command_can_still_set_the_wait_policy() -> None:
+    """`routing-service serve` builds its settings and sets the policy before anything imports torch."""
+    import subprocess
+    import sys
+
+    code = ("import os, sys; import service.cli, service.config; loaded = 'torch' in sys.modules; "
+            "from service.threads import set_wait_policy; set_wait_policy('passive'); "
+            "import torch; print(loaded, os.environ['OMP_WAIT_POLICY'])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "PASSIVE"]
