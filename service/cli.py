@@ -33,13 +33,19 @@ def serve(
     omp_wait_policy: Annotated[str | None, typer.Option(help="active | passive (OMP_WAIT_POLICY)")] = None,
 ) -> None:
     """Start the HTTP service (options override ROUTING_* environment variables)."""
+    from pydantic import ValidationError
+
     from service.config import Settings
     from service.threads import set_wait_policy
 
     given = {"model_repository": model_repository, "models": models, "host": host, "port": port,
              "device": device, "dtype": dtype, "max_batch_size": max_batch_size, "max_wait_ms": max_wait_ms,
              "log_json": log_json, "torch_threads": torch_threads, "omp_wait_policy": omp_wait_policy}
-    settings = Settings(**{k: v for k, v in given.items() if v is not None})
+    try:
+        settings = Settings(**{k: v for k, v in given.items() if v is not None})
+    except ValidationError as e:  # an option or ROUTING_* variable out of range: say which, no traceback
+        problems = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
+        raise typer.BadParameter(problems) from None
     set_wait_policy(settings.omp_wait_policy)  # before torch loads, or it has no effect
 
     from service.serving.server import run_server
@@ -145,7 +151,7 @@ def bench_serve(
     max_batch_size: int = 32,
     offline_batch_sizes: str = "1,8,16,32,64",
     url: Annotated[str | None, typer.Option(help="Target a running server (batching-off run skipped)")] = None,
-    threads: Annotated[str, typer.Option(help="Extra servers at the top level: threads:wait-policy pairs "
+    threads: Annotated[str, typer.Option(help="Extra servers at concurrency 32: threads:wait-policy pairs "
                                               "(auto = usable CPUs, default = the runtime's wait policy)")] = (
         "1:default,auto:passive,1:passive"),
     long_chars: Annotated[int, typer.Option(help="Characters of the long text for the interference figure "

@@ -59,3 +59,15 @@ def test_the_serve_command_can_still_set_the_wait_policy() -> None:
             "import torch; print(loaded, os.environ['OMP_WAIT_POLICY'])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "PASSIVE"]
+
+
+def test_serve_rejects_a_bad_option_with_a_message(monkeypatch: pytest.MonkeyPatch) -> None:
+    from typer.testing import CliRunner
+
+    from service.cli import app
+
+    res = CliRunner().invoke(app, ["serve", "--omp-wait-policy", "sometimes"])
+    assert res.exit_code == 2 and "omp_wait_policy" in res.output and "Traceback" not in res.output
+    monkeypatch.setenv("ROUTING_MAX_BATCH_SIZE", "0")
+    res = CliRunner().invoke(app, ["serve"])
+    assert res.exit_code == 2 and "max_batch_size" in res.output
