@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -97,6 +98,7 @@ class Batcher(Generic[P, R]):
         self.run_batch, self.limits, self.name = run_batch, limits, name
         self.observer: BatchObserver = observer or NullObserver()
         self._pending: list[_Item[P]] = []
+        self._queued: Counter[Hashable] = Counter()  # group -> items in _pending (kept with every change)
         self._wakeup = asyncio.Event()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"batch-{name}")
         self._worker: asyncio.Task[None] | None = None
@@ -116,7 +118,7 @@ class Batcher(Generic[P, R]):
     @property
     def queued_groups(self) -> int:
         """Groups with items waiting (what ``max_queue`` limits: a text, however many chunks it has)."""
-        return len({it.group for it in self._pending})
+        return len(self._queued)
 
     def check_room(self, n: int) -> None:
         """Raise what :meth:`submit` would for ``n`` new groups (call it before any work on them).
@@ -151,6 +153,7 @@ class Batcher(Generic[P, R]):
         items = [_Item(p, max(1, int(c)), deadline, loop.create_future(), g)
                  for p, c, g in zip(payloads, costs, keys, strict=True)]
         self._pending.extend(items)
+        self._queued.update(it.group for it in items)
         self.observer.on_queue_depth(len(self._pending))
         self._wakeup.set()
         futures = [it.future for it in items]
@@ -194,6 +197,7 @@ class Batcher(Generic[P, R]):
                 _fail(it.future, Draining(f"{self.name}: {reason}"))
                 answered += 1
         self._pending.clear()
+        self._queued.clear()
         self.observer.on_queue_depth(0)
         return answered
 
@@ -221,7 +225,7 @@ class Batcher(Generic[P, R]):
         if late:
             self.observer.on_drop("deadline", late)
         if gone or late:
-            self._pending = keep
+            self._set_pending(keep)
             self.observer.on_queue_depth(len(keep))
 
     def _take_batch(self) -> list[_Item[P]]:
@@ -243,8 +247,12 @@ class Batcher(Generic[P, R]):
             batch.append(it)
             widest = w
         chosen = set(map(id, batch))
-        self._pending = [it for it in self._pending if id(it) not in chosen]
+        self._set_pending([it for it in self._pending if id(it) not in chosen])
         return batch
+
+    def _set_pending(self, items: list[_Item[P]]) -> None:
+        self._pending = items
+        self._queued = Counter(it.group for it in items)
 
     def _full(self) -> bool:
         lim = self.limits
@@ -301,7 +309,7 @@ class Batcher(Generic[P, R]):
         finally:
             self._computing = []
         finished = time.monotonic()
-        queued = {it.group for it in self._pending}
+        queued = self._queued
         self._served = {g: t for g, t in self._served.items() if g in queued}
         self._served.update((it.group, finished) for it in batch if it.group in queued)
         completed = sum(1 for r in results if r is not None) if ok else 0

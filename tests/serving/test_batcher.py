@@ -182,3 +182,18 @@ async def test_groups_take_turns() -> None:
     firsts = [batch[0][0] for batch in rec.batches]
     assert len(rec.batches) == 4 and firsts == ["a", "b", "a", "b"]
     await b.stop(1)
+
+
+async def test_the_queue_limit_counts_groups_not_items() -> None:
+    """A long text's many chunks take one place in the queue, as a text does."""
+    b, _rec, gate, blocker = await busy(max_queue=2)
+    long = asyncio.ensure_future(b.submit(["c0", "c1", "c2"], [1, 1, 1], later(), groups=["t"] * 3))
+    short = asyncio.ensure_future(b.submit(["s"], [1], later()))
+    await asyncio.sleep(0.01)
+    assert b.queue_depth == 4 and b.queued_groups == 2
+    with pytest.raises(Overloaded):
+        await b.submit(["one more"], [1], later())
+    gate.set()
+    assert await long == ["c0", "c1", "c2"] and await short == ["s"] and await blocker == ["slow"]
+    assert b.queued_groups == 0
+    await b.stop(1)
