@@ -196,8 +196,7 @@ class Batcher(Generic[P, R]):
             if not it.future.done():
                 _fail(it.future, Draining(f"{self.name}: {reason}"))
                 answered += 1
-        self._pending.clear()
-        self._queued.clear()
+        self._set_pending([])
         self.observer.on_queue_depth(0)
         return answered
 

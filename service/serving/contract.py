@@ -8,6 +8,7 @@ with a :class:`Result`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -116,3 +117,10 @@ class ChunkWork:
     @property
     def cost(self) -> int:
         return len(self.ids)
+
+
+def results_of(chunks: Sequence[ChunkWork], answers: Sequence[Result | None]) -> list[Result]:
+    """Each text's answer (given at the place of the chunk whose batch completed it), in the order of the
+    texts' first chunks."""
+    by_text = {id(w.job): r for w, r in zip(chunks, answers, strict=True) if r is not None}
+    return [by_text[id(w.job)] for w in chunks if w.k == 0]

@@ -18,7 +18,7 @@ from service.config import DTYPES
 from service.modeling.classifier import CreditRequest, Explained, Prediction, RoutingClassifier
 from service.modeling.encoding import Encoding
 from service.modeling.repository import Manifest, load_model
-from service.serving.contract import ChunkWork, Credit, Result, TargetCredit, Task, TextJob, Token
+from service.serving.contract import ChunkWork, Credit, Result, TargetCredit, Task, TextJob, Token, results_of
 
 __all__ = ["ChunkWork", "Engine", "NonFiniteScores", "Result", "Task"]
 
@@ -127,10 +127,8 @@ class Engine:
 
     def run(self, tasks: list[Task]) -> list[Result]:
         """Classify a batch of whole texts (every chunk in this one call)."""
-        plans = self.plan(tasks)
-        answers = self.run_chunks([w for plan in plans for w in plan])
-        by_job = {id(w.job): r for w, r in zip((w for plan in plans for w in plan), answers, strict=True) if r}
-        return [by_job[id(plan[0].job)] for plan in plans]
+        chunks = [w for plan in self.plan(tasks) for w in plan]
+        return results_of(chunks, self.run_chunks(chunks))
 
     def run_chunks(self, works: list[ChunkWork]) -> list[Result | None]:
         """Encode a batch of chunks; run the head on every text whose last chunk this was (batched by
@@ -186,10 +184,11 @@ class Engine:
 
     def _credit(self, pred: Prediction, b: int, ex: Explained, task: Task, predicted: str) -> Credit:
         """Plain numbers of one text's credit (views are built from them off the model thread)."""
-        enc = pred.encoded
-        names = self.classifier.backbone.tokenizer.convert_ids_to_tokens(enc.token_ids[b].tolist())
-        tokens = [Token(t, s, e, sp) for t, (s, e), sp in
-                  zip(names, enc.offsets[b].tolist(), enc.special[b].tolist(), strict=True)]
+        enc = task.encoding
+        if enc is None:
+            raise ValueError("a task reaches the head encoded")
+        names = self.classifier.backbone.tokenizer.convert_ids_to_tokens([i for c in enc.chunks for i in c])
+        tokens = [Token(t, s, e, sp) for t, (s, e), sp in zip(names, enc.offsets, enc.special, strict=True)]
         full = task.explain == "full"
         targets = []
         for label in task.targets or (predicted,):  # the full matrix covers every class; these are the asked ones
@@ -198,7 +197,7 @@ class Engine:
                 float(ex.logit[j]), float(ex.baseline[j]))
             depth = ex.credit[:, :, j].tolist() if full else None  # [n][e]
             targets.append(TargetCredit(label, ex.credit[:, :, j].sum(dim=1).tolist(), depth, logit, baseline))
-        credit = Credit(task.method, task.contrast, tokens, enc.word_ids[b].tolist(), targets)
+        credit = Credit(task.method, task.contrast, tokens, list(enc.word_ids), targets)
         if task.include_matrix:
             credit.matrix = ex.credit.tolist()
         if task.include_phi and pred.phi is not None:

@@ -11,7 +11,7 @@ from fastapi import APIRouter, Depends, Request
 
 from service.serving import errors, render
 from service.serving.batcher import DeadlineExceeded, Draining, Overloaded
-from service.serving.contract import Result, Task
+from service.serving.contract import Result, Task, results_of
 from service.serving.errors import APIError
 from service.serving.routes.deps import State, require_json, require_key, served_model
 from service.serving.schemas import (
@@ -99,8 +99,7 @@ async def run_tasks(request: Request, served: Served, tasks: list[Task], deadlin
         raise APIError(504, f"deadline exceeded: {e}") from None
     except Exception as e:
         raise APIError(500, f"model {engine.name} failed on this batch: {type(e).__name__}: {e}") from e
-    by_job = {id(w.job): r for w, r in zip(chunks, answers, strict=True) if r is not None}
-    results = [by_job[id(w.job)] for w in chunks if w.k == 0]
+    results = results_of(chunks, answers)
     failed = next((r.error for r in results if r.error), None)
     if failed:
         raise APIError(500, failed, reason="internal")
