@@ -1,3 +1,4 @@
 from service.cli import app
 
-app()
+if __name__ == "__main__":
+    app()

@@ -34,7 +34,10 @@ class Settings(BaseSettings):
     api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list, description="Bearer keys for /v1")
     protect_metrics: bool = Field(False, description="Require an API key for /metrics too")
 
-    # compute threads
+    # where and with how many threads the models compute
+    model_process: bool = Field(True, description="Compute each model in a process of its own (the HTTP server, "
+                                "tokenizer and batcher stay in the main one), so that the model's Python never "
+                                "waits for the event loop's GIL; false: in a thread of the server's process")
     torch_threads: int | None = Field(None, ge=1, description="Torch intra-op threads (default: the CPUs this "
                                       "process may use: affinity mask, capped by a cgroup CPU quota)")
     omp_wait_policy: Literal["active", "passive"] | None = Field(

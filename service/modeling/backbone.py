@@ -16,9 +16,88 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import torch
-from transformers import AutoModel, AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoModel, AutoTokenizer, PreTrainedTokenizerBase
 
 from service.modeling.encoding import Encoding
+
+
+def _local_only(path: str) -> bool:
+    """A hub id without the hub (offline mode, or not reachable): only the local cache can serve it, and
+    asking for the cache alone fails at once instead of retrying the network for a minute."""
+    return not Path(path).is_dir() and (hub_offline() or not hub_reachable())
+
+
+def _load_error(source: str, path: str, local_only: bool, e: Exception) -> BackboneError:
+    why = " (not a local folder; the hub is offline or not reachable, and it is not in the local cache)"
+    return BackboneError(f"cannot load backbone {source!r} from {path}{why if local_only else ''}: {e}")
+
+
+class ChunkTokenizer:
+    """A backbone's fast tokenizer that cuts each text into chunks of at most ``max_length`` tokens, the
+    special tokens in every chunk. Needs no weights: a server front tokenizes with it while the model
+    runs elsewhere.
+
+    Args:
+        tokenizer: a fast tokenizer (character offsets).
+        max_length: tokens per chunk, special tokens included (capped at the tokenizer's and the
+            position embeddings' limit, ``limit``).
+        limit: the model's own maximum sequence length.
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, max_length: int | None, limit: int) -> None:
+        if not getattr(tokenizer, "is_fast", False):
+            raise BackboneError("the backbone needs a fast tokenizer (character offsets)")
+        self.tokenizer = tokenizer
+        limit = min(tokenizer.model_max_length, limit)
+        self.max_length = min(max_length or limit, limit)
+        # HF fast tokenizers reconfigure their Rust state on each call; one call at a time
+        self._lock = threading.Lock()
+        self.prefix, self.suffix = self._special_template()
+        self.body = self.max_length - len(self.prefix) - len(self.suffix)  # text tokens per chunk
+        if self.body <= 0:
+            raise BackboneError(f"max_length={self.max_length} leaves no room for text tokens")
+
+    @classmethod
+    def load(cls, source: str, max_length: int | None = None) -> ChunkTokenizer:
+        """The tokenizer of backbone ``source`` (see :func:`resolve_source`), without its weights."""
+        path = resolve_source(source)
+        local_only = _local_only(path)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=local_only)
+            config = AutoConfig.from_pretrained(path, local_files_only=local_only)
+        except (OSError, ValueError) as e:
+            raise _load_error(source, path, local_only, e) from e
+        return cls(tokenizer, max_length, getattr(config, "max_position_embeddings", 512))
+
+    def _special_template(self) -> tuple[list[int], list[int]]:
+        """The special tokens this tokenizer puts before and after a single text."""
+        probe = "routing"
+        bare = self.tokenizer(probe, add_special_tokens=False)["input_ids"]
+        full = self.tokenizer(probe, add_special_tokens=True)["input_ids"]
+        start = next(k for k in range(len(full)) if full[k : k + len(bare)] == bare)
+        return full[:start], full[start + len(bare) :]
+
+    def encode(self, texts: list[str]) -> list[Encoding]:
+        """Tokenize ``texts`` (one tokenizer call) and cut each into chunks of at most ``max_length``."""
+        with self._lock:
+            tok = self.tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
+        body, n_pre, n_suf = self.body, len(self.prefix), len(self.suffix)
+        out = []
+        for t, ids in enumerate(tok["input_ids"]):
+            pieces = [ids[k : k + body] for k in range(0, len(ids), body)] or [[]]
+            words = [-1 if w is None else w for w in tok.word_ids(t)]
+            offs = [tuple(o) for o in tok["offset_mapping"][t]]
+            toff: list[tuple[int, int]] = []
+            tspec: list[bool] = []
+            tword: list[int] = []
+            for k, p in enumerate(pieces):
+                lo = k * body
+                toff += [(0, 0)] * n_pre + offs[lo : lo + len(p)] + [(0, 0)] * n_suf
+                tspec += [True] * n_pre + [False] * len(p) + [True] * n_suf
+                tword += [-1] * n_pre + words[lo : lo + len(p)] + [-1] * n_suf
+            chunks = tuple(tuple(self.prefix + p + self.suffix) for p in pieces)
+            out.append(Encoding(chunks, tuple(toff), tuple(tspec), tuple(tword)))
+        return out
 
 
 class BackboneError(ValueError):
@@ -116,34 +195,27 @@ class Backbone(torch.nn.Module):
     ) -> None:
         super().__init__()
         path = resolve_source(source)
-        # a hub id: without the hub (offline mode, or not reachable) only the local cache can serve it,
-        # and asking for the cache alone fails at once instead of retrying the network for a minute
-        local_only = not Path(path).is_dir() and (hub_offline() or not hub_reachable())
+        local_only = _local_only(path)
         try:
-            self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(path, local_files_only=local_only)
+            tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=local_only)
             self.encoder = AutoModel.from_pretrained(path, dtype=dtype, local_files_only=local_only)
         except (OSError, ValueError) as e:
-            why = " (not a local folder; the hub is offline or not reachable, and it is not in the local cache)"
-            raise BackboneError(f"cannot load backbone {source!r} from {path}{why if local_only else ''}: {e}") from e
-        if not getattr(self.tokenizer, "is_fast", False):
-            raise BackboneError(f"backbone {source!r} needs a fast tokenizer (character offsets)")
+            raise _load_error(source, path, local_only, e) from e
+        cfg = self.encoder.config
+        try:
+            self.chunker = ChunkTokenizer(tokenizer, max_length, getattr(cfg, "max_position_embeddings", 512))
+        except BackboneError as e:
+            raise BackboneError(f"backbone {source!r}: {e}") from e
+        self.tokenizer: PreTrainedTokenizerBase = tokenizer
+        self.max_length = self.chunker.max_length
         self.encoder.eval().requires_grad_(False).to(device)
         if getattr(self.encoder, "pooler", None) is not None:
             # the pooled [CLS] output is never used; Hugging Face encoders skip a pooler set to None
             # (as when built with add_pooling_layer=False), which saves one matmul per chunk
             self.encoder.pooler = None
-        cfg = self.encoder.config
-        limit = min(self.tokenizer.model_max_length, getattr(cfg, "max_position_embeddings", 512))
-        self.max_length = min(max_length or limit, limit)
         self.d_emb: int = cfg.hidden_size
         self.d_depth: int = cfg.num_hidden_layers + 1
         self.chunk_batch_tokens = chunk_batch_tokens
-        # HF fast tokenizers reconfigure their Rust state on each call; one call at a time
-        self._tokenizer_lock = threading.Lock()
-        self.prefix, self.suffix = self._special_template()
-        self.body = self.max_length - len(self.prefix) - len(self.suffix)  # text tokens per chunk
-        if self.body <= 0:
-            raise BackboneError(f"max_length={self.max_length} leaves no room for text tokens")
 
     @property
     def device(self) -> torch.device:
@@ -153,35 +225,9 @@ class Backbone(torch.nn.Module):
     def dtype(self) -> torch.dtype:
         return next(self.encoder.parameters()).dtype
 
-    def _special_template(self) -> tuple[list[int], list[int]]:
-        """The special tokens this tokenizer puts before and after a single text."""
-        probe = "routing"
-        bare = self.tokenizer(probe, add_special_tokens=False)["input_ids"]
-        full = self.tokenizer(probe, add_special_tokens=True)["input_ids"]
-        start = next(k for k in range(len(full)) if full[k : k + len(bare)] == bare)
-        return full[:start], full[start + len(bare) :]
-
     def encode(self, texts: list[str]) -> list[Encoding]:
-        """Tokenize ``texts`` (one tokenizer call) and cut each into chunks of at most ``max_length``."""
-        with self._tokenizer_lock:
-            tok = self.tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
-        body, n_pre, n_suf = self.body, len(self.prefix), len(self.suffix)
-        out = []
-        for t, ids in enumerate(tok["input_ids"]):
-            pieces = [ids[k : k + body] for k in range(0, len(ids), body)] or [[]]
-            words = [-1 if w is None else w for w in tok.word_ids(t)]
-            offs = [tuple(o) for o in tok["offset_mapping"][t]]
-            toff: list[tuple[int, int]] = []
-            tspec: list[bool] = []
-            tword: list[int] = []
-            for k, p in enumerate(pieces):
-                lo = k * body
-                toff += [(0, 0)] * n_pre + offs[lo : lo + len(p)] + [(0, 0)] * n_suf
-                tspec += [True] * n_pre + [False] * len(p) + [True] * n_suf
-                tword += [-1] * n_pre + words[lo : lo + len(p)] + [-1] * n_suf
-            chunks = tuple(tuple(self.prefix + p + self.suffix) for p in pieces)
-            out.append(Encoding(chunks, tuple(toff), tuple(tspec), tuple(tword)))
-        return out
+        """Tokenize ``texts`` and cut each into chunks (see :meth:`ChunkTokenizer.encode`)."""
+        return self.chunker.encode(texts)
 
     @torch.inference_mode()
     def forward(self, texts: list[str] | list[Encoding]) -> Encoded:

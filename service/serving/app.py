@@ -13,7 +13,6 @@ from fastapi import FastAPI
 from service import __version__
 from service.config import Settings
 from service.serving import errors
-from service.serving.engine import device_memory
 from service.serving.metrics import Metrics
 from service.serving.middleware import BodyGuard, Observe
 from service.serving.routes import health, inference, kserve, models, page, v2
@@ -23,7 +22,7 @@ from service.serving.state import AppState
 def create_app(settings: Settings | None = None) -> FastAPI:
     """Build the app; models load in the background once it starts (see /readyz)."""
     settings = settings or Settings()
-    metrics = Metrics(device_memory)
+    metrics = Metrics(lambda: app.state.app_state.device_memory())  # read at scrape time
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

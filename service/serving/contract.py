@@ -8,6 +8,7 @@ with a :class:`Result`.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -91,13 +92,18 @@ class Result:
     error: str | None = None
 
 
+_JOB_KEYS = itertools.count()
+
+
 @dataclass(eq=False)
 class TextJob:
-    """A text on its way through the model: each chunk's hidden states as the batches compute them."""
+    """A text on its way through the model: each chunk's hidden states as the batches compute them.
+    ``key`` names it across processes (a model process keeps the states of texts it has not finished)."""
 
     task: Task
     states: list[Any]
     left: int
+    key: int = field(default_factory=lambda: next(_JOB_KEYS))
 
     @property
     def encoding(self) -> Encoding:

@@ -15,12 +15,13 @@ from typing import Any
 import torch
 
 from service.config import DTYPES
+from service.modeling.backbone import ChunkTokenizer
 from service.modeling.classifier import CreditRequest, Explained, Prediction, RoutingClassifier
 from service.modeling.encoding import Encoding
 from service.modeling.repository import Manifest, load_model
 from service.serving.contract import ChunkWork, Credit, Result, TargetCredit, Task, TextJob, Token, results_of
 
-__all__ = ["ChunkWork", "Engine", "NonFiniteScores", "Result", "Task"]
+__all__ = ["ChunkWork", "Engine", "NonFiniteScores", "Planner", "Result", "Task"]
 
 TORCH_DTYPES = {name: getattr(torch, name) for name in DTYPES}
 
@@ -57,15 +58,70 @@ class NonFiniteScores(RuntimeError):
     """The model produced NaN or Inf scores: a fault of the model, never an answer."""
 
 
-class Engine:
-    """A loaded model ready to serve batches."""
+class Planner:
+    """A model as the server sees it before it runs: its manifest and tokenizer, which cut texts into the
+    batcher's units of work. :class:`Engine` runs them in this process, ``ModelProcess``
+    (``service.serving.worker``) in a process of its own; both add ``run_chunks``, ``describe``,
+    ``device_memory`` and ``close``."""
+
+    device: torch.device | str
+    dtype: torch.dtype | str
+
+    def __init__(self, manifest: Manifest, chunker: ChunkTokenizer) -> None:
+        self.manifest, self.chunker = manifest, chunker
+        self.name = manifest.name
+        self.labels = manifest.labels
+
+    @property
+    def max_length(self) -> int:
+        return self.chunker.max_length
+
+    def encode(self, texts: list[str]) -> list[Encoding]:
+        """Tokenize and chunk ``texts`` once; ``n_tokens`` of each is the batcher's cost."""
+        return self.chunker.encode(texts)
+
+    def plan(self, tasks: list[Task]) -> list[list[ChunkWork]]:
+        """Each task's chunks as units of work for the batcher (texts not yet tokenized are tokenized)."""
+        missing = [t.text for t in tasks if t.encoding is None]
+        fresh = iter(self.encode(missing) if missing else [])
+        plans = []
+        for task in tasks:
+            enc = task.encoding if task.encoding is not None else next(fresh)
+            job = TextJob(replace(task, encoding=enc), [None] * len(enc.chunks), len(enc.chunks))
+            plans.append([ChunkWork(job, k, ids) for k, ids in enumerate(enc.chunks)])
+        return plans
+
+    def explain_elements(self, n_tokens: int, include_matrix: bool, include_phi: bool) -> int:
+        """How many numbers the full matrix and the phis add for a text of ``n_tokens``."""
+        n_hid, n_k = self.manifest.head.n_hid, len(self.labels)
+        n_i = n_tokens * self.manifest.backbone.d_depth
+        total = n_i * n_k if include_matrix else 0
+        if include_phi:
+            total += n_i * n_hid + n_hid * n_hid + n_hid * n_k
+        return total
+
+    def run_chunks(self, works: list[ChunkWork]) -> list[Result | None]:
+        raise NotImplementedError
+
+    def describe(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def device_memory(self) -> list[dict[str, float | str]]:
+        """CUDA memory of the devices this model's process uses (empty on CPU)."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release what the model holds beyond this object (a process of its own)."""
+
+
+class Engine(Planner):
+    """A loaded model ready to serve batches, in this process."""
 
     def __init__(self, manifest: Manifest, classifier: RoutingClassifier, device: torch.device,
                  dtype: torch.dtype, load_seconds: float) -> None:
-        self.manifest, self.classifier, self.device, self.dtype = manifest, classifier, device, dtype
+        super().__init__(manifest, classifier.backbone.chunker)
+        self.classifier, self.device, self.dtype = classifier, device, dtype
         self.load_seconds = load_seconds
-        self.name = manifest.name
-        self.labels = manifest.labels
 
     @classmethod
     def load(cls, folder: Path, device: str = "auto", dtype: str = "float32", warmup: bool = True) -> Engine:
@@ -83,10 +139,6 @@ class Engine:
         engine.load_seconds = time.perf_counter() - t0
         return engine
 
-    @property
-    def max_length(self) -> int:
-        return self.classifier.backbone.max_length
-
     def describe(self) -> dict[str, Any]:
         head = self.classifier.head
         return {
@@ -99,10 +151,6 @@ class Engine:
             "evaluation": self.manifest.evaluation, "load_seconds": round(self.load_seconds, 3),
         }
 
-    def encode(self, texts: list[str]) -> list[Encoding]:
-        """Tokenize and chunk ``texts`` once; ``n_tokens`` of each is the batcher's cost."""
-        return self.classifier.backbone.encode(texts)
-
     def _credit_request(self, task: Task) -> CreditRequest | None:
         """The classifier's request for ``task``: every class when the full matrix is wanted."""
         if task.explain is None:
@@ -113,17 +161,6 @@ class Engine:
         elif task.targets is not None:
             targets = tuple(self.labels.index(t) for t in task.targets)
         return CreditRequest(targets=targets, method=task.method, contrast=task.contrast)
-
-    def plan(self, tasks: list[Task]) -> list[list[ChunkWork]]:
-        """Each task's chunks as units of work for the batcher (texts not yet tokenized are tokenized)."""
-        missing = [t.text for t in tasks if t.encoding is None]
-        fresh = iter(self.encode(missing) if missing else [])
-        plans = []
-        for task in tasks:
-            enc = task.encoding if task.encoding is not None else next(fresh)
-            job = TextJob(replace(task, encoding=enc), [None] * len(enc.chunks), len(enc.chunks))
-            plans.append([ChunkWork(job, k, ids) for k, ids in enumerate(enc.chunks)])
-        return plans
 
     def run(self, tasks: list[Task]) -> list[Result]:
         """Classify a batch of whole texts (every chunk in this one call)."""
@@ -206,11 +243,5 @@ class Engine:
             credit.phi = [phi1[:n_i].tolist(), phi2.tolist(), phi3.tolist()]
         return credit
 
-    def explain_elements(self, n_tokens: int, include_matrix: bool, include_phi: bool) -> int:
-        """How many numbers the full matrix and the phis add for a text of ``n_tokens``."""
-        head = self.classifier.head
-        n_i = n_tokens * head.d_depth
-        total = n_i * len(self.labels) if include_matrix else 0
-        if include_phi:
-            total += n_i * head.n_hid + head.n_hid * head.n_hid + head.n_hid * len(self.labels)
-        return total
+    def device_memory(self) -> list[dict[str, float | str]]:
+        return device_memory()

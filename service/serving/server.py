@@ -84,7 +84,9 @@ def run_server(settings: Settings) -> None:
         await server.serve()
         watcher.cancel()
 
-    asyncio.run(main())
+    # uvicorn's loop choice (uvloop where installed: less CPU per request, left to the model's threads)
+    with asyncio.Runner(loop_factory=config.get_loop_factory()) as runner:
+        runner.run(main())
     if state.status == "failed":
         log.error("exiting: %s", state.error)
         sys.exit(1)

@@ -15,8 +15,9 @@ from service.config import Settings
 from service.modeling.repository import discover
 from service.serving.batcher import Batcher, BatchLimits
 from service.serving.contract import ChunkWork, Result
-from service.serving.engine import Engine
+from service.serving.engine import Engine, Planner, device_memory
 from service.serving.metrics import Metrics
+from service.serving.worker import ModelProcess
 from service.threads import set_torch_threads
 
 log = logging.getLogger("service.state")
@@ -24,7 +25,7 @@ log = logging.getLogger("service.state")
 
 @dataclass
 class Served:
-    engine: Engine
+    engine: Planner  # an Engine in this process, or a ModelProcess
     batcher: Batcher[ChunkWork, Result | None]
 
 
@@ -66,8 +67,10 @@ class AppState:
             for name in names:
                 t0 = time.perf_counter()
                 log.info("loading model %s", name)
-                engine = await loop.run_in_executor(
-                    None, lambda n=name: Engine.load(s.model_repository / n, s.device, s.dtype, s.warmup))
+                folder = s.model_repository / name
+                engine: Planner = await loop.run_in_executor(None, (
+                    (lambda f=folder: ModelProcess(f, s.device, s.dtype, s.warmup, s.torch_threads))
+                    if s.model_process else (lambda f=folder: Engine.load(f, s.device, s.dtype, s.warmup))))
                 limits = BatchLimits(max_batch_size=s.max_batch_size, max_batch_tokens=s.max_batch_tokens,
                                      max_wait_s=s.max_wait_ms / 1000, max_queue=s.max_queue)
                 batcher: Batcher[ChunkWork, Result | None] = Batcher(engine.run_chunks, limits,
@@ -94,13 +97,30 @@ class AppState:
     def idle(self) -> bool:
         return self.in_flight == 0 and all(m.batcher.idle for m in self.models.values())
 
+    def device_memory(self) -> list[dict[str, float | str]]:
+        """CUDA memory per device over this process and every model's own: amounts summed, totals as they are."""
+        readings = device_memory() + [d for m in self.models.values() if isinstance(m.engine, ModelProcess)
+                                      for d in m.engine.device_memory()]
+        merged: dict[str, dict[str, float | str]] = {}
+        for d in readings:
+            if d["device"] not in merged:
+                merged[d["device"]] = dict(d)
+                continue
+            into = merged[d["device"]]
+            for key in ("allocated", "reserved", "peak"):
+                into[key] = float(into[key]) + float(d[key])
+        return list(merged.values())
+
     def abort(self, reason: str) -> int:
         """Answer every text still queued or computing with 'shutting down' (503); how many there were."""
         return sum(served.batcher.abort(reason) for served in self.models.values())
 
     async def close(self, timeout_s: float) -> None:
-        """Stop every batcher, answering what is still queued within ``timeout_s``."""
+        """Stop every batcher, answering what is still queued within ``timeout_s``; close the models."""
         for served in self.models.values():
             await served.batcher.stop(timeout_s)
+        loop = asyncio.get_running_loop()
+        for served in self.models.values():
+            await loop.run_in_executor(None, served.engine.close)
         if self.status != "failed":
             self.status = "stopped"

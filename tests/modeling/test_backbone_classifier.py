@@ -25,7 +25,7 @@ def test_chunking_keeps_special_tokens_in_every_chunk_and_no_padding(tiny_backbo
     assert n_chunks > 3
     assert enc.lengths[0] == len(ids) + 2 * n_chunks == bb.encode([LONG])[0].n_tokens
     tok = enc.token_ids[0].tolist()
-    cls, sep = bb.prefix[0], bb.suffix[0]
+    cls, sep = bb.chunker.prefix[0], bb.chunker.suffix[0]
     assert tok.count(cls) == n_chunks and tok.count(sep) == n_chunks
     assert [t for t, s in zip(tok, enc.special[0].tolist(), strict=True) if not s] == ids
     # real positions only: the short text is padded in the batch, its own length is 3

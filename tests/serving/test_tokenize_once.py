@@ -1,6 +1,6 @@
 """Each text is tokenized once per request, before the queue, and a request the queue has no room for
 is answered 503 before any tokenization. In-process (the app on a test client) so that the
-tokenizer's calls can be counted."""
+tokenizer's calls can be counted; the model's own process gets token ids only."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from service.config import Settings
-from service.modeling.backbone import Backbone
+from service.modeling.backbone import ChunkTokenizer
 from service.serving.app import create_app
 
 TEXTS = ["the first text", "a second, somewhat longer text. It has two sentences!", "Long one. " * 40]
@@ -43,9 +43,9 @@ def started(tiny_repo: Path, **settings: Any) -> Iterator[tuple[TestClient, Coun
             if client.get("/readyz").status_code == 200:
                 break
             time.sleep(0.05)
-        backbone: Backbone = app.state.app_state.models["tiny"].engine.classifier.backbone
-        counting = CountingTokenizer(backbone.tokenizer)
-        backbone.tokenizer = counting
+        chunker: ChunkTokenizer = app.state.app_state.models["tiny"].engine.chunker  # the server's tokenizer
+        counting = CountingTokenizer(chunker.tokenizer)
+        chunker.tokenizer = counting
         yield client, counting
 
 

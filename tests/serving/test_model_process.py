@@ -1,0 +1,130 @@
+"""A model in a process of its own: the same answers as in the server's process, texts whose chunks
+span batches, texts given up, a process that exits, a process that cannot load, and no orphan when
+the server is killed."""
+
+from __future__ import annotations
+
+import gc
+import os
+import re
+import shutil
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from service.serving.contract import Task, results_of
+from service.serving.engine import Engine
+from service.serving.worker import ModelProcess, ModelProcessError
+from tests.serving.server import Server
+
+TEXTS = ["a short text", "Long one. " * 30, "and a third, somewhat longer text than the first"]
+
+
+@pytest.fixture(scope="module")
+def model(tiny_repo: Path) -> Iterator[ModelProcess]:
+    mp = ModelProcess(tiny_repo / "tiny", device="cpu")
+    try:
+        yield mp
+    finally:
+        mp.close()
+
+
+def close(a: list[float], b: list[float]) -> bool:
+    return len(a) == len(b) and max(abs(x - y) for x, y in zip(a, b, strict=True)) <= 1e-5
+
+
+def test_chunks_over_several_batches_give_the_engines_answers(model: ModelProcess, tiny_repo: Path) -> None:
+    tasks = [Task(t, explain="tokens") for t in TEXTS]
+    chunks = [w for plan in model.plan(tasks) for w in plan]
+    assert len(chunks) > len(TEXTS)  # the long text has several chunks (max_length 16)
+    answers, held = [], []
+    for k in range(0, len(chunks), 2):  # two chunks per batch: the long text spans several
+        answers += model.run_chunks(chunks[k : k + 2])
+        held.append(model.held_texts)
+    assert max(held) == 1 and held[-1] == 0  # its states were held between batches, then let go
+    expected = Engine.load(tiny_repo / "tiny", device="cpu").run(tasks)
+    for got, want in zip(results_of(chunks, answers), expected, strict=True):
+        assert got.label == want.label and close(list(got.scores.values()), list(want.scores.values()))
+        assert got.credit is not None and want.credit is not None
+        assert close(got.credit.targets[0].tokens, want.credit.targets[0].tokens)
+
+
+def test_a_text_given_up_is_forgotten(model: ModelProcess) -> None:
+    chunks = [w for plan in model.plan([Task("Long one. " * 30)]) for w in plan]
+    model.run_chunks(chunks[:1])
+    assert model.held_texts == 1
+    del chunks  # nobody waits for the rest of it: its job is freed
+    gc.collect()
+    model.run_chunks([w for plan in model.plan([Task("short")]) for w in plan])
+    assert model.held_texts == 0
+
+
+def test_a_process_that_exits_is_started_again(tiny_repo: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    mp = ModelProcess(tiny_repo / "tiny", device="cpu")
+    try:
+        work = [w for plan in mp.plan([Task("a short text")]) for w in plan]
+        pids = [mp.pid]
+        os.kill(pids[-1], signal.SIGKILL)  # between batches: the next batch starts a new process
+        mp._proc.wait()
+        (answer,) = mp.run_chunks(work)
+        assert answer is not None and answer.label in mp.labels and mp.pid not in pids
+        pids.append(mp.pid)
+        os.kill(pids[-1], signal.SIGKILL)  # during a batch (it is seen exiting only once the batch is sent):
+        mp._proc.wait()
+        with monkeypatch.context() as m:
+            m.setattr(mp._proc, "poll", lambda: None)
+            with pytest.raises(ModelProcessError, match=r"exited .* while computing this batch"):
+                mp.run_chunks(work)  # that batch fails
+        (answer,) = mp.run_chunks(work)  # and the next one is computed by a new process
+        assert answer is not None and mp.pid not in pids
+    finally:
+        mp.close()
+
+
+def test_a_model_that_cannot_load_says_why(tiny_repo: Path, tmp_path: Path) -> None:
+    folder = tmp_path / "tiny"
+    shutil.copytree(tiny_repo / "tiny", folder)
+    weights = next(folder.glob("*.safetensors"))
+    weights.write_bytes(b"not safetensors")
+    with pytest.raises(ModelProcessError, match="ModelLoadError"):
+        ModelProcess(folder, device="cpu")
+
+
+def test_the_api_answers_alike_in_either_process(tiny_repo: Path, tmp_path: Path) -> None:
+    body = {"inputs": TEXTS, "explain": True}
+    answers = []
+    for own in (True, False):
+        srv = Server(tmp_path, model_repository=tiny_repo, default_model="tiny", model_process=own).wait_ready()
+        try:
+            r = httpx.post(f"{srv.url}/v1/classify", json=body, timeout=60)
+        finally:
+            srv.stop()
+        assert r.status_code == 200, r.text
+        answers.append(r.json()["results"])
+    for a, b in zip(*answers, strict=True):
+        assert a["label"] == b["label"] and close(list(a["scores"].values()), list(b["scores"].values()))
+        credit = [[t["credit"] for t in x["explanation"]["tokens"]] for x in (a, b)]
+        assert close(*credit)
+
+
+def test_no_model_process_outlives_a_killed_server(tiny_repo: Path, tmp_path: Path) -> None:
+    srv = Server(tmp_path, model_repository=tiny_repo, default_model="tiny").wait_ready()
+    found = re.search(r"model tiny computes in process (\d+)", srv.full_log())
+    assert found, srv.log()
+    child = int(found.group(1))
+    os.kill(child, 0)  # alive
+    srv.proc.kill()
+    srv.proc.wait()
+    for _ in range(100):
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(child, signal.SIGKILL)
+        pytest.fail("the model's process outlived the server by 10 s")
