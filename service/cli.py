@@ -31,6 +31,8 @@ def serve(
     log_json: Annotated[bool | None, typer.Option("--log-json/--no-log-json")] = None,
     torch_threads: Annotated[int | None, typer.Option(help="Torch intra-op threads (default: usable CPUs)")] = None,
     omp_wait_policy: Annotated[str | None, typer.Option(help="active | passive (OMP_WAIT_POLICY)")] = None,
+    model_process: Annotated[bool | None, typer.Option("--model-process/--no-model-process",
+                                                       help="Compute each model in a process of its own")] = None,
 ) -> None:
     """Start the HTTP service (options override ROUTING_* environment variables)."""
     from pydantic import ValidationError
@@ -40,7 +42,8 @@ def serve(
 
     given = {"model_repository": model_repository, "models": models, "host": host, "port": port,
              "device": device, "dtype": dtype, "max_batch_size": max_batch_size, "max_wait_ms": max_wait_ms,
-             "log_json": log_json, "torch_threads": torch_threads, "omp_wait_policy": omp_wait_policy}
+             "log_json": log_json, "torch_threads": torch_threads, "omp_wait_policy": omp_wait_policy,
+             "model_process": model_process}
     try:
         settings = Settings(**{k: v for k, v in given.items() if v is not None})
     except ValidationError as e:  # an option or ROUTING_* variable out of range: say which, no traceback
@@ -156,6 +159,10 @@ def bench_serve(
         "1:default,auto:passive,1:passive"),
     long_chars: Annotated[int, typer.Option(help="Characters of the long text for the interference figure "
                                                  "(0: skip)")] = 20000,
+    model_process: Annotated[bool, typer.Option("--model-process/--no-model-process",
+                                                help="The servers' setting (the other one is measured at "
+                                                     "concurrency 32 beside it)")] = True,
+    rounds: Annotated[int, typer.Option(help="Turns of served vs. offline at concurrency 32")] = 3,
     out: Annotated[Path, typer.Option(help="JSON result file")] = Path("bench-results/serve.json"),
 ) -> None:
     """Served throughput and latency vs. concurrency, batching on vs. off, thread settings, short requests
@@ -167,7 +174,8 @@ def bench_serve(
     sb.run(model=model, preset=preset or model, levels=[int(c) for c in concurrency.split(",")], duration=duration,
            n_texts=n_texts, repository=model_repository, device=device, max_wait_ms=max_wait_ms,
            max_batch_size=max_batch_size, offline_batch_sizes=[int(b) for b in offline_batch_sizes.split(",")],
-           url=url, out=out, thread_configs=configs, long_chars=long_chars)
+           url=url, out=out, thread_configs=configs, long_chars=long_chars, model_process=model_process,
+           rounds=rounds)
 
 
 @bench_app.command("explain")

@@ -35,10 +35,34 @@ def test_offline_limit_runs_the_engine_in_a_worker_thread(tiny_repo: Path, monke
 
     monkeypatch.setattr(Engine, "run", recording)
     texts = ["a short text", "another one", "and a third, longer text than the others"] * 4
-    out = serve.offline_limit(tiny_repo, "tiny", texts, [2, 4], 0.3, "cpu")
+    out = serve.offline_limit(serve.Offline(tiny_repo, "tiny", texts, "cpu"), [2, 4], 0.3)
     assert set(out["by_batch_size"]) == {2, 4} and out["best_batch_size"] in (2, 4)
     assert out["throughput"] == max(out["by_batch_size"].values()) > 0 and out["main_thread_throughput"] > 0
     assert "bench-model" in threads and "MainThread" in threads  # both figures, each where it says
+
+
+def test_paired_rounds_alternate_served_and_offline(tiny_repo: Path, tmp_path: Path) -> None:
+    texts = ["a short text", "another one", "and a third, longer text than the others"] * 4
+    offline = serve.Offline(tiny_repo, "tiny", texts, "cpu")
+    srv = Server(tmp_path, model_repository=tiny_repo, default_model="tiny", max_wait_ms=1).wait_ready()
+    try:
+        out = serve.paired_rounds(srv.url, texts, 4, offline, 4, 0.5, 2)
+    finally:
+        srv.stop()
+    assert len(out["served"]) == len(out["offline"]) == 2 and min(out["served"] + out["offline"]) > 0
+    assert out["ratio"] == pytest.approx(sum(out["served"]) / sum(out["offline"]))
+
+
+def test_closed_loop_counts_answers_and_batches(tiny_repo: Path, tmp_path: Path) -> None:
+    srv = Server(tmp_path, model_repository=tiny_repo, default_model="tiny", max_wait_ms=5).wait_ready()
+    try:
+        level = serve.run_async(serve.closed_loop(srv.url, "/v1/classify", ["one text", "another text"], 4, 1.0))
+        bad = serve.run_async(serve.closed_loop(srv.url, "/v1/classify", [""], 2, 0.3))  # empty text: 422
+    finally:
+        srv.stop()
+    assert level.errors == 0 and level.texts == len(level.latencies) > 4
+    assert level.batch_count >= 1 and level.batch_sum >= level.batch_count  # read from the server's /metrics
+    assert bad.texts == 0 and bad.errors > 0
 
 
 def test_interference_sends_short_requests_while_the_long_text_is_served(tiny_repo: Path, tmp_path: Path) -> None:
