@@ -1,4 +1,7 @@
-"""Dependencies shared by the route modules: app state, model lookup, API-key check."""
+"""Dependencies shared by the route modules: app state, model lookup, API-key check.
+
+The dependencies are ``async def``: they do no blocking work, and FastAPI runs a plain ``def``
+dependency in its thread pool, a thread hop per dependency and request."""
 
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ from service.serving.errors import APIError, unavailable
 from service.serving.state import AppState, Served
 
 
-def get_state(request: Request) -> AppState:
+async def get_state(request: Request) -> AppState:
     return request.app.state.app_state
 
 
@@ -32,11 +35,11 @@ def check_key(state: AppState, authorization: str | None) -> None:
                        headers={"WWW-Authenticate": "Bearer"})
 
 
-def require_key(state: State, authorization: Annotated[str | None, Header(include_in_schema=False)] = None) -> None:
+async def require_key(state: State, authorization: Annotated[str | None, Header(include_in_schema=False)] = None) -> None:
     check_key(state, authorization)
 
 
-def require_json(content_type: Annotated[str | None, Header(include_in_schema=False)] = None) -> None:
+async def require_json(content_type: Annotated[str | None, Header(include_in_schema=False)] = None) -> None:
     """415 unless the body is sent as JSON."""
     ctype = (content_type or "").split(";")[0].strip().lower()
     if ctype != "application/json" and not ctype.endswith("+json"):
