@@ -167,7 +167,11 @@ def bench_serve(
 ) -> None:
     """Served throughput and latency vs. concurrency, batching on vs. off, thread settings, short requests
     while a long text is served, and served vs. the offline limit (worker thread, as the server runs it)."""
-    from service.bench import serve as sb
+    try:
+        from service.bench import serve as sb
+    except ImportError as e:  # the load generator comes with the bench extra
+        typer.echo(f"bench serve needs the bench and train extras (pip install -e '.[bench,train]'): {e}", err=True)
+        raise typer.Exit(2) from None
 
     pairs = [p.split(":") for p in threads.split(",") if p]
     configs = [(None if t == "auto" else int(t), None if w == "default" else w) for t, w in pairs]

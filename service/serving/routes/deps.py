@@ -35,7 +35,8 @@ def check_key(state: AppState, authorization: str | None) -> None:
                        headers={"WWW-Authenticate": "Bearer"})
 
 
-async def require_key(state: State, authorization: Annotated[str | None, Header(include_in_schema=False)] = None) -> None:
+async def require_key(state: State,
+                      authorization: Annotated[str | None, Header(include_in_schema=False)] = None) -> None:
     check_key(state, authorization)
 
 
