@@ -112,6 +112,7 @@ class ModelProcess(Planner):
         self._lock = threading.Lock()  # one batch at a time on the pipe
         self._forget: collections.deque[int] = collections.deque()  # texts given up, to tell the process
         self._watched: set[int] = set()  # texts of several chunks whose freeing is watched
+        self._lost: set[int] = set()  # texts with chunks computed by a process that has exited
         self._memory: list[dict[str, float | str]] = []
         self.held_texts = 0  # texts whose states the model's process holds (after the last batch)
         self._start()
@@ -147,19 +148,31 @@ class ModelProcess(Planner):
         return list(self._memory)  # as of the last batch
 
     def run_chunks(self, works: list[ChunkWork]) -> list[Result | None]:
-        """Compute a batch in the model's process (restarted first if it has exited)."""
+        """Compute a batch in the model's process (started again first if it has exited). A text whose
+        earlier chunks a process that exited had computed is answered with an error, not computed."""
         with self._lock:
             if self._proc.poll() is not None:
                 log.error("the process of model %s had exited (code %s): starting it again", self.name,
                           self._proc.returncode)
+                self._conn.close()
+                self._lost |= self._watched  # their earlier chunks' states went with it
                 self._start()
-            for w in works:
+            answers: list[Result | None] = [None] * len(works)
+            send = []
+            for pos, w in enumerate(works):
+                if w.job.key in self._lost:
+                    answers[pos] = Result(label="", scores={}, error=f"the process of model {self.name} exited "
+                                          "while this text was being computed")
+                    continue
+                send.append(pos)
                 if len(w.job.states) > 1 and w.job.key not in self._watched:
                     self._watched.add(w.job.key)
                     weakref.finalize(w.job, self._given_up, w.job.key)
+            if not send:
+                return answers
             forget = [self._forget.popleft() for _ in range(len(self._forget))]
             try:
-                self._conn.send((works, forget))
+                self._conn.send(([works[pos] for pos in send], forget))
                 msg = self._conn.recv()
             except (EOFError, OSError):
                 with contextlib.suppress(subprocess.TimeoutExpired):
@@ -168,11 +181,14 @@ class ModelProcess(Planner):
                                         "while computing this batch; it starts again with the next one") from None
         if msg[0] == "error":
             raise ModelProcessError(msg[1])
-        _, answers, self._memory, self.held_texts = msg
+        _, computed, self._memory, self.held_texts = msg
+        for pos, answer in zip(send, computed, strict=True):
+            answers[pos] = answer
         return answers
 
     def _given_up(self, key: int) -> None:
         self._watched.discard(key)
+        self._lost.discard(key)
         self._forget.append(key)
 
     def close(self, timeout_s: float = 10.0) -> None:

@@ -81,6 +81,14 @@ def test_a_process_that_exits_is_started_again(tiny_repo: Path, monkeypatch: pyt
                 mp.run_chunks(work)  # that batch fails
         (answer,) = mp.run_chunks(work)  # and the next one is computed by a new process
         assert answer is not None and mp.pid not in pids
+        long = [w for plan in mp.plan([Task("Long one. " * 30)]) for w in plan]
+        mp.run_chunks(long[:1])
+        os.kill(mp.pid, signal.SIGKILL)  # with a text half computed: its first chunk's states are gone
+        mp._proc.wait()
+        answers = mp.run_chunks(long[1:] + work)
+        lost = [a for a in answers[:-1] if a is not None]
+        assert lost and all(a.error and "exited while this text was being computed" in a.error for a in lost)
+        assert answers[-1] is not None and answers[-1].error is None  # other texts are computed as usual
     finally:
         mp.close()
 
