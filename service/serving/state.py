@@ -98,9 +98,11 @@ class AppState:
         return self.in_flight == 0 and all(m.batcher.idle for m in self.models.values())
 
     def device_memory(self) -> list[dict[str, float | str]]:
-        """CUDA memory per device over this process and every model's own: amounts summed, totals as they are."""
-        readings = device_memory() + [d for m in self.models.values() if isinstance(m.engine, ModelProcess)
-                                      for d in m.engine.device_memory()]
+        """CUDA memory per device over the models' processes (this one's only when a model computes here,
+        so that a scrape never opens a CUDA context in the server's process): amounts summed."""
+        own = any(not isinstance(m.engine, ModelProcess) for m in self.models.values())
+        readings = (device_memory() if own else []) + [
+            d for m in self.models.values() if isinstance(m.engine, ModelProcess) for d in m.engine.device_memory()]
         merged: dict[str, dict[str, float | str]] = {}
         for d in readings:
             if d["device"] not in merged:

@@ -136,3 +136,18 @@ def test_no_model_process_outlives_a_killed_server(tiny_repo: Path, tmp_path: Pa
     else:
         os.kill(child, signal.SIGKILL)
         pytest.fail("the model's process outlived the server by 10 s")
+
+
+def test_cuda_memory_of_the_model_processes_is_summed_per_device() -> None:
+    from service.config import Settings
+    from service.serving.metrics import Metrics
+    from service.serving.state import AppState, Served
+
+    state = AppState(settings=Settings(), metrics=Metrics())
+    for k, allocated in enumerate((1.0, 2.0)):  # two models' processes on one GPU, as of their last batches
+        mp = object.__new__(ModelProcess)
+        mp._memory = [{"device": "cuda:0", "allocated": allocated, "reserved": 2 * allocated, "peak": 3 * allocated,
+                       "total": 80.0}]
+        state.models[f"m{k}"] = Served(mp, batcher=None)  # type: ignore[arg-type]
+    assert state.device_memory() == [{"device": "cuda:0", "allocated": 3.0, "reserved": 6.0, "peak": 9.0,
+                                      "total": 80.0}]
