@@ -55,7 +55,8 @@ def _serve(conn: Connection) -> None:
     except Exception as e:  # reported to the server, which fails its start with it
         conn.send(("failed", f"{type(e).__name__}: {e}"))
         return
-    conn.send(("ready", engine.describe(), str(engine.device), str(engine.dtype).removeprefix("torch.")))
+    conn.send(("ready", engine.describe(), str(engine.device), str(engine.dtype).removeprefix("torch."),
+               engine.device_memory()))
     held: dict[int, TextJob] = {}  # texts with chunks still to come: their states so far
     while True:
         try:
@@ -113,8 +114,9 @@ class ModelProcess(Planner):
         self._forget: collections.deque[int] = collections.deque()  # texts given up, to tell the process
         self._watched: set[int] = set()  # texts of several chunks whose freeing is watched
         self._lost: set[int] = set()  # texts with chunks computed by a process that has exited
-        self._memory: list[dict[str, float | str]] = []
         self.held_texts = 0  # texts whose states the model's process holds (after the last batch)
+        self._memory: list[dict[str, float | str]]  # CUDA memory the model's process reported last
+        self._description: dict[str, Any]
         self._start()
 
     def _start(self) -> None:
@@ -134,7 +136,7 @@ class ModelProcess(Planner):
         if msg[0] == "failed":
             self._proc.wait()
             raise ModelProcessError(msg[1])
-        _, self._description, self.device, self.dtype = msg
+        _, self._description, self.device, self.dtype, self._memory = msg
         log.info("model %s computes in process %d", self.name, self._proc.pid)
 
     @property
@@ -145,7 +147,7 @@ class ModelProcess(Planner):
         return dict(self._description)
 
     def device_memory(self) -> list[dict[str, float | str]]:
-        return list(self._memory)  # as of the last batch
+        return list(self._memory)  # as of the last batch (or the warm-up)
 
     def run_chunks(self, works: list[ChunkWork]) -> list[Result | None]:
         """Compute a batch in the model's process (started again first if it has exited). A text whose
