@@ -1,7 +1,7 @@
 """What routes hand the engine and what they get back: plain dataclasses, no torch, no HTTP.
 
 A route turns a request into :class:`Task` s (one per text, tokenized once), the engine's
-:meth:`~service.serving.engine.Engine.plan` cuts each into :class:`ChunkWork` (one per chunk of
+:meth:`~service.serving.engine.Planner.plan` cuts each into :class:`ChunkWork` (one per chunk of
 ``max_length`` tokens) for the batcher, and the batch that computes a text's last chunk answers it
 with a :class:`Result`.
 """

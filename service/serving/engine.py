@@ -7,6 +7,7 @@ been encoded, in the same batch, together with the other texts completed there."
 
 from __future__ import annotations
 
+import abc
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -58,7 +59,7 @@ class NonFiniteScores(RuntimeError):
     """The model produced NaN or Inf scores: a fault of the model, never an answer."""
 
 
-class Planner:
+class Planner(abc.ABC):
     """A model as the server sees it before it runs: its manifest and tokenizer, which cut texts into the
     batcher's units of work. :class:`Engine` runs them in this process, ``ModelProcess``
     (``service.serving.worker``) in a process of its own; both add ``run_chunks``, ``describe``,
@@ -100,17 +101,19 @@ class Planner:
             total += n_i * n_hid + n_hid * n_hid + n_hid * n_k
         return total
 
+    @abc.abstractmethod
     def run_chunks(self, works: list[ChunkWork]) -> list[Result | None]:
-        raise NotImplementedError
+        """Compute a batch of chunks; each text completed in it is answered at its last chunk's place."""
 
+    @abc.abstractmethod
     def describe(self) -> dict[str, Any]:
-        raise NotImplementedError
+        """What ``/v1/models`` says of the model."""
 
+    @abc.abstractmethod
     def device_memory(self) -> list[dict[str, float | str]]:
         """CUDA memory of the devices this model's process uses (empty on CPU)."""
-        raise NotImplementedError
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 (nothing to release unless a subclass holds more)
         """Release what the model holds beyond this object (a process of its own)."""
 
 
