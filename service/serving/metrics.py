@@ -21,6 +21,7 @@ RATIO_BUCKETS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 FAILURE_REASONS = ("validation", "overloaded", "deadline", "disconnected", "auth", "internal", "draining")
 
 DeviceMemory = Callable[[], Iterable[dict[str, float | str]]]
+ModelMemory = Callable[[], Iterable[tuple[str, float]]]
 
 CHUNK = "(a text, or max_length tokens of a longer one)"
 
@@ -41,14 +42,30 @@ class _DeviceMemoryCollector(Collector):
         return list(families.values())
 
 
+class _ModelProcessCollector(Collector):
+    """Resident memory of each model's own process (where its weights are), read at scrape time."""
+
+    def __init__(self, read: ModelMemory) -> None:
+        self.read = read
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        fam = GaugeMetricFamily("routing_model_process_resident_memory_bytes",
+                                "Resident memory of a model's own process", labels=["model"])
+        for model, rss in self.read():
+            fam.add_metric([model], rss)
+        return [fam]
+
+
 class Metrics:
     """The service's metrics, registered in their own registry (one per app)."""
 
-    def __init__(self, device_memory: DeviceMemory | None = None) -> None:
+    def __init__(self, device_memory: DeviceMemory | None = None, model_memory: ModelMemory | None = None) -> None:
         r = self.registry = CollectorRegistry()
         ProcessCollector(namespace="routing", registry=r)  # routing_process_resident_memory_bytes, cpu, fds
         if device_memory is not None:
             r.register(_DeviceMemoryCollector(device_memory))
+        if model_memory is not None:
+            r.register(_ModelProcessCollector(model_memory))
         self.requests = Counter("routing_requests_total", "HTTP requests by endpoint and status code",
                                 ["endpoint", "status"], registry=r)
         self.request_duration = Histogram("routing_request_duration_seconds", "HTTP request duration",

@@ -113,6 +113,12 @@ class AppState:
                 into[key] = float(into[key]) + float(d[key])
         return list(merged.values())
 
+    def model_memory(self) -> list[tuple[str, float]]:
+        """Resident memory of each model's own process (none for models computing in this one)."""
+        readings = [(name, m.engine.resident_bytes()) for name, m in self.models.items()
+                    if isinstance(m.engine, ModelProcess)]
+        return [(name, float(rss)) for name, rss in readings if rss is not None]
+
     def abort(self, reason: str) -> int:
         """Answer every text still queued or computing with 'shutting down' (503); how many there were."""
         return sum(served.batcher.abort(reason) for served in self.models.values())

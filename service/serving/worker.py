@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
+import os
 import signal
 import socket
 import subprocess
@@ -145,6 +146,14 @@ class ModelProcess(Planner):
 
     def describe(self) -> dict[str, Any]:
         return dict(self._description)
+
+    def resident_bytes(self) -> int | None:
+        """The model process's resident memory (Linux ``/proc``; None where it cannot be read)."""
+        try:
+            pages = int(Path(f"/proc/{self._proc.pid}/statm").read_text().split()[1])
+        except (OSError, IndexError, ValueError):
+            return None
+        return pages * os.sysconf("SC_PAGE_SIZE")
 
     def device_memory(self) -> list[dict[str, float | str]]:
         return list(self._memory)  # as of the last batch (or the warm-up)

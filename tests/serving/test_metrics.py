@@ -24,6 +24,7 @@ EXPECTED = {  # name: (type, labels)
     "routing_model_load_seconds": ("gauge", {"model"}),
     "routing_model_info": ("gauge", {"model", "backbone", "device", "dtype"}),
     "routing_process_resident_memory_bytes": ("gauge", set()),
+    "routing_model_process_resident_memory_bytes": ("gauge", {"model"}),
     "routing_cuda_memory_allocated_bytes": ("gauge", {"device"}),
     "routing_cuda_memory_reserved_bytes": ("gauge", {"device"}),
     "routing_cuda_memory_peak_bytes": ("gauge", {"device"}),
@@ -53,6 +54,8 @@ def test_every_metric_has_its_name_type_and_labels(tiny: Server) -> None:
     assert info.value == 1
     assert next(s.value for s in fams["routing_model_load_seconds"].samples) > 0
     assert next(s.value for s in fams["routing_process_resident_memory_bytes"].samples) > 50e6
+    model_rss = {s.labels["model"]: s.value for s in fams["routing_model_process_resident_memory_bytes"].samples}
+    assert set(model_rss) == {"tiny"} and model_rss["tiny"] > 50e6  # the model's own process, torch loaded
 
 
 def test_values_move_with_traffic_and_concurrent_load_batches(tiny: Server) -> None:
