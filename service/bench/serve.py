@@ -181,6 +181,20 @@ def paired_rounds(url: str, texts: list[str], concurrency: int, offline: Offline
             "ratio": sum(served) / sum(alone)}
 
 
+def alternating(urls: dict[str, str], texts: list[str], concurrency: int, seconds: float,
+                rounds: int) -> dict[str, Any]:
+    """Servers that are all up, each measured at ``concurrency`` in turn (the order rotating each round),
+    so that the machine's drift hits them alike; texts/s per round and the mean of each."""
+    names = list(urls)
+    per: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds):
+        for n in names[r % len(names) :] + names[: r % len(names)]:
+            level = run_async(closed_loop(urls[n], "/v1/classify", texts, concurrency, seconds))
+            per[n].append(level.row()["throughput"])
+        echo(f"  round {r + 1}: " + ", ".join(f"{n} {per[n][-1]:.1f}" for n in names) + " texts/s", err=True)
+    return {"concurrency": concurrency, "throughput": per, "mean": {n: sum(v) / len(v) for n, v in per.items()}}
+
+
 def long_text(n_chars: int, seed: int = 0) -> str:
     """A valid text of ``n_chars`` characters where every character is one token (letters between dots)."""
     rng = random.Random(seed)
@@ -253,7 +267,6 @@ def run(model: str, preset: str, levels: list[int], duration: float, n_texts: in
     configs: list[tuple[str, dict[str, Any], list[int]]] = [("batching", base, levels)]
     if url is None:
         configs.append(("no_batching", {**base, "max_batch_size": 1, "max_wait_ms": 0}, levels))
-        configs.append((f"model_process={not model_process}", {**base, "model_process": not model_process}, [top]))
         for threads, policy in thread_configs:
             cfg: dict[str, Any] = dict(base)
             if threads:
@@ -263,6 +276,7 @@ def run(model: str, preset: str, levels: list[int], duration: float, n_texts: in
             configs.append((f"threads={threads or 'auto'} wait={policy or 'default'}", cfg, [top]))
     inter: dict[str, Any] | None = None
     paired: dict[str, Any] | None = None
+    process_vs_thread: dict[str, Any] | None = None
     for name, cfg, lv in configs:
         server = None
         if url is None:
@@ -282,6 +296,19 @@ def run(model: str, preset: str, levels: list[int], duration: float, n_texts: in
                 echo(f"  served at concurrency {top} and offline at batch size {limit['best_batch_size']}, "
                      f"{rounds} rounds in turns", err=True)
                 paired = paired_rounds(target, texts, top, offline, limit["best_batch_size"], duration, rounds)
+                if server is not None:  # the other model_process setting, up beside this server, in turns
+                    other = LocalServer(logs, model_repository=repository, models=model, default_model=model,
+                                        max_queue=100000, device=device, log_level="debug",
+                                        **{**cfg, "model_process": not model_process})
+                    try:
+                        other.wait_ready()
+                        echo(f"  model_process={model_process} vs {not model_process} at concurrency {top}, in turns",
+                             err=True)
+                        process_vs_thread = alternating(
+                            {f"model_process={model_process}": target, f"model_process={not model_process}": other.url},
+                            texts, top, duration, rounds)
+                    finally:
+                        other.stop()
                 if long_chars:
                     echo(f"  short requests while one {long_chars}-character text is served", err=True)
                     inter = asyncio.run(interference(target, texts, long_text(long_chars),
@@ -289,15 +316,15 @@ def run(model: str, preset: str, levels: list[int], duration: float, n_texts: in
         finally:
             if server is not None:
                 server.stop()
-    return report_all(runs, limit, paired, inter, top, max_wait_ms, out, {
+    return report_all(runs, limit, paired, process_vs_thread, inter, top, max_wait_ms, out, {
         "model": model, "texts": len(texts), "levels": levels, "duration_s": duration, "device": device,
         "max_wait_ms": max_wait_ms, "max_batch_size": max_batch_size, "url": url, "long_chars": long_chars,
         "thread_configs": thread_configs, "model_process": model_process, "rounds": rounds})
 
 
 def report_all(runs: dict[str, list[dict]], offline: dict[str, Any], paired: dict[str, Any] | None,
-               inter: dict[str, Any] | None, top: int, max_wait_ms: float, out: Path,
-               settings: dict[str, Any]) -> dict[str, Any]:
+               process_vs_thread: dict[str, Any] | None, inter: dict[str, Any] | None, top: int,
+               max_wait_ms: float, out: Path, settings: dict[str, Any]) -> dict[str, Any]:
     cols = ["concurrency", "throughput", "p50_ms", "p95_ms", "p99_ms", "mean_batch", "model_busy", "batch_ms",
             "errors", "requests"]
     for name, rows in runs.items():
@@ -318,6 +345,11 @@ def report_all(runs: dict[str, list[dict]], offline: dict[str, Any], paired: dic
              f"in turns: {paired['ratio']:.3f} (served {[round(v, 1) for v in paired['served']]}, offline "
              f"{[round(v, 1) for v in paired['offline']]} texts/s)")
         summary[f"served_over_offline_at_c{top}_paired"] = paired["ratio"]
+    if process_vs_thread is not None:
+        means = ", ".join(f"{n}: {v:.1f}" for n, v in process_vs_thread["mean"].items())
+        echo(f"\nthe model in its own process or in a thread of the server, both up, at concurrency {top} in turns "
+             f"(mean texts/s): {means}")
+        summary["model_process_vs_thread"] = process_vs_thread["mean"]
     best = max(runs["batching"], key=lambda r: r["throughput"])
     summary["served_over_offline_at_saturation"] = best["throughput"] / offline["throughput"]
     summary["saturation_concurrency"] = best["concurrency"]
@@ -347,6 +379,7 @@ def report_all(runs: dict[str, list[dict]], offline: dict[str, Any], paired: dic
         echo(report.table([inter], list(inter)))
         summary["long_text_interference"] = inter
     path = report.write_json(out, "serve", settings, {"runs": runs, "offline": offline, "paired": paired,
+                                                      "model_process_vs_thread": process_vs_thread,
                                                       "interference": inter}, summary)
     echo(f"wrote {path}")
     return summary

@@ -53,6 +53,20 @@ def test_paired_rounds_alternate_served_and_offline(tiny_repo: Path, tmp_path: P
     assert out["ratio"] == pytest.approx(sum(out["served"]) / sum(out["offline"]))
 
 
+def test_alternating_measures_every_server_every_round(tiny_repo: Path, tmp_path: Path) -> None:
+    texts = ["a short text", "another one"]
+    servers = [Server(tmp_path, model_repository=tiny_repo, default_model="tiny", model_process=own).wait_ready()
+               for own in (True, False)]
+    try:
+        out = serve.alternating({"process": servers[0].url, "thread": servers[1].url}, texts, 2, 0.3, 2)
+    finally:
+        for srv in servers:
+            srv.stop()
+    assert set(out["throughput"]) == {"process", "thread"} and all(len(v) == 2 for v in out["throughput"].values())
+    assert all(v > 0 for v in out["mean"].values())
+    assert out["mean"]["thread"] == pytest.approx(sum(out["throughput"]["thread"]) / 2)
+
+
 def test_closed_loop_counts_answers_and_batches(tiny_repo: Path, tmp_path: Path) -> None:
     srv = Server(tmp_path, model_repository=tiny_repo, default_model="tiny", max_wait_ms=5).wait_ready()
     try:
