@@ -4,7 +4,7 @@ The server's process keeps the HTTP stack, the tokenizer and the batcher; the mo
 the weights and computes the batches of chunks the batcher sends it. A model computing in a thread
 of the server's process needs the GIL between every two tensor operations and waits for it while the
 event loop answers requests; in a process of its own it never does (on two CPU cores, served
-throughput at concurrency 32 rose by 6% on average in alternating measurements; see the README).
+throughput at concurrency 32 rose by about 5%, measured in turns by ``bench serve``; see the README).
 
 One pipe carries batches one way and answers the other, one batch at a time (the batcher's thread
 waits on it). The model's process keeps the hidden states of texts whose chunks span several
