@@ -168,30 +168,38 @@ def offline_limit(offline: Offline, batch_sizes: list[int], seconds: float) -> d
             "main_thread_throughput": main_thread}
 
 
+def in_turns(measures: dict[str, Callable[[], float]], rounds: int) -> dict[str, list[float]]:
+    """Each of ``measures`` (a throughput in texts/s) once per round, the order rotating from round to
+    round, so that a noisy machine's drift hits them alike; every round's value of each."""
+    names = list(measures)
+    per: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds):
+        for n in names[r % len(names) :] + names[: r % len(names)]:
+            per[n].append(measures[n]())
+        echo(f"  round {r + 1}: " + ", ".join(f"{n} {per[n][-1]:.1f}" for n in names) + " texts/s", err=True)
+    return per
+
+
+def served(url: str, texts: list[str], concurrency: int, seconds: float) -> Callable[[], float]:
+    """Served throughput of the server at ``url`` at ``concurrency``, as a measure for :func:`in_turns`."""
+    return lambda: run_async(closed_loop(url, "/v1/classify", texts, concurrency, seconds)).row()["throughput"]
+
+
 def paired_rounds(url: str, texts: list[str], concurrency: int, offline: Offline, batch_size: int,
                   seconds: float, rounds: int) -> dict[str, Any]:
-    """Served throughput at ``concurrency`` and the offline limit at ``batch_size``, measured in turns
-    (served, offline, served, ...) so that a noisy machine's drift hits both alike; the ratio of sums."""
-    served, alone = [], []
-    for r in range(rounds):
-        served.append(run_async(closed_loop(url, "/v1/classify", texts, concurrency, seconds)).row()["throughput"])
-        alone.append(offline.throughput(batch_size, seconds))
-        echo(f"  round {r + 1}: served {served[-1]:.1f}, offline {alone[-1]:.1f} texts/s", err=True)
-    return {"concurrency": concurrency, "batch_size": batch_size, "served": served, "offline": alone,
-            "ratio": sum(served) / sum(alone)}
+    """Served throughput at ``concurrency`` and the offline limit at ``batch_size``, in turns; the ratio
+    of sums."""
+    per = in_turns({"served": served(url, texts, concurrency, seconds),
+                    "offline": lambda: offline.throughput(batch_size, seconds)}, rounds)
+    return {"concurrency": concurrency, "batch_size": batch_size, "served": per["served"],
+            "offline": per["offline"], "ratio": sum(per["served"]) / sum(per["offline"])}
 
 
 def alternating(urls: dict[str, str], texts: list[str], concurrency: int, seconds: float,
                 rounds: int) -> dict[str, Any]:
-    """Servers that are all up, each measured at ``concurrency`` in turn (the order rotating each round),
-    so that the machine's drift hits them alike; texts/s per round and the mean of each."""
-    names = list(urls)
-    per: dict[str, list[float]] = {n: [] for n in names}
-    for r in range(rounds):
-        for n in names[r % len(names) :] + names[: r % len(names)]:
-            level = run_async(closed_loop(urls[n], "/v1/classify", texts, concurrency, seconds))
-            per[n].append(level.row()["throughput"])
-        echo(f"  round {r + 1}: " + ", ".join(f"{n} {per[n][-1]:.1f}" for n in names) + " texts/s", err=True)
+    """Servers that are all up, each measured at ``concurrency`` in turns; texts/s per round and the mean
+    of each."""
+    per = in_turns({n: served(u, texts, concurrency, seconds) for n, u in urls.items()}, rounds)
     return {"concurrency": concurrency, "throughput": per, "mean": {n: sum(v) / len(v) for n, v in per.items()}}
 
 
@@ -261,6 +269,12 @@ def run(model: str, preset: str, levels: list[int], duration: float, n_texts: in
     offline = Offline(repository, model, texts, device)
     limit = offline_limit(offline, offline_batch_sizes, duration)
     logs = out.parent / "logs"
+
+    def start(cfg: dict[str, Any]) -> LocalServer:
+        """A server of this model with ``cfg`` (debug log: the interference figure reads its batches)."""
+        return LocalServer(logs, model_repository=repository, models=model, default_model=model, max_queue=100000,
+                           device=device, log_level="debug", **cfg)
+
     runs: dict[str, list[dict]] = {}
     top = 32 if 32 in levels else max(levels)  # where served / offline and the thread settings are compared
     base = {"max_batch_size": max_batch_size, "max_wait_ms": max_wait_ms, "model_process": model_process}
@@ -278,10 +292,7 @@ def run(model: str, preset: str, levels: list[int], duration: float, n_texts: in
     paired: dict[str, Any] | None = None
     process_vs_thread: dict[str, Any] | None = None
     for name, cfg, lv in configs:
-        server = None
-        if url is None:
-            server = LocalServer(logs, model_repository=repository, models=model, default_model=model,
-                                 max_queue=100000, device=device, log_level="debug", **cfg).wait_ready()
+        server = start(cfg).wait_ready() if url is None else None
         target = server.url if server else str(url)
         try:
             run_async(closed_loop(target, "/v1/classify", texts, 4, 2.0))  # warm-up
@@ -297,9 +308,7 @@ def run(model: str, preset: str, levels: list[int], duration: float, n_texts: in
                      f"{rounds} rounds in turns", err=True)
                 paired = paired_rounds(target, texts, top, offline, limit["best_batch_size"], duration, rounds)
                 if server is not None:  # the other model_process setting, up beside this server, in turns
-                    other = LocalServer(logs, model_repository=repository, models=model, default_model=model,
-                                        max_queue=100000, device=device, log_level="debug",
-                                        **{**cfg, "model_process": not model_process})
+                    other = start({**cfg, "model_process": not model_process})
                     try:
                         other.wait_ready()
                         echo(f"  model_process={model_process} vs {not model_process} at concurrency {top}, in turns",
