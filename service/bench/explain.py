@@ -32,7 +32,7 @@ import torch
 from service.bench import report
 from service.bench.report import echo, in_worker_thread
 from service.serving import render
-from service.serving.engine import Engine, Task
+from service.serving.engine import Engine, Result, Task
 from service.serving.schemas import TokenCredit
 
 FRACTIONS = (0.01, 0.05, 0.10, 0.20)
@@ -125,6 +125,14 @@ class LayerIG:
                 if not sp}
 
 
+def explained_tokens(res: Result) -> list[TokenCredit]:
+    """The non-special tokens of an explained result with their credit, as the service answers them."""
+    view = render.classify_result(res).explanation
+    if view is None:
+        raise ValueError("the result carries no credit")
+    return view.tokens
+
+
 def delete_tokens(text: str, offsets: Sequence[tuple[int, int]], positions: Sequence[int]) -> str:
     """``text`` without the characters of the tokens at ``positions``."""
     spans = sorted(offsets[p] for p in positions)
@@ -189,7 +197,7 @@ def probe(engine: Engine, probs: Probabilities, text: str, lig: LayerIG | None, 
     pr: Probe | None = None
     for method, options in EXPLAINERS.items():
         res = engine.run([Task(text, explain="tokens", **options)])[0]
-        tokens = render.classify_result(res).explanation.tokens  # type: ignore[union-attr]
+        tokens = explained_tokens(res)
         if pr is None:
             pr = Probe(text, [(t.start, t.end) for t in tokens], res.label, res.scores[res.label])
         pr.scores[method] = [t.credit for t in tokens]
@@ -218,8 +226,7 @@ def time_per_explanation(engine: Engine, texts: list[str], lig: LayerIG | None, 
     Occlusion: one forward pass per token (up to ``max_occlusion``), in batches."""
     def occlude(text: str) -> None:
         res = engine.run([Task(text, explain="tokens")])[0]
-        spans = [(t.start, t.end) for t in render.classify_result(res).explanation.tokens  # type: ignore[union-attr]
-                 ][:max_occlusion]
+        spans = [(t.start, t.end) for t in explained_tokens(res)][:max_occlusion]
         edited = [delete_tokens(text, spans, [m]) for m in range(len(spans))]
         for k in range(0, len(edited), batch_size):
             engine.run([Task(t) for t in edited[k : k + batch_size]])
