@@ -19,6 +19,7 @@ import torch
 from transformers import AutoConfig, AutoModel, AutoTokenizer, PreTrainedTokenizerBase
 
 from service.modeling.encoding import Encoding
+from service.modeling.grouping import length_groups
 
 
 def _local_only(path: str) -> bool:
@@ -183,6 +184,11 @@ class Backbone(torch.nn.Module):
         max_length: tokens per chunk, special tokens included (capped at the model's limit).
         device, dtype: where and in what precision the encoder runs.
         chunk_batch_tokens: at most this many padded tokens go through the encoder at once.
+        call_overhead: the fixed cost of one call of the encoder, in padded tokens: a batch of chunks of
+            mixed lengths is cut into length groups where that saves more padding than a call costs
+            (see :func:`~service.modeling.grouping.length_groups`). None: 64 on a CPU (measured: random
+            tweets in batches of 16 ran 22% faster than padded together, 48-64 being best), 1024 on a
+            GPU (not measured here: there padding is nearly free until the device is saturated).
     """
 
     def __init__(
@@ -192,6 +198,7 @@ class Backbone(torch.nn.Module):
         device: str | torch.device = "cpu",
         dtype: torch.dtype = torch.float32,
         chunk_batch_tokens: int = 16384,
+        call_overhead: int | None = None,
     ) -> None:
         super().__init__()
         path = resolve_source(source)
@@ -216,6 +223,9 @@ class Backbone(torch.nn.Module):
         self.d_emb: int = cfg.hidden_size
         self.d_depth: int = cfg.num_hidden_layers + 1
         self.chunk_batch_tokens = chunk_batch_tokens
+        if call_overhead is None:
+            call_overhead = 64 if self.device.type == "cpu" else 1024
+        self.call_overhead = call_overhead
 
     @property
     def device(self) -> torch.device:
@@ -262,16 +272,10 @@ class Backbone(torch.nn.Module):
     @torch.inference_mode()
     def run_chunks(self, chunk_ids: list[list[int]]) -> list[torch.Tensor]:
         """Hidden states ``[L_c, d_depth, d_emb]`` of each chunk (token ids, special tokens included), run
-        through the encoder in length-sorted groups within ``chunk_batch_tokens``."""
-        order = sorted(range(len(chunk_ids)), key=lambda k: len(chunk_ids[k]))
+        through the encoder in length groups (see ``call_overhead``) within ``chunk_batch_tokens``."""
         out: list[torch.Tensor | None] = [None] * len(chunk_ids)
         pad_id = self.tokenizer.pad_token_id or 0
-        start = 0
-        while start < len(order):
-            end = start + 1
-            while end < len(order) and (end + 1 - start) * len(chunk_ids[order[end]]) <= self.chunk_batch_tokens:
-                end += 1
-            group = order[start:end]
+        for group in length_groups([len(c) for c in chunk_ids], self.call_overhead, self.chunk_batch_tokens):
             L = len(chunk_ids[group[-1]])
             ids = torch.full((len(group), L), pad_id, dtype=torch.long)  # [c L]
             att = torch.zeros(len(group), L, dtype=torch.long)  # [c L]
@@ -284,5 +288,4 @@ class Backbone(torch.nn.Module):
             hs = torch.stack(res.hidden_states, dim=-2)  # [c L depth emb]
             for r, k in enumerate(group):
                 out[k] = hs[r, : len(chunk_ids[k])]
-            start = end
         return [o for o in out if o is not None]

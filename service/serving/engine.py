@@ -19,6 +19,7 @@ from service.config import DTYPES
 from service.modeling.backbone import ChunkTokenizer
 from service.modeling.classifier import CreditRequest, Explained, Prediction, RoutingClassifier
 from service.modeling.encoding import Encoding
+from service.modeling.grouping import length_groups
 from service.modeling.repository import Manifest, load_model
 from service.serving.contract import ChunkWork, Credit, Result, TargetCredit, Task, TextJob, Token, results_of
 
@@ -190,17 +191,15 @@ class Engine(Planner):
         return answers
 
     def _head_groups(self, done: dict[int, TextJob]) -> list[list[int]]:
-        """Completed texts (by batch position) in length-sorted groups of at most ``chunk_batch_tokens``
-        padded positions (a text longer than that alone), so short texts are not padded to a long one."""
-        budget = self.classifier.backbone.chunk_batch_tokens
-        groups: list[list[int]] = []
-        for pos in sorted(done, key=lambda p: done[p].encoding.n_tokens):
-            n = done[pos].encoding.n_tokens
-            if groups and n * (len(groups[-1]) + 1) <= budget:
-                groups[-1].append(pos)
-            else:
-                groups.append([pos])
-        return groups
+        """Completed texts (by batch position) in length groups within ``chunk_batch_tokens`` padded
+        positions, so short texts are not padded to a long one. A call of the head costs about twice
+        what one of the encoder does in padded positions (on the CPU: 2.4 ms a call against 0.018 ms
+        a padded position), so it is cut less often."""
+        backbone = self.classifier.backbone
+        positions = list(done)
+        groups = length_groups([done[p].encoding.n_tokens for p in positions], 2 * backbone.call_overhead,
+                               backbone.chunk_batch_tokens)
+        return [[positions[k] for k in group] for group in groups]
 
     def _finish(self, jobs: list[TextJob]) -> list[Result]:
         """The head's part for texts whose chunks are all encoded."""

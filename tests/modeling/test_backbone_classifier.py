@@ -105,3 +105,20 @@ def test_shares_are_the_chain_of_the_three_phis(classifier) -> None:
     scaled = pred.explained[0].credit.reshape(-1, 3)
     ratio = scaled / raw
     torch.testing.assert_close(ratio, torch.full_like(ratio, ratio[0, 0].item()), atol=1e-3, rtol=1e-3)
+
+
+def test_length_groups_change_the_calls_not_the_hidden_states(tiny_backbone_dir: Path) -> None:
+    chunks = [[101] + [2000 + k] * n + [102] for k, n in enumerate([1, 12, 2, 13, 3, 14])]
+    states, calls = {}, {}
+    for overhead in (0, 10_000):  # every length alone; all padded together
+        bb = Backbone(str(tiny_backbone_dir), max_length=16, call_overhead=overhead)
+        shapes = []
+        bb.encoder.register_forward_hook(lambda m, a, kw, out, s=shapes: s.append(tuple(kw["input_ids"].shape)),
+                                         with_kwargs=True)
+        states[overhead], calls[overhead] = bb.run_chunks(chunks), shapes
+    assert calls[0] == [(1, 3), (1, 4), (1, 5), (1, 14), (1, 15), (1, 16)]
+    assert calls[10_000] == [(6, 16)]
+    for alone, padded, ids in zip(states[0], states[10_000], chunks, strict=True):
+        assert alone.shape == padded.shape == (len(ids), 3, 32)
+        torch.testing.assert_close(alone, padded, atol=1e-5, rtol=1e-5)
+    assert Backbone(str(tiny_backbone_dir)).call_overhead == 64  # the CPU default

@@ -1,0 +1,65 @@
+import itertools
+import random
+
+import pytest
+
+from service.modeling.grouping import length_groups
+
+
+def cost(groups: list[list[int]], lengths: list[int], overhead: int) -> int:
+    return sum(overhead + len(g) * max(lengths[k] for k in g) for g in groups)
+
+
+def set_partitions(items: list[int]):
+    """Every partition of ``items`` into non-empty groups (any grouping, not only length-sorted runs)."""
+    if not items:
+        yield []
+        return
+    first, rest = items[0], items[1:]
+    for part in set_partitions(rest):
+        yield [[first], *part]
+        for g in range(len(part)):
+            yield part[:g] + [[first, *part[g]]] + part[g + 1 :]
+
+
+def fits(groups: list[list[int]], lengths: list[int], budget: int) -> bool:
+    return all(len(g) == 1 or len(g) * max(lengths[k] for k in g) <= budget for g in groups)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_optimal_among_every_grouping_within_the_budget(seed: int) -> None:
+    rng = random.Random(seed)
+    lengths = [rng.randint(1, 60) for _ in range(rng.randint(1, 7))]
+    overhead, budget = rng.choice([0, 8, 48, 200]), rng.choice([60, 120, 10_000])
+    groups = length_groups(lengths, overhead, budget)
+    assert sorted(k for g in groups for k in g) == list(range(len(lengths)))  # each index exactly once
+    assert fits(groups, lengths, budget)
+    for g in groups:  # shortest first within a group and from group to group
+        assert [lengths[k] for k in g] == sorted(lengths[k] for k in g)
+    assert [lengths[g[0]] for g in groups] == sorted(lengths[g[0]] for g in groups)
+    brute = min(cost(p, lengths, overhead) for p in set_partitions(list(range(len(lengths))))
+                if fits(p, lengths, budget))
+    assert cost(groups, lengths, overhead) == brute
+
+
+def test_the_two_extremes_and_the_budget() -> None:
+    lengths = [30, 7, 69, 31, 8, 30]
+    # a call costs nothing: every distinct length its own group, no padding at all
+    groups = length_groups(lengths, 0, 10_000)
+    assert all(len({lengths[k] for k in g}) == 1 for g in groups)
+    # a call costs more than any padding: one group
+    assert length_groups(lengths, 10_000, 10_000) == [[1, 4, 0, 5, 3, 2]]
+    # the budget cuts a group however costly calls are; a sequence longer than it goes alone
+    assert sorted(len(g) for g in length_groups([10] * 5, 10_000, 20)) == [1, 2, 2]
+    assert length_groups([50, 5], 10_000, 20) == [[1], [0]]
+    assert length_groups([], 64, 100) == []
+
+
+def test_random_tweets_in_a_batch_are_cut_into_a_few_groups() -> None:
+    rng = random.Random(0)
+    lengths = [rng.randint(7, 69) for _ in range(16)]
+    groups = length_groups(lengths, 64, 16384)
+    padded = sum(len(g) * max(lengths[k] for k in g) for g in groups)
+    assert 1 < len(groups) < 16
+    assert padded < 16 * max(lengths)
+    assert len(list(itertools.chain(*groups))) == 16
