@@ -19,7 +19,7 @@ import torch
 from transformers import AutoConfig, AutoModel, AutoTokenizer, PreTrainedTokenizerBase
 
 from service.modeling.encoding import Encoding
-from service.modeling.grouping import length_groups
+from service.modeling.grouping import length_groups, pack_rows
 
 
 def _local_only(path: str) -> bool:
@@ -184,11 +184,17 @@ class Backbone(torch.nn.Module):
         max_length: tokens per chunk, special tokens included (capped at the model's limit).
         device, dtype: where and in what precision the encoder runs.
         chunk_batch_tokens: at most this many padded tokens go through the encoder at once.
-        call_overhead: the fixed cost of one call of the encoder, in padded tokens: a batch of chunks of
-            mixed lengths is cut into length groups where that saves more padding than a call costs
-            (see :func:`~service.modeling.grouping.length_groups`). None: 64 on a CPU (measured: random
-            tweets in batches of 16 ran 22% faster than padded together, 48-64 being best), 1024 on a
-            GPU (not measured here: there padding is nearly free until the device is saturated).
+        call_overhead: the fixed cost of one call of the encoder, in padded tokens, where chunks cannot be
+            packed (see ``packs``): a batch of chunks of mixed lengths is then cut into length groups where
+            that saves more padding than a call costs (see :func:`~service.modeling.grouping.length_groups`).
+            None: 64 on a CPU (measured: random tweets in batches of 16 ran 22% faster than padded
+            together, 48-64 being best), 1024 on a GPU (not measured here: there padding is nearly free
+            until the device is saturated). The head's grouping is derived from it too.
+
+    Attributes:
+        packs: whether chunks are packed several to a row (each attending only to itself, its positions
+            counted from 0), which wastes no work on padding; checked at load against running chunks
+            one by one, since not every encoder takes ``position_ids`` and a 4D mask in this sense.
     """
 
     def __init__(
@@ -226,6 +232,9 @@ class Backbone(torch.nn.Module):
         if call_overhead is None:
             call_overhead = 64 if self.device.type == "cpu" else 1024
         self.call_overhead = call_overhead
+        # a packed row may hold several chunks, within what the encoder's position buffers allow
+        self.row_limit: int = getattr(cfg, "max_position_embeddings", self.max_length)
+        self.packs = self._packing_agrees()
 
     @property
     def device(self) -> torch.device:
@@ -271,8 +280,23 @@ class Backbone(torch.nn.Module):
 
     @torch.inference_mode()
     def run_chunks(self, chunk_ids: list[list[int]]) -> list[torch.Tensor]:
-        """Hidden states ``[L_c, d_depth, d_emb]`` of each chunk (token ids, special tokens included), run
-        through the encoder in length groups (see ``call_overhead``) within ``chunk_batch_tokens``."""
+        """Hidden states ``[L_c, d_depth, d_emb]`` of each chunk (token ids, special tokens included): packed
+        several to a row when the encoder allows it (``packs``), else padded in length groups (see
+        ``call_overhead``); at most ``chunk_batch_tokens`` positions go through the encoder at once."""
+        if not chunk_ids:
+            return []
+        return self._run_packed(chunk_ids) if self.packs else self._run_grouped(chunk_ids)
+
+    def _encode_rows(self, ids: torch.Tensor, mask: torch.Tensor | None,
+                     position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """``[r, L, d_depth, d_emb]`` hidden states of rows of token ids ``[r, L]``."""
+        opt = {} if position_ids is None else {"position_ids": position_ids.to(self.device)}
+        res = self.encoder(input_ids=ids.to(self.device), attention_mask=None if mask is None else mask.to(self.device),
+                           output_hidden_states=True, **opt)
+        return torch.stack(res.hidden_states, dim=-2)  # [r L depth emb]
+
+    def _run_grouped(self, chunk_ids: list[list[int]]) -> list[torch.Tensor]:
+        """One chunk per row, padded to the longest of its length group."""
         out: list[torch.Tensor | None] = [None] * len(chunk_ids)
         pad_id = self.tokenizer.pad_token_id or 0
         for group in length_groups([len(c) for c in chunk_ids], self.call_overhead, self.chunk_batch_tokens):
@@ -283,9 +307,53 @@ class Backbone(torch.nn.Module):
                 ids[r, : len(chunk_ids[k])] = torch.tensor(chunk_ids[k])
                 att[r, : len(chunk_ids[k])] = 1
             # without padding in the group the all-ones mask changes nothing; leaving it out skips building it
-            mask = att.to(self.device) if len(chunk_ids[group[0]]) < L else None
-            res = self.encoder(input_ids=ids.to(self.device), attention_mask=mask, output_hidden_states=True)
-            hs = torch.stack(res.hidden_states, dim=-2)  # [c L depth emb]
+            hs = self._encode_rows(ids, att if len(chunk_ids[group[0]]) < L else None)  # [c L depth emb]
             for r, k in enumerate(group):
                 out[k] = hs[r, : len(chunk_ids[k])]
         return [o for o in out if o is not None]
+
+    def _run_packed(self, chunk_ids: list[list[int]]) -> list[torch.Tensor]:
+        """Chunks packed into rows (see :func:`~service.modeling.grouping.pack_rows`), each chunk attending
+        only to itself with its own positions 0, 1, ...; a row's unused tail attends only to itself."""
+        lengths = [len(c) for c in chunk_ids]
+        L, rows = pack_rows(lengths, self.row_limit, self.d_emb)
+        out: list[torch.Tensor | None] = [None] * len(chunk_ids)
+        per_call = max(1, self.chunk_batch_tokens // L)
+        pad_id = self.tokenizer.pad_token_id or 0
+        for first in range(0, len(rows), per_call):
+            call = rows[first : first + per_call]
+            ids = torch.full((len(call), L), pad_id, dtype=torch.long)  # [r L]
+            pos = torch.zeros(len(call), L, dtype=torch.long)  # [r L] position within its chunk
+            seg = torch.full((len(call), L), -1, dtype=torch.long)  # [r L] which chunk of the row; -1 the tail
+            for r, row in enumerate(call):
+                start = 0
+                for s, k in enumerate(row):
+                    ids[r, start : start + lengths[k]] = torch.tensor(chunk_ids[k])
+                    pos[r, start : start + lengths[k]] = torch.arange(lengths[k])
+                    seg[r, start : start + lengths[k]] = s
+                    start += lengths[k]
+            if bool((seg == 0).all()):  # one whole chunk per row: nothing to mask, positions as usual
+                hs = self._encode_rows(ids, None)  # [r L depth emb]
+            else:
+                mask = (seg[:, :, None] == seg[:, None, :])[:, None]  # [r 1 L L] True: attends
+                hs = self._encode_rows(ids, mask, pos)  # [r L depth emb]
+            for r, row in enumerate(call):
+                start = 0
+                for k in row:
+                    out[k] = hs[r, start : start + lengths[k]]
+                    start += lengths[k]
+        return [o for o in out if o is not None]
+
+    def _packing_agrees(self) -> bool:
+        """Whether two chunks packed in one row give what each gives alone (within the dtype's rounding)."""
+        chunks = [self.chunker.prefix + ids + self.chunker.suffix
+                  for ids in ([1000, 1001, 1002], [1003, 1004])]
+        chunks = [[i % self.encoder.config.vocab_size for i in c] for c in chunks]
+        try:
+            with torch.inference_mode():
+                alone = [self._run_grouped([c])[0] for c in chunks]
+                packed = self._run_packed([*chunks, chunks[0] + chunks[1]])[:2]  # the longest makes room for both
+        except (TypeError, ValueError, RuntimeError):
+            return False
+        tol = 1e-4 if self.dtype == torch.float32 else 3e-2
+        return all(bool(torch.allclose(a, b, atol=tol, rtol=tol)) for a, b in zip(alone, packed, strict=True))

@@ -107,18 +107,61 @@ def test_shares_are_the_chain_of_the_three_phis(classifier) -> None:
     torch.testing.assert_close(ratio, torch.full_like(ratio, ratio[0, 0].item()), atol=1e-3, rtol=1e-3)
 
 
+
+CHUNKS = [[101] + [2000 + k] * n + [102] for k, n in enumerate([1, 12, 2, 13, 3, 14])]
+
+
+def record_calls(bb: Backbone) -> list[tuple[int, ...]]:
+    """The ``input_ids`` shape of every call of ``bb``'s encoder, from now on."""
+    shapes: list[tuple[int, ...]] = []
+    bb.encoder.register_forward_hook(lambda m, a, kw, out: shapes.append(tuple(kw["input_ids"].shape)),
+                                     with_kwargs=True)
+    return shapes
+
+
 def test_length_groups_change_the_calls_not_the_hidden_states(tiny_backbone_dir: Path) -> None:
-    chunks = [[101] + [2000 + k] * n + [102] for k, n in enumerate([1, 12, 2, 13, 3, 14])]
     states, calls = {}, {}
     for overhead in (0, 10_000):  # every length alone; all padded together
         bb = Backbone(str(tiny_backbone_dir), max_length=16, call_overhead=overhead)
-        shapes = []
-        bb.encoder.register_forward_hook(lambda m, a, kw, out, s=shapes: s.append(tuple(kw["input_ids"].shape)),
-                                         with_kwargs=True)
-        states[overhead], calls[overhead] = bb.run_chunks(chunks), shapes
+        bb.packs = False
+        calls[overhead] = record_calls(bb)
+        states[overhead] = bb.run_chunks(CHUNKS)
     assert calls[0] == [(1, 3), (1, 4), (1, 5), (1, 14), (1, 15), (1, 16)]
     assert calls[10_000] == [(6, 16)]
-    for alone, padded, ids in zip(states[0], states[10_000], chunks, strict=True):
+    for alone, padded, ids in zip(states[0], states[10_000], CHUNKS, strict=True):
         assert alone.shape == padded.shape == (len(ids), 3, 32)
         torch.testing.assert_close(alone, padded, atol=1e-5, rtol=1e-5)
     assert Backbone(str(tiny_backbone_dir)).call_overhead == 64  # the CPU default
+
+
+def test_packed_chunks_give_what_each_gives_alone(tiny_backbone_dir: Path) -> None:
+    bb = Backbone(str(tiny_backbone_dir), max_length=16)
+    assert bb.packs  # a BERT takes position ids and a 4D mask
+    calls = record_calls(bb)
+    packed = bb.run_chunks(CHUNKS)
+    rows, L = calls[0]
+    assert len(calls) == 1 and L >= 16 and rows * L < 6 * 16  # fewer positions than padding to the longest
+    for ids, got in zip(CHUNKS, packed, strict=True):
+        (alone,) = bb.run_chunks([ids])
+        assert got.shape == alone.shape == (len(ids), 3, 32)
+        torch.testing.assert_close(got, alone, atol=1e-5, rtol=1e-5)
+    assert calls[1:] == [(1, len(ids)) for ids in CHUNKS]  # one chunk alone: one row, no padding
+
+
+def test_an_encoder_that_cannot_pack_is_run_padded(tiny_backbone_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    bb = Backbone(str(tiny_backbone_dir), max_length=16)
+    forward = bb.encoder.forward
+
+    def positions_ignored(*args: object, position_ids: object = None, **kwargs: object) -> object:
+        return forward(*args, **kwargs)
+
+    def positions_refused(*args: object, position_ids: object = None, **kwargs: object) -> object:
+        if position_ids is not None:
+            raise TypeError("forward() got an unexpected keyword argument 'position_ids'")
+        return forward(*args, **kwargs)
+
+    for fake in (positions_ignored, positions_refused):
+        monkeypatch.setattr(bb.encoder, "forward", fake)
+        assert not bb._packing_agrees()
+    monkeypatch.setattr(bb.encoder, "forward", forward)
+    assert bb._packing_agrees()

@@ -3,7 +3,7 @@ import random
 
 import pytest
 
-from service.modeling.grouping import length_groups
+from service.modeling.grouping import length_groups, pack_rows
 
 
 def cost(groups: list[list[int]], lengths: list[int], overhead: int) -> int:
@@ -63,3 +63,28 @@ def test_random_tweets_in_a_batch_are_cut_into_a_few_groups() -> None:
     assert 1 < len(groups) < 16
     assert padded < 16 * max(lengths)
     assert len(list(itertools.chain(*groups))) == 16
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_rows_hold_every_index_once_within_their_length(seed: int) -> None:
+    rng = random.Random(seed)
+    lengths = [rng.randint(1, 69) for _ in range(rng.randint(1, 40))]
+    limit = rng.choice([69, 100, 512])
+    L, rows = pack_rows(lengths, limit, 384)
+    assert sorted(k for row in rows for k in row) == list(range(len(lengths)))
+    assert max(lengths) <= L <= max(limit, max(lengths))
+    assert all(sum(lengths[k] for k in row) <= L for row in rows)
+    # never more positions than one row per index padded to the longest
+    assert len(rows) * L <= len(lengths) * max(lengths) * 2
+    assert pack_rows([], limit, 384) == (0, [])
+
+
+def test_random_tweets_waste_little_when_packed() -> None:
+    rng = random.Random(0)
+    wasted = padded = 0
+    for _ in range(100):
+        lengths = [rng.randint(7, 69) for _ in range(16)]
+        L, rows = pack_rows(lengths, 512, 384)
+        wasted += len(rows) * L - sum(lengths)
+        padded += 16 * max(lengths) - sum(lengths)
+    assert wasted < padded / 3
