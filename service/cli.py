@@ -160,9 +160,11 @@ def bench_serve(
     long_chars: Annotated[int, typer.Option(help="Characters of the long text for the interference figure "
                                                  "(0: skip)")] = 20000,
     model_process: Annotated[bool, typer.Option("--model-process/--no-model-process",
-                                                help="The servers' setting (the other one is measured at "
-                                                     "concurrency 32 beside it)")] = True,
-    rounds: Annotated[int, typer.Option(help="Turns of served vs. offline at concurrency 32")] = 3,
+                                                help="The servers' setting (a server with the other one and "
+                                                     "one without batching are measured beside it in turns at "
+                                                     "concurrency 32)")] = True,
+    rounds: Annotated[int, typer.Option(help="Turns of served vs. offline, and of the servers side by "
+                                                   "side, at concurrency 32")] = 3,
     out: Annotated[Path, typer.Option(help="JSON result file")] = Path("bench-results/serve.json"),
 ) -> None:
     """Served throughput and latency vs. concurrency, batching on vs. off, thread settings, short requests

@@ -203,6 +203,31 @@ def alternating(urls: dict[str, str], texts: list[str], concurrency: int, second
     return {"concurrency": concurrency, "throughput": per, "mean": {n: sum(v) / len(v) for n, v in per.items()}}
 
 
+def alongside(start: Callable[[dict[str, Any]], LocalServer], cfg: dict[str, Any], model_process: bool,
+              texts: list[str], concurrency: int, seconds: float, rounds: int, url: str) -> dict[str, Any]:
+    """The server at ``url`` (settings ``cfg``), one with the other ``model_process`` setting and one without
+    batching, all up at once and measured in turns at ``concurrency`` (a server per setting minutes apart
+    carries the machine's drift into the ratios); the means and the two ratios."""
+    mine, other, unbatched = (f"model_process={model_process}", f"model_process={not model_process}",
+                              f"model_process={model_process}, no batching")
+    others = {other: {**cfg, "model_process": not model_process},
+              unbatched: {**cfg, "max_batch_size": 1, "max_wait_ms": 0}}
+    servers: dict[str, LocalServer] = {}
+    try:
+        for name, c in others.items():
+            servers[name] = start(c)
+        for server in servers.values():
+            server.wait_ready()
+        echo(f"  {', '.join([mine, *others])}: each at concurrency {concurrency}, in turns", err=True)
+        out = alternating({mine: url, **{n: s.url for n, s in servers.items()}}, texts, concurrency, seconds, rounds)
+    finally:
+        for server in servers.values():
+            server.stop()
+    means = out["mean"]
+    process, thread = (means[mine], means[other]) if model_process else (means[other], means[mine])
+    return {**out, "process_over_thread": process / thread, "batching_on_over_off": means[mine] / means[unbatched]}
+
+
 def long_text(n_chars: int, seed: int = 0) -> str:
     """A valid text of ``n_chars`` characters where every character is one token (letters between dots)."""
     rng = random.Random(seed)
@@ -290,7 +315,7 @@ def run(model: str, preset: str, levels: list[int], duration: float, n_texts: in
             configs.append((f"threads={threads or 'auto'} wait={policy or 'default'}", cfg, [top]))
     inter: dict[str, Any] | None = None
     paired: dict[str, Any] | None = None
-    process_vs_thread: dict[str, Any] | None = None
+    beside: dict[str, Any] | None = None
     for name, cfg, lv in configs:
         server = start(cfg).wait_ready() if url is None else None
         target = server.url if server else str(url)
@@ -307,17 +332,8 @@ def run(model: str, preset: str, levels: list[int], duration: float, n_texts: in
                 echo(f"  served at concurrency {top} and offline at batch size {limit['best_batch_size']}, "
                      f"{rounds} rounds in turns", err=True)
                 paired = paired_rounds(target, texts, top, offline, limit["best_batch_size"], duration, rounds)
-                if server is not None:  # the other model_process setting, up beside this server, in turns
-                    other = start({**cfg, "model_process": not model_process})
-                    try:
-                        other.wait_ready()
-                        echo(f"  model_process={model_process} vs {not model_process} at concurrency {top}, in turns",
-                             err=True)
-                        process_vs_thread = alternating(
-                            {f"model_process={model_process}": target, f"model_process={not model_process}": other.url},
-                            texts, top, duration, rounds)
-                    finally:
-                        other.stop()
+                if server is not None:  # the other settings, each up beside this server, measured in turns
+                    beside = alongside(start, cfg, model_process, texts, top, duration, rounds, target)
                 if long_chars:
                     echo(f"  short requests while one {long_chars}-character text is served", err=True)
                     inter = asyncio.run(interference(target, texts, long_text(long_chars),
@@ -325,14 +341,14 @@ def run(model: str, preset: str, levels: list[int], duration: float, n_texts: in
         finally:
             if server is not None:
                 server.stop()
-    return report_all(runs, limit, paired, process_vs_thread, inter, top, max_wait_ms, out, {
+    return report_all(runs, limit, paired, beside, inter, top, max_wait_ms, out, {
         "model": model, "texts": len(texts), "levels": levels, "duration_s": duration, "device": device,
         "max_wait_ms": max_wait_ms, "max_batch_size": max_batch_size, "url": url, "long_chars": long_chars,
         "thread_configs": thread_configs, "model_process": model_process, "rounds": rounds})
 
 
 def report_all(runs: dict[str, list[dict]], offline: dict[str, Any], paired: dict[str, Any] | None,
-               process_vs_thread: dict[str, Any] | None, inter: dict[str, Any] | None, top: int,
+               beside: dict[str, Any] | None, inter: dict[str, Any] | None, top: int,
                max_wait_ms: float, out: Path, settings: dict[str, Any]) -> dict[str, Any]:
     cols = ["concurrency", "throughput", "p50_ms", "p95_ms", "p99_ms", "mean_batch", "model_busy", "batch_ms",
             "errors", "requests"]
@@ -354,11 +370,14 @@ def report_all(runs: dict[str, list[dict]], offline: dict[str, Any], paired: dic
              f"in turns: {paired['ratio']:.3f} (served {[round(v, 1) for v in paired['served']]}, offline "
              f"{[round(v, 1) for v in paired['offline']]} texts/s)")
         summary[f"served_over_offline_at_c{top}_paired"] = paired["ratio"]
-    if process_vs_thread is not None:
-        means = ", ".join(f"{n}: {v:.1f}" for n, v in process_vs_thread["mean"].items())
-        echo(f"\nthe model in its own process or in a thread of the server, both up, at concurrency {top} in turns "
-             f"(mean texts/s): {means}")
-        summary["model_process_vs_thread"] = process_vs_thread["mean"]
+    if beside is not None:
+        means = ", ".join(f"{n}: {v:.1f}" for n, v in beside["mean"].items())
+        echo(f"\nthe servers up side by side at concurrency {top}, measured in turns (mean texts/s): {means}")
+        echo(f"  the model in its own process / in a thread of the server: {beside['process_over_thread']:.3f}")
+        echo(f"  batching on / off: {beside['batching_on_over_off']:.3f}")
+        summary["side_by_side"] = beside["mean"]
+        summary[f"batching_on_over_off_at_c{top}_in_turns"] = beside["batching_on_over_off"]
+        summary[f"process_over_thread_at_c{top}_in_turns"] = beside["process_over_thread"]
     best = max(runs["batching"], key=lambda r: r["throughput"])
     summary["served_over_offline_at_saturation"] = best["throughput"] / offline["throughput"]
     summary["saturation_concurrency"] = best["concurrency"]
@@ -388,7 +407,7 @@ def report_all(runs: dict[str, list[dict]], offline: dict[str, Any], paired: dic
         echo(report.table([inter], list(inter)))
         summary["long_text_interference"] = inter
     path = report.write_json(out, "serve", settings, {"runs": runs, "offline": offline, "paired": paired,
-                                                      "model_process_vs_thread": process_vs_thread,
+                                                      "side_by_side": beside,
                                                       "interference": inter}, summary)
     echo(f"wrote {path}")
     return summary

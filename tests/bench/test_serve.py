@@ -67,6 +67,32 @@ def test_alternating_measures_every_server_every_round(tiny_repo: Path, tmp_path
     assert out["mean"]["thread"] == pytest.approx(sum(out["throughput"]["thread"]) / 2)
 
 
+def test_alongside_measures_the_other_settings_in_turns_and_stops_them(tiny_repo: Path, tmp_path: Path) -> None:
+    texts = ["a short text", "another one"]
+    cfg = {"model_repository": tiny_repo, "default_model": "tiny", "max_wait_ms": 1, "model_process": False}
+    started: list[Server] = []
+    asked: list[dict] = []
+
+    def start(settings: dict) -> Server:
+        asked.append(settings)
+        started.append(Server(tmp_path, **settings))
+        return started[-1]
+
+    first = start(cfg).wait_ready()
+    try:
+        out = serve.alongside(start, cfg, False, texts, 2, 0.3, 2, first.url)
+    finally:
+        first.stop()
+    mine, other, unbatched = "model_process=False", "model_process=True", "model_process=False, no batching"
+    assert set(out["throughput"]) == {mine, other, unbatched}
+    assert all(len(v) == 2 and min(v) > 0 for v in out["throughput"].values())
+    m = out["mean"]
+    assert out["process_over_thread"] == pytest.approx(m[other] / m[mine])  # this server ran the model in a thread
+    assert out["batching_on_over_off"] == pytest.approx(m[mine] / m[unbatched])
+    assert all(s.proc.poll() is not None for s in started)  # the servers it started are stopped
+    assert [(a["model_process"], a.get("max_batch_size")) for a in asked] == [(False, None), (True, None), (False, 1)]
+
+
 def test_closed_loop_counts_answers_and_batches(tiny_repo: Path, tmp_path: Path) -> None:
     srv = Server(tmp_path, model_repository=tiny_repo, default_model="tiny", max_wait_ms=5).wait_ready()
     try:

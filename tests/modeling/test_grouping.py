@@ -19,7 +19,7 @@ def set_partitions(items: list[int]):
     for part in set_partitions(rest):
         yield [[first], *part]
         for g in range(len(part)):
-            yield part[:g] + [[first, *part[g]]] + part[g + 1 :]
+            yield [*part[:g], [first, *part[g]], *part[g + 1 :]]
 
 
 def fits(groups: list[list[int]], lengths: list[int], budget: int) -> bool:
