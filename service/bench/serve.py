@@ -127,7 +127,8 @@ async def closed_loop(url: str, path: str, texts: list[str], concurrency: int, s
 
 class Offline:
     """The engine alone (no HTTP, no queue), loaded in this process: texts per second at a batch size,
-    in a worker thread as the server runs it (or on this thread, for reference)."""
+    in a worker thread as the server runs it (or on this thread, for reference), over whole passes of
+    the texts (at least ``seconds``)."""
 
     def __init__(self, repository: Path, model: str, texts: list[str], device: str) -> None:
         from service.serving.engine import Engine
@@ -140,13 +141,12 @@ class Offline:
 
         batches = [self.ordered[k : k + bs] for k in range(0, len(self.ordered), bs)]
         self.engine.run([Task(t) for t in batches[0]])  # warm-up at this shape
-        n = k = 0
+        n = 0
         t0 = time.perf_counter()
-        while time.perf_counter() - t0 < seconds:
-            batch = batches[k % len(batches)]
-            self.engine.run([Task(t) for t in batch])
-            n += len(batch)
-            k += 1
+        while n == 0 or time.perf_counter() - t0 < seconds:  # whole passes: every text counts alike (cut
+            for batch in batches:  # short, the shortest texts, which come first, would count more)
+                self.engine.run([Task(t) for t in batch])
+                n += len(batch)
         return n / (time.perf_counter() - t0)
 
     def throughput(self, bs: int, seconds: float, worker_thread: bool = True) -> float:
