@@ -340,7 +340,7 @@ class Backbone(torch.nn.Module):
             for r, row in enumerate(call):
                 start = 0
                 for k in row:
-                    out[k] = hs[r, start : start + lengths[k]]
+                    out[k] = hs[r, start : start + lengths[k]]  # [L_c depth emb]
                     start += lengths[k]
         return [o for o in out if o is not None]
 
@@ -351,8 +351,9 @@ class Backbone(torch.nn.Module):
         chunks = [[i % self.encoder.config.vocab_size for i in c] for c in chunks]
         try:
             with torch.inference_mode():
-                alone = [self._run_grouped([c])[0] for c in chunks]
-                packed = self._run_packed([*chunks, chunks[0] + chunks[1]])[:2]  # the longest makes room for both
+                alone = [self._run_grouped([c])[0] for c in chunks]  # per chunk [L_c depth emb]
+                # the joined chunk, longest, sets the row length: the two share the next row
+                packed = self._run_packed([*chunks, chunks[0] + chunks[1]])[:2]  # per chunk [L_c depth emb]
         except (TypeError, ValueError, RuntimeError):
             return False
         tol = 1e-4 if self.dtype == torch.float32 else 3e-2
