@@ -7,7 +7,7 @@ vectors of the first routing (``i = n * d_depth``, position-major), ``j`` hidden
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -127,10 +127,11 @@ class RoutingHead(nn.Module):
         readout = nn.functional.one_hot(targets, self.n_classes).to(out.scores.dtype)  # [...tk]
         if contrast:
             readout = readout - 1.0 / self.n_classes  # [...tk]
+        # the first routing's inputs less x_lin are each depth's bias B, the same for every sample
+        n = out.absent.shape[-1] // self.d_depth
+        x_const = self.B.repeat(n, 1)  # [id]
+        contrib, baseline = credit.value_path(out.stack, out.x_lin, readout[..., None], x_const)  # [...ti], [...t]
         # padding takes no part (its phi is 0), but whatever it holds must not turn 0 * value into NaN
-        absent = out.absent[..., None]  # [...i1]
-        first = replace(out.stack[0], x_inp=out.stack[0].x_inp.masked_fill(absent, 0.0))  # [...id]
-        x_lin = out.x_lin.masked_fill(absent, 0.0)  # [...id]
-        contrib, baseline = credit.value_path((first, *out.stack[1:]), x_lin, readout[..., None])  # [...ti], [...t]
+        contrib = contrib.masked_fill(out.absent[..., None, :], 0.0)  # [...ti]
         logit = torch.einsum("...tk,...k->...t", readout, out.scores)  # [...t]
         return Contribution(credit=contrib.unflatten(-1, (-1, self.d_depth)), baseline=baseline, logit=logit)

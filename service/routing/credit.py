@@ -143,7 +143,8 @@ def _norm_scale(r: Routed) -> torch.Tensor | None:
     N = r.routing.N
     if not (r.routing.normalize and isinstance(N, torch.nn.LayerNorm)):
         return None
-    var = r.x_out_raw.var(dim=-1, unbiased=False, keepdim=True)  # [...j1]
+    centred = r.x_out_raw - r.x_out_raw.mean(dim=-1, keepdim=True)  # [...jh]
+    var = (centred * centred).mean(dim=-1, keepdim=True)  # [...j1] (Tensor.var takes ~10x longer on a CPU)
     return (var + N.eps).rsqrt()  # [...j1]
 
 
@@ -155,8 +156,8 @@ def _pull_back_norm(g: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor
     return (g - g.mean(dim=-1, keepdim=True)) * scale[..., None, :, :]  # [...tjh]
 
 
-def value_path(stack: Sequence[Routed], x_lin: torch.Tensor, readout: torch.Tensor) -> tuple[
-        torch.Tensor, torch.Tensor]:
+def value_path(stack: Sequence[Routed], x_lin: torch.Tensor, readout: torch.Tensor,
+               x_const: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact split of linear read-outs of a stack of routings over the first routing's inputs.
 
     With every ``phi`` and norm scale fixed, each routing's pre-norm output
@@ -178,6 +179,8 @@ def value_path(stack: Sequence[Routed], x_lin: torch.Tensor, readout: torch.Tens
         stack: the routings in order of application; each one's ``x_inp`` is the previous one's output.
         x_lin: ``[..., i, d]`` the part of the first routing's inputs to credit (0 at absent inputs).
         readout: ``[..., t, j_L, h_L]`` weights of each read-out on the last output.
+        x_const: ``[..., i, d]`` or ``[i, d]``, the rest, ``x_inp - x_lin`` (finite at absent inputs),
+            when the caller has it in a cheaper form (a bias shared by every sample); None: computed.
 
     Returns:
         ``contrib [..., t, i]`` and ``baseline [..., t]``.
@@ -196,6 +199,8 @@ def value_path(stack: Sequence[Routed], x_lin: torch.Tensor, readout: torch.Tens
     first = stack[0]
     per_ij = torch.einsum("...id,...tjd->...tij", x_lin, u)  # [...tij] each input's vote features, read out
     contrib = (per_ij * first.phi[..., None, :, :]).sum(dim=-1)  # [...ti]
-    phi_x = torch.einsum("...ij,...id->...jd", first.phi, first.x_inp - x_lin)  # [...jd] x_const, contracted
+    if x_const is None:
+        x_const = first.x_inp - x_lin  # [...id]
+    phi_x = torch.matmul(first.phi.transpose(-2, -1), x_const)  # [...jd] x_const, contracted over i
     baseline = baseline + torch.einsum("...tjd,...jd->...t", u, phi_x)  # [...t]
     return contrib, baseline
