@@ -177,7 +177,8 @@ def value_path(stack: Sequence[Routed], x_lin: torch.Tensor, readout: torch.Tens
 
     Args:
         stack: the routings in order of application; each one's ``x_inp`` is the previous one's output.
-        x_lin: ``[..., i, d]`` the part of the first routing's inputs to credit (0 at absent inputs).
+        x_lin: ``[..., i, d]`` the part of the first routing's inputs to credit (absent inputs, whose
+            ``phi`` is 0, get 0 where it is finite).
         readout: ``[..., t, j_L, h_L]`` weights of each read-out on the last output.
         x_const: ``[..., i, d]`` or ``[i, d]``, the rest, ``x_inp - x_lin`` (finite at absent inputs),
             when the caller has it in a cheaper form (a bias shared by every sample); None: computed.

@@ -77,13 +77,14 @@ def test_completeness_credit_sums_to_logit_minus_baseline(dtype: torch.dtype, to
         torch.testing.assert_close(c.logit, ref)
 
 
-def test_targets_are_batched_and_padding_never_leaks() -> None:
+@pytest.mark.parametrize("junk", [123.0, float("nan")])
+def test_targets_are_batched_and_padding_never_leaks(junk: float) -> None:
     head = random_head(torch.float32)
     h = torch.randn(1, 4, 3, 16)
     long = torch.cat([h, torch.randn(1, 7, 3, 16)], dim=1)  # another text, longer
     with torch.no_grad():
         alone = head.contributions(head(h), torch.tensor([[2, 0]]))
-        hb = torch.cat([torch.nn.functional.pad(h, (0, 0, 0, 0, 0, 7), value=123.0), long])  # junk in the padding
+        hb = torch.cat([torch.nn.functional.pad(h, (0, 0, 0, 0, 0, 7), value=junk), long])  # junk in the padding
         pad = torch.tensor([[False] * 4 + [True] * 7, [False] * 11])
         both = head.contributions(head(hb, pad), torch.tensor([[2, 0], [1, 1]]))
         single = head.contributions(head(h), torch.tensor([[0]]))
