@@ -285,7 +285,8 @@ class Backbone(torch.nn.Module):
         ``call_overhead``); at most ``chunk_batch_tokens`` positions go through the encoder at once."""
         if not chunk_ids:
             return []
-        return self._run_packed(chunk_ids) if self.packs else self._run_grouped(chunk_ids)
+        # one chunk is one row either way; the grouped path builds less around it
+        return self._run_packed(chunk_ids) if self.packs and len(chunk_ids) > 1 else self._run_grouped(chunk_ids)
 
     def _encode_rows(self, ids: torch.Tensor, mask: torch.Tensor | None,
                      position_ids: torch.Tensor | None = None) -> torch.Tensor:

@@ -85,7 +85,8 @@ def test_protected_metrics(tiny_repo: Path, logs: Path) -> None:
 
 
 def test_sigterm_during_load_answers_every_accepted_request(tiny_repo: Path, logs: Path) -> None:
-    # one text per batch and long texts: answering everything takes seconds, so the drain is observable
+    # one chunk per batch and long texts: answering everything takes seconds, so the drain is observable,
+    # yet well within the requests' 30 s deadline on a slow machine (about 1,700 batches)
     server = Server(logs, model_repository=tiny_repo, default_model="tiny", max_wait_ms=300, max_batch_size=1,
                     drain_timeout_s=60).wait_ready()
     results: list[int | str] = []
@@ -93,7 +94,7 @@ def test_sigterm_during_load_answers_every_accepted_request(tiny_repo: Path, log
     def record(r: httpx.Response | httpx.TransportError) -> None:
         results.append(r.status_code if isinstance(r, httpx.Response) else type(r).__name__)
 
-    bodies = [{"inputs": [f"text number {k}, long enough to need many chunks. " * 90] * 3} for k in range(24)]
+    bodies = [{"inputs": [f"text number {k}, long enough to need many chunks. " * 30] * 3} for k in range(24)]
     thread = in_flight(server, bodies, record, wait_s=30)
     server.terminate()
     time.sleep(0.1)
