@@ -28,6 +28,7 @@ from service.bench.report import echo, in_worker_thread
 from service.bench.server import LocalServer
 
 T = TypeVar("T")
+NO_BATCHING = {"max_batch_size": 1, "max_wait_ms": 0}  # a server's settings with batching off
 
 
 def test_texts(preset: str, limit: int, seed: int = 0) -> list[str]:
@@ -211,7 +212,7 @@ def alongside(start: Callable[[dict[str, Any]], LocalServer], cfg: dict[str, Any
     mine, other, unbatched = (f"model_process={model_process}", f"model_process={not model_process}",
                               f"model_process={model_process}, no batching")
     others = {other: {**cfg, "model_process": not model_process},
-              unbatched: {**cfg, "max_batch_size": 1, "max_wait_ms": 0}}
+              unbatched: {**cfg, **NO_BATCHING}}
     servers: dict[str, LocalServer] = {}
     try:
         for name, c in others.items():
@@ -305,7 +306,7 @@ def run(model: str, preset: str, levels: list[int], duration: float, n_texts: in
     base = {"max_batch_size": max_batch_size, "max_wait_ms": max_wait_ms, "model_process": model_process}
     configs: list[tuple[str, dict[str, Any], list[int]]] = [("batching", base, levels)]
     if url is None:
-        configs.append(("no_batching", {**base, "max_batch_size": 1, "max_wait_ms": 0}, levels))
+        configs.append(("no_batching", {**base, **NO_BATCHING}, levels))
         for threads, policy in thread_configs:
             cfg: dict[str, Any] = dict(base)
             if threads:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from service.modeling.head import RoutingHead
+from service.routing import credit
 from tests.routing.naive import layer_norm
 
 
@@ -92,3 +93,20 @@ def test_targets_are_batched_and_padding_never_leaks(junk: float) -> None:
     assert (both.credit[0, :, 4:] == 0).all()
     assert (both.baseline[0] - alone.baseline[0]).abs().max() <= 1e-5
     torch.testing.assert_close(single.credit[0, 0], alone.credit[0, 1])  # target order is kept
+
+
+def test_value_path_computes_the_constant_part_itself_when_not_given() -> None:
+    # the head hands its per-depth bias over as x_const; any other stack of routings leaves it out
+    head = random_head(torch.float64)
+    h = torch.randn(2, 5, 3, 16, dtype=torch.float64)
+    pad = torch.tensor([[False] * 5, [False] * 2 + [True] * 3])
+    with torch.no_grad():
+        out = head(h.masked_fill(pad[..., None, None], 0.0), pad)
+        readout = torch.nn.functional.one_hot(torch.tensor([[1, 3], [0, 2]]), 4).to(torch.float64)[..., None]
+        n = out.absent.shape[-1] // head.d_depth
+        given = credit.value_path(out.stack, out.x_lin, readout, head.B.repeat(n, 1))
+        computed = credit.value_path(out.stack, out.x_lin, readout)
+        without = credit.value_path(out.stack, out.x_lin, readout, torch.zeros_like(head.B.repeat(n, 1)))
+    for a, b in zip(given, computed, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)
+    assert (without[1] - computed[1]).abs().min() > 1e-6  # the constant part moves the baseline
