@@ -50,6 +50,7 @@ class Level:
     batch_sum: float
     batch_count: float
     compute_s: float  # time the model spent on batches meanwhile
+    cpu_s: dict[str, float] | None = None  # CPU seconds meanwhile: the server's parts, the load generator
 
     def row(self) -> dict[str, Any]:
         lat = sorted(self.latencies)
@@ -61,7 +62,8 @@ class Level:
                 "p95_ms": q(0.95), "p99_ms": q(0.99), "mean_batch": self.batch_sum / max(self.batch_count, 1),
                 "model_busy": self.compute_s / self.seconds,
                 "batch_ms": 1000 * self.compute_s / max(self.batch_count, 1),
-                "errors": self.errors, "requests": len(self.latencies) + self.errors}
+                "errors": self.errors, "requests": len(self.latencies) + self.errors,
+                **{f"{part}_cpu_ms": 1000 * s / max(self.texts, 1) for part, s in (self.cpu_s or {}).items()}}
 
 
 def _batch_stats(url: str, family: str = "routing_batch_size") -> tuple[float, float]:
@@ -90,9 +92,13 @@ def run_async(main: Coroutine[Any, Any, T]) -> T:
 
 
 async def closed_loop(url: str, path: str, texts: list[str], concurrency: int, seconds: float,
-                      body: dict[str, Any] | None = None) -> Level:
+                      body: dict[str, Any] | None = None,
+                      cpu: Callable[[], dict[str, float] | None] | None = None) -> Level:
     """``concurrency`` clients, each sending one text at a time for ``seconds`` (aiohttp: about a tenth
-    of httpx's CPU per request, measured here: 0.2 vs 2.0 ms)."""
+    of httpx's CPU per request, measured here: 0.2 vs 2.0 ms). ``cpu``: CPU seconds used so far by the
+    server's parts (see ``LocalServer.cpu``), to count where the machine's CPU went, the load generator's
+    (this process) included."""
+    cpu0, own0 = (cpu() if cpu else None), time.process_time()
     s0, c0 = _batch_stats(url)
     b0, _ = _batch_stats(url, "routing_batch_compute_seconds")
     latencies: list[float] = []
@@ -123,7 +129,10 @@ async def closed_loop(url: str, path: str, texts: list[str], concurrency: int, s
         elapsed = time.monotonic() - t_start
     s1, c1 = _batch_stats(url)
     b1, _ = _batch_stats(url, "routing_batch_compute_seconds")
-    return Level(concurrency, elapsed, latencies, errors, len(latencies), s1 - s0, c1 - c0, b1 - b0)
+    cpu1, own1 = (cpu() if cpu else None), time.process_time()
+    used = None if cpu0 is None or cpu1 is None else {
+        **{part: cpu1[part] - cpu0[part] for part in cpu0}, "load_generator": own1 - own0}
+    return Level(concurrency, elapsed, latencies, errors, len(latencies), s1 - s0, c1 - c0, b1 - b0, used)
 
 
 class Offline:
@@ -324,7 +333,8 @@ def run(model: str, preset: str, levels: list[int], duration: float, n_texts: in
             run_async(closed_loop(target, "/v1/classify", texts, 4, 2.0))  # warm-up
             runs[name] = []
             for c in lv:
-                row = run_async(closed_loop(target, "/v1/classify", texts, c, duration)).row()
+                row = run_async(closed_loop(target, "/v1/classify", texts, c, duration,
+                                            cpu=server.cpu if server else None)).row()
                 runs[name].append(row)
                 echo(f"  {name} c={c}: {row['throughput']:.1f} texts/s, p50 {row['p50_ms']:.0f} ms, "
                      f"p99 {row['p99_ms']:.0f} ms, mean batch {row['mean_batch']:.1f}, errors {row['errors']}",
@@ -346,6 +356,18 @@ def run(model: str, preset: str, levels: list[int], duration: float, n_texts: in
         "model": model, "texts": len(texts), "levels": levels, "duration_s": duration, "device": device,
         "max_wait_ms": max_wait_ms, "max_batch_size": max_batch_size, "url": url, "long_chars": long_chars,
         "thread_configs": thread_configs, "model_process": model_process, "rounds": rounds})
+
+
+CPU_PARTS = ("models", "server", "load_generator")
+
+
+def cpu_split(row: dict[str, Any]) -> dict[str, float]:
+    """A level's CPU ms per text by part, and the models' share of their sum (empty if not measured)."""
+    ms = {part: row[f"{part}_cpu_ms"] for part in CPU_PARTS if f"{part}_cpu_ms" in row}
+    if len(ms) < len(CPU_PARTS):
+        return {}
+    share = ms["models"] / max(sum(ms.values()), 1e-9)
+    return {**{f"{part}_cpu_ms": v for part, v in ms.items()}, "models_share": share}
 
 
 def report_all(runs: dict[str, list[dict]], offline: dict[str, Any], paired: dict[str, Any] | None,
@@ -398,11 +420,14 @@ def report_all(runs: dict[str, list[dict]], offline: dict[str, Any], paired: dic
         return 1000 * int(size) / offline["by_batch_size"][size]
 
     echo(f"\nat concurrency {top}, served / offline (worker thread); model busy: share of the time the model "
-         "computed batches; batch ms: per batch in the server, and offline at the nearest batch size:")
+         "computed batches; batch ms: per batch in the server, and offline at the nearest batch size; CPU ms "
+         "per text of the models' processes, the server's process and the load generator, and the models' "
+         "share of the three (the offline limit gives the model the whole machine):")
     rows = [{"server": n, "texts/s": r["throughput"], "served/offline": r["throughput"] / offline["throughput"],
              "p50_ms": r["p50_ms"], "p99_ms": r["p99_ms"], "model_busy": r["model_busy"], "batch_ms": r["batch_ms"],
-             "offline_batch_ms": offline_batch_ms(r["mean_batch"])} for n, r in at_top.items()]
+             "offline_batch_ms": offline_batch_ms(r["mean_batch"]), **cpu_split(r)} for n, r in at_top.items()]
     echo(report.table(rows, list(rows[0]) if rows else []))
+    summary[f"cpu_ms_per_text_at_c{top}"] = {n: cpu_split(r) for n, r in at_top.items() if cpu_split(r)}
     if inter is not None:
         echo("\nshort requests while one long text is served (target: each <= 3 x idle p50 + one batch):")
         echo(report.table([inter], list(inter)))

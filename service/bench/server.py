@@ -13,6 +13,27 @@ from pathlib import Path
 import httpx
 
 
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds process ``pid`` has used (Linux ``/proc``; None where it cannot be read)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (Linux ``/proc``; empty where it cannot be read)."""
+    out = []
+    for entry in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(entry.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(entry.parent.name))
+        except (OSError, IndexError, ValueError):
+            continue
+    return out
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -47,6 +68,15 @@ class LocalServer:
                 pass
             time.sleep(0.1)
         raise TimeoutError(f"server not ready after {timeout} s:\n{self.log()}")
+
+    def cpu(self) -> dict[str, float] | None:
+        """CPU seconds used so far by the server's process (HTTP, tokenizer, batcher) and by its children
+        (the models' processes); None where ``/proc`` cannot be read."""
+        server = cpu_seconds(self.proc.pid)
+        if server is None:
+            return None
+        models = [cpu_seconds(k) for k in children(self.proc.pid)]
+        return {"server": server, "models": sum(c for c in models if c is not None)}
 
     def log(self) -> str:
         """The end of the server's log."""

@@ -1,16 +1,21 @@
 """The parts of `bench serve` on the tiny model: the long text is what it says, the offline limit is
-measured in a worker thread with the main-thread figure beside it, and the interference figure
-comes from real requests against a real server."""
+measured in a worker thread with the main-thread figure beside it, the interference figure comes
+from real requests against a real server, and the CPU each part used is read from the processes."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
 
 from service.bench import serve
+from service.bench.server import children, cpu_seconds
 from service.modeling.backbone import Backbone
 from tests.serving.server import Server
 
@@ -93,16 +98,39 @@ def test_alongside_measures_the_other_settings_in_turns_and_stops_them(tiny_repo
     assert [(a["model_process"], a.get("max_batch_size")) for a in asked] == [(False, None), (True, None), (False, 1)]
 
 
-def test_closed_loop_counts_answers_and_batches(tiny_repo: Path, tmp_path: Path) -> None:
+def test_closed_loop_counts_answers_batches_and_cpu(tiny_repo: Path, tmp_path: Path) -> None:
     srv = Server(tmp_path, model_repository=tiny_repo, default_model="tiny", max_wait_ms=5).wait_ready()
     try:
-        level = serve.run_async(serve.closed_loop(srv.url, "/v1/classify", ["one text", "another text"], 4, 1.0))
+        level = serve.run_async(serve.closed_loop(srv.url, "/v1/classify", ["one text", "another text"], 4, 1.0,
+                                                  cpu=srv.cpu))
         bad = serve.run_async(serve.closed_loop(srv.url, "/v1/classify", [""], 2, 0.3))  # empty text: 422
+        model_pids = children(srv.proc.pid)
     finally:
         srv.stop()
     assert level.errors == 0 and level.texts == len(level.latencies) > 4
     assert level.batch_count >= 1 and level.batch_sum >= level.batch_count  # read from the server's /metrics
     assert bad.texts == 0 and bad.errors > 0
+    assert len(model_pids) == 1  # the tiny model's process
+    assert level.cpu_s is not None and set(level.cpu_s) == {"server", "models", "load_generator"}
+    assert level.cpu_s["server"] > 0 and level.cpu_s["load_generator"] > 0 and level.cpu_s["models"] >= 0
+    split = serve.cpu_split(level.row())
+    assert split["server_cpu_ms"] == pytest.approx(1000 * level.cpu_s["server"] / level.texts)
+    assert 0 <= split["models_share"] < 1
+    assert bad.cpu_s is None and serve.cpu_split(bad.row()) == {}  # not asked for: nothing made up
+
+
+def test_cpu_seconds_and_children_read_this_machines_processes() -> None:
+    child = subprocess.Popen([sys.executable, "-c", "import time; sum(range(10**7)); time.sleep(30)"])
+    try:
+        end = time.monotonic() + 20
+        while (cpu_seconds(child.pid) or 0) == 0 and time.monotonic() < end:
+            time.sleep(0.05)
+        assert child.pid in children(os.getpid())
+        assert (cpu_seconds(child.pid) or 0) > 0
+    finally:
+        child.kill()
+        child.wait()
+    assert cpu_seconds(child.pid) is None  # gone: nothing to read
 
 
 def test_interference_sends_short_requests_while_the_long_text_is_served(tiny_repo: Path, tmp_path: Path) -> None:
