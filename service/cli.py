@@ -168,7 +168,8 @@ def bench_serve(
     out: Annotated[Path, typer.Option(help="JSON result file")] = Path("bench-results/serve.json"),
 ) -> None:
     """Served throughput and latency vs. concurrency, batching on vs. off, thread settings, short requests
-    while a long text is served, and served vs. the offline limit (worker thread, as the server runs it)."""
+    while a long text is served, served vs. the offline limit (worker thread, as the server runs it), and
+    the CPU the model's process, the server's process and the load generator used per text."""
     try:
         from service.bench import serve as sb
     except ImportError as e:  # the load generator comes with the bench extra
