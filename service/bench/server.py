@@ -13,11 +13,13 @@ from pathlib import Path
 import httpx
 
 
-def cpu_seconds(pid: int) -> float | None:
-    """User + system CPU seconds process ``pid`` has used (Linux ``/proc``; None where it cannot be read)."""
+def cpu_seconds(pid: int, exited_children: bool = False) -> float | None:
+    """User + system CPU seconds process ``pid`` has used, or with ``exited_children`` those its children
+    that have exited (and been waited for) used (Linux ``/proc``; None where it cannot be read)."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        first = 13 if exited_children else 11  # utime, stime; cutime, cstime
+        return (int(fields[first]) + int(fields[first + 1])) / os.sysconf("SC_CLK_TCK")
     except (OSError, IndexError, ValueError):
         return None
 
@@ -71,12 +73,13 @@ class LocalServer:
 
     def cpu(self) -> dict[str, float] | None:
         """CPU seconds used so far by the server's process (HTTP, tokenizer, batcher) and by its children
-        (the models' processes); None where ``/proc`` cannot be read."""
-        server = cpu_seconds(self.proc.pid)
-        if server is None:
+        (the models' processes, running or exited); None where ``/proc`` cannot be read."""
+        server, exited = cpu_seconds(self.proc.pid), cpu_seconds(self.proc.pid, exited_children=True)
+        if server is None or exited is None:
             return None
-        models = [cpu_seconds(k) for k in children(self.proc.pid)]
-        return {"server": server, "models": sum(c for c in models if c is not None)}
+        running = [cpu_seconds(k) for k in children(self.proc.pid)]
+        # a model's process that exited and was started again keeps counting through ``exited``
+        return {"server": server, "models": exited + sum(c for c in running if c is not None)}
 
     def log(self) -> str:
         """The end of the server's log."""
