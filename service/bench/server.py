@@ -13,27 +13,30 @@ from pathlib import Path
 import httpx
 
 
+def _stat(pid: int | str) -> list[str] | None:
+    """The fields of ``/proc/<pid>/stat`` after the command name (Linux; None where it cannot be read):
+    1 the parent's pid, 11-12 user and system ticks, 13-14 those of its exited children."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return fields if len(fields) > 14 else None
+
+
 def cpu_seconds(pid: int, exited_children: bool = False) -> float | None:
     """User + system CPU seconds process ``pid`` has used, or with ``exited_children`` those its children
     that have exited (and been waited for) used (Linux ``/proc``; None where it cannot be read)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        first = 13 if exited_children else 11  # utime, stime; cutime, cstime
-        return (int(fields[first]) + int(fields[first + 1])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, IndexError, ValueError):
+    fields = _stat(pid)
+    if fields is None:
         return None
+    first = 13 if exited_children else 11
+    return (int(fields[first]) + int(fields[first + 1])) / os.sysconf("SC_CLK_TCK")
 
 
 def children(pid: int) -> list[int]:
     """The processes whose parent is ``pid`` (Linux ``/proc``; empty where it cannot be read)."""
-    out = []
-    for entry in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            if int(entry.read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                out.append(int(entry.parent.name))
-        except (OSError, IndexError, ValueError):
-            continue
-    return out
+    return [int(entry.name) for entry in Path("/proc").glob("[0-9]*")
+            if (fields := _stat(entry.name)) is not None and fields[1] == str(pid)]
 
 
 def free_port() -> int:

@@ -38,7 +38,7 @@ def check_key(state: AppState, authorization: str | None) -> None:
 async def require_key(request: Request) -> None:
     """401 unless the request carries a configured API key (see :func:`check_key`). The header is read
     from the request itself: a ``Header`` parameter costs FastAPI a validation pass on every request."""
-    check_key(request.app.state.app_state, request.headers.get("authorization"))
+    check_key(await get_state(request), request.headers.get("authorization"))
 
 
 async def require_json(request: Request) -> None:
