@@ -7,6 +7,11 @@ waiting at most ``max_wait_s`` for a batch to fill, and runs each batch through 
 ``run_batch`` callable in a worker thread, so the event loop keeps answering (health checks,
 metrics) while the model computes.
 
+Several runners (e.g. replicas of a model, each in a process of its own) may be given instead of one
+``run_batch``: each computes one batch at a time, and a batch goes to whichever is free. A group whose
+items span several batches stays on the runner that took its first ones (a runner may keep state per
+group, such as a long text's encoded chunks).
+
 Groups share the worker fairly: each batch is built around the oldest item of the group that has
 waited longest since its last batch finished, so a group of many items (a long text's chunks) is
 spread over several batches and a group that arrives meanwhile goes in the next one. ``run_batch``
@@ -93,18 +98,24 @@ class BatchLimits:
 class Batcher(Generic[P, R]):
     """Dynamic batching in front of ``run_batch(payloads) -> results`` (same length, same order)."""
 
-    def __init__(self, run_batch: Callable[[list[P]], list[R]], limits: BatchLimits,
-                 observer: BatchObserver | None = None, name: str = "batcher") -> None:
-        self.run_batch, self.limits, self.name = run_batch, limits, name
+    def __init__(self, run_batch: Callable[[list[P]], list[R]] | Sequence[Callable[[list[P]], list[R]]],
+                 limits: BatchLimits, observer: BatchObserver | None = None, name: str = "batcher") -> None:
+        self.runners: list[Callable[[list[P]], list[R]]] = (
+            [run_batch] if callable(run_batch) else list(run_batch))
+        if not self.runners:
+            raise ValueError("a batcher needs at least one runner")
+        self.limits, self.name = limits, name
         self.observer: BatchObserver = observer or NullObserver()
         self._pending: list[_Item[P]] = []
         self._queued: Counter[Hashable] = Counter()  # group -> items in _pending (kept with every change)
         self._wakeup = asyncio.Event()
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"batch-{name}")
+        self._executor = ThreadPoolExecutor(max_workers=len(self.runners), thread_name_prefix=f"batch-{name}")
         self._worker: asyncio.Task[None] | None = None
+        self._batches: set[asyncio.Task[None]] = set()  # batches computing, one per busy runner
         self._accepting = True
         self._flush = False  # run batches without waiting for them to fill (shutting down)
-        self._computing: list[_Item[P]] = []  # items taken from the queue and not yet answered
+        self._computing: dict[int, list[_Item[P]]] = {}  # busy runner -> its items, not yet answered
+        self._pinned: dict[Hashable, int] = {}  # group with items queued -> the runner that took its first ones
         self._served: dict[Hashable, float] = {}  # group -> when its last batch finished (groups still queued)
 
     @property
@@ -181,10 +192,10 @@ class Batcher(Generic[P, R]):
         while not self.idle and time.monotonic() < end:
             await asyncio.sleep(0.01)
         self.abort("stopped before this text was computed")  # what is left, queued or computing
-        if self._worker is not None:
-            self._worker.cancel()
+        for task in [*([self._worker] if self._worker is not None else []), *self._batches]:
+            task.cancel()  # a batch's thread computes on, unanswered: its items were answered above
             with contextlib.suppress(asyncio.CancelledError):
-                await self._worker
+                await task
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     def abort(self, reason: str) -> int:
@@ -192,7 +203,7 @@ class Batcher(Generic[P, R]):
         already computing finishes in its thread, unanswered). Returns how many items were answered."""
         self._accepting = False
         answered = 0
-        for it in [*self._pending, *self._computing]:
+        for it in [*self._pending, *(it for batch in self._computing.values() for it in batch)]:
             if not it.future.done():
                 _fail(it.future, Draining(f"{self.name}: {reason}"))
                 answered += 1
@@ -227,13 +238,20 @@ class Batcher(Generic[P, R]):
             self._set_pending(keep)
             self.observer.on_queue_depth(len(keep))
 
-    def _take_batch(self) -> list[_Item[P]]:
-        """The anchor (the oldest item of the group that has waited longest since its last batch
-        finished) plus the queued items closest to it in cost and at most ``SIMILAR`` times its cost,
-        within both limits: a short text's batch never waits for a long text's chunks."""
+    def _take_batch(self, free: list[int]) -> tuple[int, list[_Item[P]]]:
+        """A batch for one of the ``free`` runners: the anchor (the oldest item of the group that has
+        waited longest since its last batch finished, among the items those runners may take) plus the
+        queued items closest to it in cost and at most ``SIMILAR`` times its cost, within both limits:
+        a short text's batch never waits for a long text's chunks. Empty when every queued item's group
+        stays on a busy runner."""
         lim = self.limits
-        first = min(self._pending, key=lambda it: (self._served.get(it.group, it.enqueued), it.enqueued))
-        rest = sorted((it for it in self._pending if it is not first), key=lambda it: abs(it.cost - first.cost))
+        eligible = [it for it in self._pending if self._pinned.get(it.group, free[0]) in free]
+        if not eligible:
+            return free[0], []
+        first = min(eligible, key=lambda it: (self._served.get(it.group, it.enqueued), it.enqueued))
+        runner = self._pinned.get(first.group, free[0])
+        rest = sorted((it for it in eligible if it is not first and self._pinned.get(it.group, runner) == runner),
+                      key=lambda it: abs(it.cost - first.cost))
         batch, widest = [first], first.cost
         for it in rest:
             if len(batch) >= lim.max_batch_size:
@@ -247,11 +265,17 @@ class Batcher(Generic[P, R]):
             widest = w
         chosen = set(map(id, batch))
         self._set_pending([it for it in self._pending if id(it) not in chosen])
-        return batch
+        if len(self.runners) > 1:  # what is left of a group follows its first items
+            self._pinned.update((it.group, runner) for it in batch if it.group in self._queued)
+        return runner, batch
 
     def _set_pending(self, items: list[_Item[P]]) -> None:
         self._pending = items
         self._queued = Counter(it.group for it in items)
+        self._pinned = {g: r for g, r in self._pinned.items() if g in self._queued}
+
+    def _free_runners(self) -> list[int]:
+        return [r for r in range(len(self.runners)) if r not in self._computing]
 
     def _full(self) -> bool:
         lim = self.limits
@@ -264,9 +288,10 @@ class Batcher(Generic[P, R]):
         loop = asyncio.get_running_loop()
         while True:
             try:
-                if not self._pending:
+                if not self._pending or not self._free_runners():  # wait for work and a free runner
                     self._wakeup.clear()
                     await self._wakeup.wait()
+                    continue
                 # let the batch fill until it is full or the oldest item has waited max_wait_s
                 # (when flushing for shutdown, little more will come: run at once)
                 while self._pending and not self._flush and not self._full():
@@ -280,20 +305,27 @@ class Batcher(Generic[P, R]):
                 self._drop_stale()
                 if not self._pending:
                     continue
-                batch = self._take_batch()
+                runner, batch = self._take_batch(self._free_runners())
+                if not batch:  # what is queued follows groups computing on busy runners
+                    self._wakeup.clear()
+                    await self._wakeup.wait()
+                    continue
                 self.observer.on_queue_depth(len(self._pending))
-                await self._run(loop, batch)
+                self._computing[runner] = batch
+                task = loop.create_task(self._run(loop, runner, batch), name=f"batch-{self.name}-{runner}")
+                self._batches.add(task)
+                task.add_done_callback(self._batches.discard)
             except asyncio.CancelledError:
                 raise
             except Exception:  # the loop must survive anything; items were answered in _run
                 log.exception("batcher %s: unexpected error in the batching loop", self.name)
 
-    async def _run(self, loop: asyncio.AbstractEventLoop, batch: list[_Item[P]]) -> None:
-        self._computing = batch
+    async def _run(self, loop: asyncio.AbstractEventLoop, runner: int, batch: list[_Item[P]]) -> None:
+        """Compute ``batch`` on ``runner`` (marked busy by the caller) and answer its items."""
         started = time.monotonic()
         ok, results = False, []
         try:
-            results = await loop.run_in_executor(self._executor, self.run_batch, [it.payload for it in batch])
+            results = await loop.run_in_executor(self._executor, self.runners[runner], [it.payload for it in batch])
             if len(results) != len(batch):
                 raise RuntimeError(f"run_batch returned {len(results)} results for {len(batch)} inputs")
         except Exception as e:  # a failing batch fails only its own items
@@ -306,7 +338,8 @@ class Batcher(Generic[P, R]):
                 if not it.future.done():
                     it.future.set_result(r)
         finally:
-            self._computing = []
+            del self._computing[runner]
+            self._wakeup.set()  # the runner is free
         finished = time.monotonic()
         queued = self._queued
         self._served = {g: t for g, t in self._served.items() if g in queued}

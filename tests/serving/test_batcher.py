@@ -197,3 +197,75 @@ async def test_the_queue_limit_counts_groups_not_items() -> None:
     assert await long == ["c0", "c1", "c2"] and await short == ["s"] and await blocker == ["slow"]
     assert b.queued_groups == 0
     await b.stop(1)
+
+
+def runners(n: int, gate: threading.Event | None = None, delay: float = 0.0):
+    """``n`` runners that record ``(runner, payloads)`` and hold each batch until ``gate`` is set (or for
+    ``delay`` seconds)."""
+    log: list[tuple[int, list[str]]] = []
+    started = [threading.Event() for _ in range(n)]
+
+    def runner(r: int):
+        def run(ps):
+            log.append((r, list(ps)))
+            started[r].set()
+            if gate is not None:
+                gate.wait(5)
+            time.sleep(delay)
+            return [f"{p}@{r}" for p in ps]
+        return run
+
+    return [runner(r) for r in range(n)], log, started
+
+
+async def test_two_runners_compute_two_batches_at_once() -> None:
+    gate = threading.Event()
+    fns, log, started = runners(2, gate)
+    b = Batcher(fns, BatchLimits(max_batch_size=1, max_batch_tokens=1000, max_wait_s=0.0, max_queue=100))
+    b.start()
+    first = asyncio.ensure_future(b.submit(["a"], [1], later()))
+    second = asyncio.ensure_future(b.submit(["b"], [1], later()))
+    third = asyncio.ensure_future(b.submit(["c"], [1], later()))
+    for s in started:  # both runners hold a batch while neither has finished
+        assert await asyncio.to_thread(s.wait, 5)
+    assert len(log) == 2 and b.queue_depth == 1
+    gate.set()
+    outs = [(await first)[0], (await second)[0], (await third)[0]]
+    assert [o.split("@")[0] for o in outs] == ["a", "b", "c"]
+    assert {o.split("@")[1] for o in outs[:2]} == {"0", "1"}
+    assert b.idle
+    await b.stop(1)
+
+
+async def test_a_group_stays_on_the_runner_that_took_its_first_items() -> None:
+    """A long group's items over several batches all go to one runner (it may hold their state); the
+    other runner takes the other requests meanwhile."""
+    fns, log, _ = runners(2, delay=0.02)
+    b = Batcher(fns, BatchLimits(max_batch_size=2, max_batch_tokens=1000, max_wait_s=0.0, max_queue=100))
+    b.start()
+    long = asyncio.ensure_future(b.submit([f"long{k}" for k in range(8)], [10] * 8, later(), groups=["t"] * 8))
+    shorts = [asyncio.ensure_future(b.submit([f"s{k}"], [10], later())) for k in range(6)]
+    out = await long
+    assert len({o.split("@")[1] for o in out}) == 1, log
+    outs = await asyncio.gather(*shorts)
+    assert [o[0].split("@")[0] for o in outs] == [f"s{k}" for k in range(6)]
+    assert {r for r, _ in log} == {0, 1}  # both runners worked
+    assert sum(1 for _, ps in log if any(p.startswith("long") for p in ps)) >= 4
+    await b.stop(1)
+
+
+async def test_stop_answers_what_every_runner_holds() -> None:
+    gate = threading.Event()
+    fns, _, started = runners(2, gate)
+    b = Batcher(fns, BatchLimits(max_batch_size=1, max_batch_tokens=1000, max_wait_s=0.0, max_queue=100))
+    b.start()
+    work = [asyncio.ensure_future(b.submit([p], [1], later())) for p in "abc"]
+    for s in started:
+        assert await asyncio.to_thread(s.wait, 5)
+    await b.stop(0.05)
+    for w in work:
+        with pytest.raises(Draining):
+            await w
+    gate.set()
+    with pytest.raises(Draining):
+        await b.submit(["d"], [1], later())

@@ -64,7 +64,7 @@ def short_behind_long(c: TestClient) -> None:
     expected = c.post("/v1/classify", json={"inputs": [LONG]}).json()["results"][0]
     gate, first = threading.Event(), threading.Event()
     batches: list[list[str]] = []
-    run_chunks = batcher.run_batch
+    run_chunks = batcher.runners[0]
 
     def gated(works: list[ChunkWork]) -> list[Result | None]:
         batches.append([w.job.task.text for w in works])
@@ -73,7 +73,7 @@ def short_behind_long(c: TestClient) -> None:
             gate.wait(10)
         return run_chunks(works)
 
-    batcher.run_batch = gated
+    batcher.runners[0] = gated
     done: dict[str, float] = {}
 
     def post(text: str) -> dict:
