@@ -33,6 +33,8 @@ def serve(
     omp_wait_policy: Annotated[str | None, typer.Option(help="active | passive (OMP_WAIT_POLICY)")] = None,
     model_process: Annotated[bool | None, typer.Option("--model-process/--no-model-process",
                                                        help="Compute each model in a process of its own")] = None,
+    model_replicas: Annotated[int | None, typer.Option(help="Processes per model (threads: usable CPUs shared "
+                                                            "among them)")] = None,
 ) -> None:
     """Start the HTTP service (options override ROUTING_* environment variables)."""
     from pydantic import ValidationError
@@ -43,11 +45,12 @@ def serve(
     given = {"model_repository": model_repository, "models": models, "host": host, "port": port,
              "device": device, "dtype": dtype, "max_batch_size": max_batch_size, "max_wait_ms": max_wait_ms,
              "log_json": log_json, "torch_threads": torch_threads, "omp_wait_policy": omp_wait_policy,
-             "model_process": model_process}
+             "model_process": model_process, "model_replicas": model_replicas}
     try:
         settings = Settings(**{k: v for k, v in given.items() if v is not None})
     except ValidationError as e:  # an option or ROUTING_* variable out of range: say which, no traceback
-        problems = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
+        problems = "; ".join(": ".join([".".join(map(str, err["loc"])), err["msg"]] if err["loc"] else [err["msg"]])
+                             for err in e.errors())
         raise typer.BadParameter(problems) from None
     set_wait_policy(settings.omp_wait_policy)  # before torch loads, or it has no effect
 
@@ -165,6 +168,8 @@ def bench_serve(
                                                      "concurrency 32)")] = True,
     rounds: Annotated[int, typer.Option(help="Turns of served vs. offline, and of the servers side by "
                                                    "side, at concurrency 32")] = 3,
+    replicas: Annotated[int, typer.Option(help="Also a server with this many processes of the model, side by "
+                                               "side and against as many offline (0: skip)")] = 2,
     out: Annotated[Path, typer.Option(help="JSON result file")] = Path("bench-results/serve.json"),
 ) -> None:
     """Served throughput and latency vs. concurrency, batching on vs. off, thread settings, short requests
@@ -182,7 +187,7 @@ def bench_serve(
            n_texts=n_texts, repository=model_repository, device=device, max_wait_ms=max_wait_ms,
            max_batch_size=max_batch_size, offline_batch_sizes=[int(b) for b in offline_batch_sizes.split(",")],
            url=url, out=out, thread_configs=configs, long_chars=long_chars, model_process=model_process,
-           rounds=rounds)
+           rounds=rounds, replicas=replicas)
 
 
 @bench_app.command("explain")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Literal, get_args
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 DType = Literal["float32", "float16", "bfloat16"]
@@ -40,6 +40,10 @@ class Settings(BaseSettings):
                                 "waits for the event loop's GIL; false: in a thread of the server's process")
     torch_threads: int | None = Field(None, ge=1, description="Torch intra-op threads (default: the CPUs this "
                                       "process may use: affinity mask, capped by a cgroup CPU quota)")
+    model_replicas: int = Field(1, ge=1, description="Processes per model, each computing batches of its own "
+                                "(needs model_process; torch threads default to the usable CPUs shared among them). "
+                                "On small CPUs two processes of one thread served more than one of two threads; "
+                                "each holds a copy of the model")
     omp_wait_policy: Literal["active", "passive"] | None = Field(
         None, description="How idle OpenMP threads wait (OMP_WAIT_POLICY; default: the runtime's own, a short "
         "spin then sleep); applies when set before torch loads, as `routing-service serve` does")
@@ -65,6 +69,12 @@ class Settings(BaseSettings):
     max_request_timeout_s: float = Field(120.0, gt=0, description="Largest deadline a client may ask for")
     max_explain_elements: int = Field(2_000_000, ge=1, description="Largest full credit/phi payload (numbers)")
     drain_timeout_s: float = Field(30.0, ge=0, description="On SIGTERM, time to answer accepted requests")
+
+    @model_validator(mode="after")
+    def _replicas_need_processes(self) -> Settings:
+        if self.model_replicas > 1 and not self.model_process:
+            raise ValueError("model_replicas > 1 needs model_process (replicas are processes)")
+        return self
 
     @field_validator("models", "api_keys", mode="before")
     @classmethod

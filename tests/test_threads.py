@@ -68,6 +68,8 @@ def test_serve_rejects_a_bad_option_with_a_message(monkeypatch: pytest.MonkeyPat
 
     res = CliRunner().invoke(app, ["serve", "--omp-wait-policy", "sometimes"])
     assert res.exit_code == 2 and "omp_wait_policy" in res.output and "Traceback" not in res.output
+    res = CliRunner().invoke(app, ["serve", "--model-replicas", "2", "--no-model-process"])
+    assert res.exit_code == 2 and "model_replicas > 1 needs model_process" in res.output
     monkeypatch.setenv("ROUTING_MAX_BATCH_SIZE", "0")
     res = CliRunner().invoke(app, ["serve"])
     assert res.exit_code == 2 and "max_batch_size" in res.output

@@ -152,18 +152,63 @@ class Offline:
 
         batches = [self.ordered[k : k + bs] for k in range(0, len(self.ordered), bs)]
         self.engine.run([Task(t) for t in batches[0]])  # warm-up at this shape
-        n = 0
-        t0 = time.perf_counter()
-        while n == 0 or time.perf_counter() - t0 < seconds:  # whole passes: every text counts alike (cut
-            for batch in batches:  # short, the shortest texts, which come first, would count more)
+
+        def one_pass() -> None:
+            for batch in batches:
                 self.engine.run([Task(t) for t in batch])
-                n += len(batch)
-        return n / (time.perf_counter() - t0)
+
+        return whole_passes(one_pass, len(self.ordered), seconds)
 
     def throughput(self, bs: int, seconds: float, worker_thread: bool = True) -> float:
         if worker_thread:
             return in_worker_thread(lambda: self._throughput(bs, seconds))
         return self._throughput(bs, seconds)
+
+
+def whole_passes(one_pass: Callable[[], None], n_texts: int, seconds: float) -> float:
+    """Texts per second over whole passes of the texts, at least ``seconds`` (cut short, the shortest
+    texts, which come first, would count more)."""
+    n = 0
+    t0 = time.perf_counter()
+    while n == 0 or time.perf_counter() - t0 < seconds:
+        one_pass()
+        n += n_texts
+    return n / (time.perf_counter() - t0)
+
+
+class ReplicasOffline:
+    """The engine alone in ``n`` processes of the model, as a server with ``model_replicas=n`` runs it: each
+    process computes every n-th batch, fed by a thread of its own, all at once."""
+
+    def __init__(self, repository: Path, model: str, texts: list[str], device: str, n: int) -> None:
+        from service.serving.worker import Replicas
+
+        self.model = Replicas(repository / model, device=device, n=n)
+        self.ordered = sorted(texts, key=len)
+
+    def throughput(self, bs: int, seconds: float) -> float:
+        from concurrent.futures import ThreadPoolExecutor
+
+        from service.serving.engine import Task
+
+        batches = [self.ordered[k : k + bs] for k in range(0, len(self.ordered), bs)]
+        runners = self.model.runners
+
+        def run(r: int, part: list[list[str]]) -> None:
+            for batch in part:
+                runners[r]([w for plan in self.model.plan([Task(t) for t in batch]) for w in plan])
+
+        with ThreadPoolExecutor(len(runners)) as pool:
+            def one_pass() -> None:
+                for f in [pool.submit(run, r, batches[r :: len(runners)]) for r in range(len(runners))]:
+                    f.result()
+
+            for r in range(len(runners)):  # warm-up at this shape
+                run(r, batches[:1])
+            return whole_passes(one_pass, len(self.ordered), seconds)
+
+    def close(self) -> None:
+        self.model.close()
 
 
 def offline_limit(offline: Offline, batch_sizes: list[int], seconds: float) -> dict[str, Any]:
@@ -196,7 +241,7 @@ def served(url: str, texts: list[str], concurrency: int, seconds: float) -> Call
     return lambda: run_async(closed_loop(url, "/v1/classify", texts, concurrency, seconds)).row()["throughput"]
 
 
-def paired_rounds(url: str, texts: list[str], concurrency: int, offline: Offline, batch_size: int,
+def paired_rounds(url: str, texts: list[str], concurrency: int, offline: Offline | ReplicasOffline, batch_size: int,
                   seconds: float, rounds: int) -> dict[str, Any]:
     """Served throughput at ``concurrency`` and the offline limit at ``batch_size``, in turns; the ratio
     of sums."""
@@ -215,14 +260,19 @@ def alternating(urls: dict[str, str], texts: list[str], concurrency: int, second
 
 
 def alongside(start: Callable[[dict[str, Any]], LocalServer], cfg: dict[str, Any], model_process: bool,
-              texts: list[str], concurrency: int, seconds: float, rounds: int, url: str) -> dict[str, Any]:
-    """The server at ``url`` (settings ``cfg``), one with the other ``model_process`` setting and one without
-    batching, all up at once and measured in turns at ``concurrency`` (a server per setting minutes apart
-    carries the machine's drift into the ratios); the means and the two ratios."""
+              texts: list[str], concurrency: int, seconds: float, rounds: int, url: str,
+              replicas: int = 0) -> dict[str, Any]:
+    """The server at ``url`` (settings ``cfg``), one with the other ``model_process`` setting, one without
+    batching and (``replicas`` > 1, with model processes) one with that many processes of the model, all
+    up at once and measured in turns at ``concurrency`` (a server per setting minutes apart carries the
+    machine's drift into the ratios); the means and the ratios."""
     mine, other, unbatched = (f"model_process={model_process}", f"model_process={not model_process}",
                               f"model_process={model_process}, no batching")
     others = {other: {**cfg, "model_process": not model_process},
               unbatched: {**cfg, **NO_BATCHING}}
+    replicated = f"model_replicas={replicas}"
+    if replicas > 1 and model_process:
+        others[replicated] = {**cfg, "model_replicas": replicas}
     servers: dict[str, LocalServer] = {}
     try:
         for name, c in others.items():
@@ -236,7 +286,29 @@ def alongside(start: Callable[[dict[str, Any]], LocalServer], cfg: dict[str, Any
             server.stop()
     means = out["mean"]
     process, thread = (means[mine], means[other]) if model_process else (means[other], means[mine])
-    return {**out, "process_over_thread": process / thread, "batching_on_over_off": means[mine] / means[unbatched]}
+    ratios = {"process_over_thread": process / thread, "batching_on_over_off": means[mine] / means[unbatched]}
+    if replicated in means:
+        ratios["replicas_over_one_process"] = means[replicated] / means[mine]
+    return {**out, **ratios}
+
+
+def replicas_paired(start: Callable[[dict[str, Any]], LocalServer], cfg: dict[str, Any], replicas: int,
+                    repository: Path, model: str, texts: list[str], device: str, concurrency: int, batch_size: int,
+                    seconds: float, rounds: int) -> dict[str, Any]:
+    """A server with ``replicas`` processes of the model against the offline limit of as many processes
+    (:class:`ReplicasOffline`), in turns, as :func:`paired_rounds` does for one."""
+    echo(f"  model_replicas={replicas}: served at concurrency {concurrency} and offline in {replicas} processes at "
+         f"batch size {batch_size}, {rounds} rounds in turns", err=True)
+    server = start({**cfg, "model_replicas": replicas})
+    offline = ReplicasOffline(repository, model, texts, device, replicas)
+    try:
+        server.wait_ready()
+        run_async(closed_loop(server.url, "/v1/classify", texts, 4, 2.0))  # warm-up
+        return {"replicas": replicas, **paired_rounds(server.url, texts, concurrency, offline, batch_size, seconds,
+                                                      rounds)}
+    finally:
+        offline.close()
+        server.stop()
 
 
 def long_text(n_chars: int, seed: int = 0) -> str:
@@ -297,7 +369,7 @@ async def interference(url: str, short: list[str], long: str, n_idle: int = 20,
 def run(model: str, preset: str, levels: list[int], duration: float, n_texts: int, repository: Path, device: str,
         max_wait_ms: float, max_batch_size: int, offline_batch_sizes: list[int], url: str | None,
         out: Path, thread_configs: list[tuple[int | None, str | None]], long_chars: int,
-        model_process: bool = True, rounds: int = 3) -> dict[str, Any]:
+        model_process: bool = True, rounds: int = 3, replicas: int = 2) -> dict[str, Any]:
     """The whole benchmark: print tables, write JSON, return the summary."""
     texts = test_texts(preset, n_texts)
     echo(f"bench serve: model {model}, {len(texts)} test texts (mean {sum(map(len, texts)) / len(texts):.0f}"
@@ -327,6 +399,7 @@ def run(model: str, preset: str, levels: list[int], duration: float, n_texts: in
     inter: dict[str, Any] | None = None
     paired: dict[str, Any] | None = None
     beside: dict[str, Any] | None = None
+    replicated: dict[str, Any] | None = None
     for name, cfg, lv in configs:
         server = start(cfg).wait_ready() if url is None else None
         target = server.url if server else str(url)
@@ -345,7 +418,10 @@ def run(model: str, preset: str, levels: list[int], duration: float, n_texts: in
                      f"{rounds} rounds in turns", err=True)
                 paired = paired_rounds(target, texts, top, offline, limit["best_batch_size"], duration, rounds)
                 if server is not None:  # the other settings, each up beside this server, measured in turns
-                    beside = alongside(start, cfg, model_process, texts, top, duration, rounds, target)
+                    beside = alongside(start, cfg, model_process, texts, top, duration, rounds, target, replicas)
+                    if replicas > 1 and model_process:
+                        replicated = replicas_paired(start, cfg, replicas, repository, model, texts, device, top,
+                                                     limit["best_batch_size"], duration, rounds)
                 if long_chars:
                     echo(f"  short requests while one {long_chars}-character text is served", err=True)
                     inter = asyncio.run(interference(target, texts, long_text(long_chars),
@@ -353,10 +429,10 @@ def run(model: str, preset: str, levels: list[int], duration: float, n_texts: in
         finally:
             if server is not None:
                 server.stop()
-    return report_all(runs, limit, paired, beside, inter, top, max_wait_ms, out, {
+    return report_all(runs, limit, paired, beside, replicated, inter, top, max_wait_ms, out, {
         "model": model, "texts": len(texts), "levels": levels, "duration_s": duration, "device": device,
         "max_wait_ms": max_wait_ms, "max_batch_size": max_batch_size, "url": url, "long_chars": long_chars,
-        "thread_configs": thread_configs, "model_process": model_process, "rounds": rounds})
+        "thread_configs": thread_configs, "model_process": model_process, "rounds": rounds, "replicas": replicas})
 
 
 CPU_PARTS = ("models", "server", "load_generator")
@@ -372,7 +448,7 @@ def cpu_split(row: dict[str, Any]) -> dict[str, float]:
 
 
 def report_all(runs: dict[str, list[dict]], offline: dict[str, Any], paired: dict[str, Any] | None,
-               beside: dict[str, Any] | None, inter: dict[str, Any] | None, top: int,
+               beside: dict[str, Any] | None, replicated: dict[str, Any] | None, inter: dict[str, Any] | None, top: int,
                max_wait_ms: float, out: Path, settings: dict[str, Any]) -> dict[str, Any]:
     cols = ["concurrency", "throughput", "p50_ms", "p95_ms", "p99_ms", "mean_batch", "model_busy", "batch_ms",
             "errors", "requests"]
@@ -402,6 +478,15 @@ def report_all(runs: dict[str, list[dict]], offline: dict[str, Any], paired: dic
         summary["side_by_side"] = beside["mean"]
         summary[f"batching_on_over_off_at_c{top}_in_turns"] = beside["batching_on_over_off"]
         summary[f"process_over_thread_at_c{top}_in_turns"] = beside["process_over_thread"]
+        if "replicas_over_one_process" in beside:
+            echo(f"  {settings['replicas']} processes of the model / one: {beside['replicas_over_one_process']:.3f}")
+            summary[f"replicas_over_one_process_at_c{top}_in_turns"] = beside["replicas_over_one_process"]
+    if replicated is not None:
+        echo(f"\nmodel_replicas={replicated['replicas']}: served at concurrency {top} / offline in as many processes "
+             f"at batch size {replicated['batch_size']}, in turns: {replicated['ratio']:.3f} (served "
+             f"{[round(v, 1) for v in replicated['served']]}, offline {[round(v, 1) for v in replicated['offline']]} "
+             "texts/s)")
+        summary[f"replicas_served_over_offline_at_c{top}_paired"] = replicated["ratio"]
     best = max(runs["batching"], key=lambda r: r["throughput"])
     summary["served_over_offline_at_saturation"] = best["throughput"] / offline["throughput"]
     summary["saturation_concurrency"] = best["concurrency"]
@@ -434,7 +519,7 @@ def report_all(runs: dict[str, list[dict]], offline: dict[str, Any], paired: dic
         echo(report.table([inter], list(inter)))
         summary["long_text_interference"] = inter
     path = report.write_json(out, "serve", settings, {"runs": runs, "offline": offline, "paired": paired,
-                                                      "side_by_side": beside,
+                                                      "side_by_side": beside, "replicas": replicated,
                                                       "interference": inter}, summary)
     echo(f"wrote {path}")
     return summary

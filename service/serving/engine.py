@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import abc
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -105,6 +106,16 @@ class Planner(abc.ABC):
     @abc.abstractmethod
     def run_chunks(self, works: list[ChunkWork]) -> list[Result | None]:
         """Compute a batch of chunks; each text completed in it is answered at its last chunk's place."""
+
+    @property
+    def runners(self) -> list[Callable[[list[ChunkWork]], list[Result | None]]]:
+        """What computes batches, one batch at a time each: the batcher sends each batch to a free one and
+        keeps a text's chunks on one (it holds their states until the last)."""
+        return [self.run_chunks]
+
+    def resident_bytes(self) -> int | None:
+        """Resident memory of the model's own processes (None: it computes in the server's process)."""
+        return None
 
     @abc.abstractmethod
     def describe(self) -> dict[str, Any]:

@@ -50,7 +50,7 @@ class _ModelProcessCollector(Collector):
 
     def collect(self) -> Iterable[GaugeMetricFamily]:
         fam = GaugeMetricFamily("routing_model_process_resident_memory_bytes",
-                                "Resident memory of a model's own process", labels=["model"])
+                                "Resident memory of a model's own processes (its replicas summed)", labels=["model"])
         for model, rss in self.read():
             fam.add_metric([model], rss)
         return [fam]

@@ -17,7 +17,7 @@ from service.serving.batcher import Batcher, BatchLimits
 from service.serving.contract import ChunkWork, Result
 from service.serving.engine import Engine, Planner, device_memory
 from service.serving.metrics import Metrics
-from service.serving.worker import ModelProcess
+from service.serving.worker import ModelProcess, Replicas
 from service.threads import set_torch_threads
 
 log = logging.getLogger("service.state")
@@ -25,7 +25,7 @@ log = logging.getLogger("service.state")
 
 @dataclass
 class Served:
-    engine: Planner  # an Engine in this process, or a ModelProcess
+    engine: Planner  # an Engine in this process, a ModelProcess, or Replicas
     batcher: Batcher[ChunkWork, Result | None]
 
 
@@ -68,12 +68,10 @@ class AppState:
                 t0 = time.perf_counter()
                 log.info("loading model %s", name)
                 folder = s.model_repository / name
-                engine: Planner = await loop.run_in_executor(None, (
-                    (lambda f=folder: ModelProcess(f, s.device, s.dtype, s.warmup, s.torch_threads))
-                    if s.model_process else (lambda f=folder: Engine.load(f, s.device, s.dtype, s.warmup))))
+                engine = await loop.run_in_executor(None, self._load_model, folder)
                 limits = BatchLimits(max_batch_size=s.max_batch_size, max_batch_tokens=s.max_batch_tokens,
                                      max_wait_s=s.max_wait_ms / 1000, max_queue=s.max_queue)
-                batcher: Batcher[ChunkWork, Result | None] = Batcher(engine.run_chunks, limits,
+                batcher: Batcher[ChunkWork, Result | None] = Batcher(engine.runners, limits,
                                                                      self.metrics.observer(name), name)
                 batcher.start()
                 self.models[name] = Served(engine, batcher)
@@ -85,6 +83,15 @@ class AppState:
         except Exception as e:
             self.status, self.error = "failed", f"{type(e).__name__}: {e}"
             log.error("model loading failed: %s", self.error)
+
+    def _load_model(self, folder: Path) -> Planner:
+        """The model in ``folder`` as the settings say: in this process, a process of its own, or several."""
+        s = self.settings
+        if not s.model_process:
+            return Engine.load(folder, s.device, s.dtype, s.warmup)
+        if s.model_replicas > 1:
+            return Replicas(folder, s.device, s.dtype, s.warmup, s.torch_threads, s.model_replicas)
+        return ModelProcess(folder, s.device, s.dtype, s.warmup, s.torch_threads)
 
     def start_draining(self) -> None:
         """New requests get 503 from here on; requests already being handled still reach the batcher."""
@@ -100,9 +107,9 @@ class AppState:
     def device_memory(self) -> list[dict[str, float | str]]:
         """CUDA memory per device over the models' processes (this one's only when a model computes here,
         so that a scrape never opens a CUDA context in the server's process): amounts summed."""
-        own = any(not isinstance(m.engine, ModelProcess) for m in self.models.values())
+        own = any(isinstance(m.engine, Engine) for m in self.models.values())
         readings = (device_memory() if own else []) + [
-            d for m in self.models.values() if isinstance(m.engine, ModelProcess) for d in m.engine.device_memory()]
+            d for m in self.models.values() if not isinstance(m.engine, Engine) for d in m.engine.device_memory()]
         merged: dict[str, dict[str, float | str]] = {}
         for d in readings:
             if d["device"] not in merged:
@@ -114,9 +121,9 @@ class AppState:
         return list(merged.values())
 
     def model_memory(self) -> list[tuple[str, float]]:
-        """Resident memory of each model's own process (none for models computing in this one)."""
-        readings = [(name, m.engine.resident_bytes()) for name, m in self.models.items()
-                    if isinstance(m.engine, ModelProcess)]
+        """Resident memory of each model's own processes, summed over its replicas (none for models computing
+        in this one)."""
+        readings = [(name, m.engine.resident_bytes()) for name, m in self.models.items()]
         return [(name, float(rss)) for name, rss in readings if rss is not None]
 
     def abort(self, reason: str) -> int:

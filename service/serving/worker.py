@@ -26,6 +26,8 @@ import subprocess
 import sys
 import threading
 import weakref
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -35,6 +37,7 @@ from service.modeling.backbone import BackboneError, ChunkTokenizer
 from service.modeling.repository import MANIFEST, ModelLoadError, read_manifest
 from service.serving.contract import ChunkWork, Result, TextJob
 from service.serving.engine import Planner
+from service.threads import available_cpus
 
 log = logging.getLogger("service.worker")
 
@@ -96,6 +99,7 @@ class ModelProcess(Planner):
         folder: the model's folder.
         device, dtype, warmup: as for :meth:`Engine.load`, in the model's process.
         torch_threads: intra-op threads of the model's process (None: the CPUs it may use).
+        chunker: the model's tokenizer when it is already loaded (another process of the same model).
 
     Raises:
         ModelLoadError: the manifest or the tokenizer cannot be read.
@@ -103,12 +107,13 @@ class ModelProcess(Planner):
     """
 
     def __init__(self, folder: Path, device: str = "auto", dtype: str = "float32", warmup: bool = True,
-                 torch_threads: int | None = None) -> None:
+                 torch_threads: int | None = None, chunker: ChunkTokenizer | None = None) -> None:
         manifest = read_manifest(folder)
-        try:
-            chunker = ChunkTokenizer.load(manifest.backbone.source, manifest.max_length)
-        except BackboneError as e:
-            raise ModelLoadError(folder / MANIFEST, f"unknown or unloadable backbone: {e}") from e
+        if chunker is None:
+            try:
+                chunker = ChunkTokenizer.load(manifest.backbone.source, manifest.max_length)
+            except BackboneError as e:
+                raise ModelLoadError(folder / MANIFEST, f"unknown or unloadable backbone: {e}") from e
         super().__init__(manifest, chunker)
         self._args = (folder, device, dtype, warmup, torch_threads)
         self._lock = threading.Lock()  # one batch at a time on the pipe
@@ -213,6 +218,63 @@ class ModelProcess(Planner):
                 self._proc.kill()
                 self._proc.wait()
             self._conn.close()
+
+
+class Replicas(Planner):
+    """Several processes of one model, each computing batches of its own (one intra-op thread each by
+    default, from the CPUs this process may use). On a small CPU, processes of one thread lose no time
+    waiting for each other's threads between operations, as one process's OpenMP threads do whenever
+    the HTTP stack takes a core (served throughput: see the README). Each holds the model's weights.
+
+    Args:
+        folder, device, dtype, warmup: as for :class:`ModelProcess`.
+        n: processes (at least 2).
+        torch_threads: intra-op threads of each (None: the CPUs this process may use, shared among them).
+
+    Raises:
+        ModelLoadError, ModelProcessError: as :class:`ModelProcess` (the processes already started are closed).
+    """
+
+    def __init__(self, folder: Path, device: str = "auto", dtype: str = "float32", warmup: bool = True,
+                 torch_threads: int | None = None, n: int = 2) -> None:
+        if n < 2:
+            raise ValueError(f"replicas need at least 2 processes, not {n}")
+        threads = torch_threads or max(1, available_cpus() // n)
+        first = ModelProcess(folder, device, dtype, warmup, threads)
+        super().__init__(first.manifest, first.chunker)
+        self.processes = [first]
+        with ThreadPoolExecutor(n - 1) as pool:  # the others load side by side
+            started = [pool.submit(ModelProcess, folder, device, dtype, warmup, threads, first.chunker)
+                       for _ in range(n - 1)]
+        self.processes += [f.result() for f in started if f.exception() is None]
+        failed = next((e for f in started if (e := f.exception()) is not None), None)
+        if failed is not None:
+            self.close()
+            raise failed
+        self.device, self.dtype = first.device, first.dtype
+        log.info("model %s computes in %d processes of %d torch threads each", self.name, n, threads)
+
+    @property
+    def runners(self) -> list[Callable[[list[ChunkWork]], list[Result | None]]]:
+        return [p.run_chunks for p in self.processes]
+
+    def run_chunks(self, works: list[ChunkWork]) -> list[Result | None]:
+        """Compute a batch in the first process (the batcher spreads batches over :attr:`runners`)."""
+        return self.processes[0].run_chunks(works)
+
+    def describe(self) -> dict[str, Any]:
+        return self.processes[0].describe()
+
+    def resident_bytes(self) -> int | None:
+        readings = [p.resident_bytes() for p in self.processes]
+        return None if None in readings else sum(r for r in readings if r is not None)
+
+    def device_memory(self) -> list[dict[str, float | str]]:
+        return [d for p in self.processes for d in p.device_memory()]
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        for p in self.processes:
+            p.close(timeout_s)
 
 
 if __name__ == "__main__":  # started by ModelProcess with the file descriptor of its end of the socket pair

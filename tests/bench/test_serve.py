@@ -148,3 +148,33 @@ def test_interference_sends_short_requests_while_the_long_text_is_served(tiny_re
     assert out["limit_ms"] == pytest.approx(3 * out["idle_p50_ms"] + out["one_batch_ms"])
     assert out["one_batch_is"] == "longest" and out["one_batch_ms"] >= out["mean_batch_ms"] > 0
     assert out["met"] == (out["short_max_ms"] <= out["limit_ms"])
+
+
+def test_replicas_offline_feeds_every_process(tiny_repo: Path) -> None:
+    texts = ["a short text", "another one", "and a third, longer text than the others"] * 4
+    offline = serve.ReplicasOffline(tiny_repo, "tiny", texts, "cpu", 2)
+    try:
+        pids = [p.pid for p in offline.model.processes]
+        before = [cpu_seconds(p) or 0.0 for p in pids]
+        assert offline.throughput(2, 0.3) > 0
+        assert all((cpu_seconds(p) or 0.0) > b for p, b in zip(pids, before, strict=True))
+    finally:
+        offline.close()
+    assert all(p.poll() is not None for p in (m._proc for m in offline.model.processes))
+
+
+def test_replicas_paired_alternates_a_replicated_server_and_its_offline_limit(tiny_repo: Path, tmp_path: Path) -> None:
+    texts = ["a short text", "another one", "and a third, longer text than the others"] * 4
+    cfg = {"model_repository": tiny_repo, "default_model": "tiny", "max_wait_ms": 1}
+    started: list[Server] = []
+
+    def start(settings: dict) -> Server:
+        started.append(Server(tmp_path, **settings))
+        return started[-1]
+
+    out = serve.replicas_paired(start, cfg, 2, tiny_repo, "tiny", texts, "cpu", 2, 2, 0.3, 2)
+    assert out["replicas"] == 2 and len(out["served"]) == len(out["offline"]) == 2
+    assert min(out["served"] + out["offline"]) > 0
+    assert out["ratio"] == pytest.approx(sum(out["served"]) / sum(out["offline"]))
+    (srv,) = started
+    assert srv.proc.poll() is not None and "model tiny computes in 2 processes" in srv.log_path.read_text()

@@ -11,6 +11,7 @@ import shutil
 import signal
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -151,3 +152,37 @@ def test_cuda_memory_of_the_model_processes_is_summed_per_device() -> None:
         state.models[f"m{k}"] = Served(mp, batcher=None)  # type: ignore[arg-type]
     assert state.device_memory() == [{"device": "cuda:0", "allocated": 3.0, "reserved": 6.0, "peak": 9.0,
                                       "total": 80.0}]
+
+
+def test_replicas_answer_as_one_process_and_keep_a_texts_chunks_together(tiny_repo: Path, tmp_path: Path) -> None:
+    """Two processes of the model, batches of two chunks (a long text spans several): concurrent requests
+    get the engine's answers, both processes compute, and neither outlives the server."""
+    from service.bench.server import cpu_seconds
+    from tests.serving.server import metric
+
+    expected = Engine.load(tiny_repo / "tiny", device="cpu").run([Task(t, explain="tokens") for t in TEXTS])
+    srv = Server(tmp_path, model_repository=tiny_repo, default_model="tiny", model_replicas=2, max_batch_size=2,
+                 max_wait_ms=0).wait_ready()
+    try:
+        pids = [int(p) for p in re.findall(r"model tiny computes in process (\d+)", srv.full_log())]
+        assert len(set(pids)) == 2 and "model tiny computes in 2 processes of 1 torch threads each" in srv.full_log()
+        before = [cpu_seconds(p) or 0.0 for p in pids]
+        with httpx.Client(base_url=srv.url, timeout=60) as client, ThreadPoolExecutor(6) as pool:
+            rs = list(pool.map(lambda _: client.post("/v1/classify", json={"inputs": TEXTS, "explain": True}),
+                               range(12)))
+            page = client.get("/metrics").text
+        for r in rs:
+            assert r.status_code == 200, r.text
+            for got, want in zip(r.json()["results"], expected, strict=True):
+                assert got["label"] == want.label and close(list(got["scores"].values()), list(want.scores.values()))
+                assert want.credit is not None  # the API lists the text's own tokens, not the special ones
+                words = [c for c, t in zip(want.credit.targets[0].tokens, want.credit.tokens, strict=True)
+                         if not t.special]
+                assert close([t["credit"] for t in got["explanation"]["tokens"]], words)
+        assert all((cpu_seconds(p) or 0.0) > b for p, b in zip(pids, before, strict=True))  # both computed
+        assert metric(page, "routing_model_process_resident_memory_bytes", model="tiny") > 0
+    finally:
+        srv.stop()
+    for p in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(p, 0)
