@@ -1,7 +1,8 @@
 """`routing-service bench serve`: closed-loop HTTP load at several concurrency levels, the same load
 with dynamic batching off, the top level under other thread settings, short requests while one long
 text is served, and the engine's offline limit on the same texts, all in one run; for a server it
-starts, the CPU each part used per text.
+starts, the CPU each part used per text. A server with several processes of the model (replicas) is
+measured beside the others and against as many processes offline.
 
 The offline limit is measured in a worker thread, exactly as the server runs the model (torch's
 OpenMP threads busy-wait and collapse on a busy main thread); the main-thread figure is printed beside
