@@ -276,8 +276,9 @@ class Replicas(Planner):
         return [d for p in self.processes for d in p.device_memory()]
 
     def close(self, timeout_s: float = 10.0) -> None:
-        for p in self.processes:
-            p.close(timeout_s)
+        """Close every process, side by side (each finishes its batch and exits on its own time)."""
+        with ThreadPoolExecutor(len(self.processes)) as pool:
+            list(pool.map(lambda p: p.close(timeout_s), self.processes))
 
 
 if __name__ == "__main__":  # started by ModelProcess with the file descriptor of its end of the socket pair
