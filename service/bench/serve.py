@@ -510,11 +510,12 @@ def report_all(runs: dict[str, list[dict]], offline: dict[str, Any], paired: dic
          "computed batches; batch ms: per batch in the server, and offline at the nearest batch size; CPU ms "
          "per text of the models' processes, the server's process and the load generator, and the models' "
          "share of the three (the offline limit gives the model the whole machine):")
+    cpu = {n: cpu_split(r) for n, r in at_top.items()}
     rows = [{"server": n, "texts/s": r["throughput"], "served/offline": r["throughput"] / offline["throughput"],
              "p50_ms": r["p50_ms"], "p99_ms": r["p99_ms"], "model_busy": r["model_busy"], "batch_ms": r["batch_ms"],
-             "offline_batch_ms": offline_batch_ms(r["mean_batch"]), **cpu_split(r)} for n, r in at_top.items()]
+             "offline_batch_ms": offline_batch_ms(r["mean_batch"]), **cpu[n]} for n, r in at_top.items()]
     echo(report.table(rows, list(rows[0]) if rows else []))
-    summary[f"cpu_ms_per_text_at_c{top}"] = {n: cpu_split(r) for n, r in at_top.items() if cpu_split(r)}
+    summary[f"cpu_ms_per_text_at_c{top}"] = {n: split for n, split in cpu.items() if split}
     if inter is not None:
         echo("\nshort requests while one long text is served (target: each <= 3 x idle p50 + one batch):")
         echo(report.table([inter], list(inter)))
