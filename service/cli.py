@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from service.config import DTYPES
+from service.config import DTYPES, Settings
 from service.training.data import PRESETS
 
 app = typer.Typer(help="Serve routing classification heads with end-to-end credit assignment.",
@@ -153,9 +153,14 @@ def bench_serve(
     n_texts: Annotated[int, typer.Option("--texts", help="Test-split texts to cycle through")] = 1000,
     model_repository: Path = Path("models"),
     device: str = "cpu",
-    max_wait_ms: float = 5.0,
-    max_batch_size: int = 32,
-    offline_batch_sizes: str = "1,8,16,32,64",
+    max_wait_ms: Annotated[float, typer.Option(help="The servers' setting")] = Settings.model_fields[
+        "max_wait_ms"].default,
+    max_batch_size: Annotated[int, typer.Option(help="The servers' setting; the offline limit is the best of the "
+                                                     "offline batch sizes up to it")] = Settings.model_fields[
+        "max_batch_size"].default,
+    offline_batch_sizes: Annotated[str, typer.Option(help="Batch sizes of the offline engine (those above "
+                                                          "--max-batch-size are reported beside the limit)")] = (
+        "1,8,16,32,64"),
     url: Annotated[str | None, typer.Option(help="Target a running server (batching-off run skipped)")] = None,
     threads: Annotated[str, typer.Option(help="Extra servers at concurrency 32: threads:wait-policy pairs "
                                               "(auto = usable CPUs, default = the runtime's wait policy)")] = (

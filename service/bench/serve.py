@@ -212,17 +212,20 @@ class ReplicasOffline:
         self.model.close()
 
 
-def offline_limit(offline: Offline, batch_sizes: list[int], seconds: float) -> dict[str, Any]:
-    """Offline throughput by batch size in a worker thread; at the best batch size also on the main thread."""
+def offline_limit(offline: Offline, batch_sizes: list[int], seconds: float, max_batch_size: int) -> dict[str, Any]:
+    """Offline throughput by batch size in a worker thread; the limit is the best of the batch sizes the
+    server may form (at most its ``max_batch_size``; larger ones are measured and reported beside it),
+    measured also on the main thread."""
     by_size = {}
     for bs in batch_sizes:
         by_size[bs] = offline.throughput(bs, seconds)
         echo(f"  offline batch size {bs} (worker thread): {by_size[bs]:.1f} texts/s", err=True)
-    best = max(by_size, key=lambda b: by_size[b])
+    servable = [b for b in by_size if b <= max_batch_size] or [min(by_size)]
+    best = max(servable, key=lambda b: by_size[b])
     main_thread = offline.throughput(best, seconds, worker_thread=False)
     echo(f"  offline batch size {best} (main thread): {main_thread:.1f} texts/s", err=True)
     return {"by_batch_size": by_size, "best_batch_size": best, "throughput": by_size[best],
-            "main_thread_throughput": main_thread}
+            "main_thread_throughput": main_thread, "server_max_batch_size": max_batch_size}
 
 
 def in_turns(measures: dict[str, Callable[[], float]], rounds: int) -> dict[str, list[float]]:
@@ -376,7 +379,7 @@ def run(model: str, preset: str, levels: list[int], duration: float, n_texts: in
     echo(f"bench serve: model {model}, {len(texts)} test texts (mean {sum(map(len, texts)) / len(texts):.0f}"
          f" chars), levels {levels}, {duration:.0f} s each", err=True)
     offline = Offline(repository, model, texts, device)
-    limit = offline_limit(offline, offline_batch_sizes, duration)
+    limit = offline_limit(offline, offline_batch_sizes, duration, max_batch_size)
     logs = out.parent / "logs"
 
     def start(cfg: dict[str, Any]) -> LocalServer:
@@ -457,9 +460,12 @@ def report_all(runs: dict[str, list[dict]], offline: dict[str, Any], paired: dic
         echo(f"\n{name} (texts/s, latency per request of one text):")
         echo(report.table(rows, cols))
     by_size = {k: round(v, 1) for k, v in offline["by_batch_size"].items()}
-    echo(f"\noffline engine limit (worker thread, as the server runs it): {offline['throughput']:.1f} texts/s at "
-         f"batch size {offline['best_batch_size']} (by batch size: {by_size}); main thread: "
-         f"{offline['main_thread_throughput']:.1f} texts/s")
+    beyond = {b: v for b, v in by_size.items() if b > offline["server_max_batch_size"]}
+    echo(f"\noffline engine limit (worker thread, as the server runs it, batches of at most the server's "
+         f"max_batch_size {offline['server_max_batch_size']}): {offline['throughput']:.1f} texts/s at batch size "
+         f"{offline['best_batch_size']} (by batch size: {by_size}"
+         + (f"; {beyond} beyond what the server forms" if beyond else "")
+         + f"); main thread: {offline['main_thread_throughput']:.1f} texts/s")
     at_top = {name: row for name, rows in runs.items() for row in rows if row["concurrency"] == top}
     summary: dict[str, Any] = {
         "offline_texts_per_s": offline["throughput"],
