@@ -134,8 +134,7 @@ class AppState:
         """Stop every batcher, answering what is still queued within ``timeout_s``; close the models."""
         for served in self.models.values():
             await served.batcher.stop(timeout_s)
-        loop = asyncio.get_running_loop()
-        for served in self.models.values():
-            await loop.run_in_executor(None, served.engine.close)
+        loop = asyncio.get_running_loop()  # side by side: each model's process exits on its own time
+        await asyncio.gather(*(loop.run_in_executor(None, served.engine.close) for served in self.models.values()))
         if self.status != "failed":
             self.status = "stopped"

@@ -283,3 +283,9 @@ class Replicas(Planner):
 
 if __name__ == "__main__":  # started by ModelProcess with the file descriptor of its end of the socket pair
     _serve(Connection(int(sys.argv[1])))
+    # Exit as multiprocessing's children do, without the interpreter's teardown of torch and transformers
+    # (1.3 s measured here), which the server's shutdown would wait for: nothing is left to write but stdio.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -64,6 +64,13 @@ def test_a_text_given_up_is_forgotten(model: ModelProcess) -> None:
     assert model.held_texts == 0
 
 
+def test_close_lets_the_process_finish_and_exit_cleanly(tiny_repo: Path) -> None:
+    mp = ModelProcess(tiny_repo / "tiny", device="cpu")
+    mp.run_chunks([w for plan in mp.plan([Task("a text")]) for w in plan])
+    mp.close(timeout_s=30)
+    assert mp._proc.returncode == 0  # it exited on its own, not killed after the timeout
+
+
 def test_a_process_that_exits_is_started_again(tiny_repo: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     mp = ModelProcess(tiny_repo / "tiny", device="cpu")
     try:
