@@ -186,11 +186,16 @@ def bench_serve(
         typer.echo(f"bench serve needs the bench and train extras (pip install -e '.[bench,train]'): {e}", err=True)
         raise typer.Exit(2) from None
 
+    sizes = [int(b) for b in offline_batch_sizes.split(",")]
+    if not any(b <= max_batch_size for b in sizes):
+        typer.echo(f"--offline-batch-sizes needs a size of at most --max-batch-size ({max_batch_size}): the "
+                   "offline limit is measured at the batch sizes the server may form", err=True)
+        raise typer.Exit(2)
     pairs = [p.split(":") for p in threads.split(",") if p]
     configs = [(None if t == "auto" else int(t), None if w == "default" else w) for t, w in pairs]
     sb.run(model=model, preset=preset or model, levels=[int(c) for c in concurrency.split(",")], duration=duration,
            n_texts=n_texts, repository=model_repository, device=device, max_wait_ms=max_wait_ms,
-           max_batch_size=max_batch_size, offline_batch_sizes=[int(b) for b in offline_batch_sizes.split(",")],
+           max_batch_size=max_batch_size, offline_batch_sizes=sizes,
            url=url, out=out, thread_configs=configs, long_chars=long_chars, model_process=model_process,
            rounds=rounds, replicas=replicas)
 

@@ -215,13 +215,18 @@ class ReplicasOffline:
 def offline_limit(offline: Offline, batch_sizes: list[int], seconds: float, max_batch_size: int) -> dict[str, Any]:
     """Offline throughput by batch size in a worker thread; the limit is the best of the batch sizes the
     server may form (at most its ``max_batch_size``; larger ones are measured and reported beside it),
-    measured also on the main thread."""
+    measured also on the main thread.
+
+    Raises:
+        ValueError: no batch size is at most ``max_batch_size``.
+    """
+    if not any(bs <= max_batch_size for bs in batch_sizes):
+        raise ValueError(f"no offline batch size is at most the server's max_batch_size {max_batch_size}")
     by_size = {}
     for bs in batch_sizes:
         by_size[bs] = offline.throughput(bs, seconds)
         echo(f"  offline batch size {bs} (worker thread): {by_size[bs]:.1f} texts/s", err=True)
-    servable = [b for b in by_size if b <= max_batch_size] or [min(by_size)]
-    best = max(servable, key=lambda b: by_size[b])
+    best = max((b for b in by_size if b <= max_batch_size), key=lambda b: by_size[b])
     main_thread = offline.throughput(best, seconds, worker_thread=False)
     echo(f"  offline batch size {best} (main thread): {main_thread:.1f} texts/s", err=True)
     return {"by_batch_size": by_size, "best_batch_size": best, "throughput": by_size[best],

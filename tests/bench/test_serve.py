@@ -46,6 +46,17 @@ def test_offline_limit_runs_the_engine_in_a_worker_thread(tiny_repo: Path, monke
     assert "bench-model" in threads and "MainThread" in threads  # both figures, each where it says
 
 
+def test_the_offline_limit_needs_a_batch_size_the_server_may_form() -> None:
+    from typer.testing import CliRunner
+
+    from service.cli import app
+
+    res = CliRunner().invoke(app, ["bench", "serve", "--offline-batch-sizes", "64,128", "--max-batch-size", "32"])
+    assert res.exit_code == 2 and "at most --max-batch-size (32)" in res.output and "Traceback" not in res.output
+    with pytest.raises(ValueError, match="max_batch_size 32"):
+        serve.offline_limit(None, [64], 0.1, 32)  # type: ignore[arg-type]  # refused before anything runs
+
+
 def test_paired_rounds_alternate_served_and_offline(tiny_repo: Path, tmp_path: Path) -> None:
     texts = ["a short text", "another one", "and a third, longer text than the others"] * 4
     offline = serve.Offline(tiny_repo, "tiny", texts, "cpu")

@@ -66,8 +66,10 @@ def test_a_text_given_up_is_forgotten(model: ModelProcess) -> None:
 
 def test_close_lets_the_process_finish_and_exit_cleanly(tiny_repo: Path) -> None:
     mp = ModelProcess(tiny_repo / "tiny", device="cpu")
-    mp.run_chunks([w for plan in mp.plan([Task("a text")]) for w in plan])
-    mp.close(timeout_s=30)
+    try:
+        mp.run_chunks([w for plan in mp.plan([Task("a text")]) for w in plan])
+    finally:
+        mp.close(timeout_s=30)
     assert mp._proc.returncode == 0  # it exited on its own, not killed after the timeout
 
 
