@@ -226,8 +226,8 @@ class ModelProcess(Planner):
 class Replicas(Planner):
     """Several processes of one model, each computing batches of its own (by default the CPUs this process
     may use, shared among them: one intra-op thread each on two cores). On a 2-core CPU, two processes of
-    one thread computed 1.08-1.16x what one process of two threads did offline, and served 1.11x as much
-    (measured in turns; see the README). Each holds a copy of the model's weights.
+    one thread computed 1.08-1.16x what one process of two threads did offline, and served 1.06-1.31x as
+    much in five comparisons (measured in turns; see the README). Each holds a copy of the model's weights.
 
     Args:
         folder, device, dtype, warmup: as for :class:`ModelProcess`.
