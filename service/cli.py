@@ -144,6 +144,29 @@ def bench_routing(
     typer.echo(f"\nsummary: {json.dumps(summary)}\nwrote {path}")
 
 
+@bench_app.command("sharing")
+def bench_sharing(
+    model_repository: Path = Path("models"),
+    n_texts: Annotated[int, typer.Option("--texts", help="Test tweets to send")] = 1000,
+    duration: Annotated[float, typer.Option(help="Seconds per measure")] = 5.0,
+    rounds: Annotated[int, typer.Option(help="Turns of each comparison")] = 3,
+    heads: Annotated[str, typer.Option(help="K heads per request (the largest sets how many are loaded)")] = "1,2,4,8",
+    batch_sizes: Annotated[str, typer.Option(help="Texts per request")] = "1,32",
+    baseline: Annotated[Path | None, typer.Option(help="A checkout of an earlier version of this repository, "
+                                                       "measured beside this one (memory, mixed traffic)")] = None,
+    out: Annotated[Path, typer.Option(help="JSON result file")] = Path("bench-results/sharing.json"),
+) -> None:
+    """One backbone, many heads: memory after the same traffic, the cost of K heads on the same texts in one
+    request, and mixed traffic to two models against one alone, in turns."""
+    try:
+        from service.bench import sharing
+    except ImportError as e:
+        typer.echo(f"bench sharing needs the bench and train extras (pip install -e '.[bench,train]'): {e}", err=True)
+        raise typer.Exit(2) from None
+    sharing.run(model_repository, n_texts, duration, rounds, [int(k) for k in heads.split(",")],
+                [int(b) for b in batch_sizes.split(",")], baseline, out)
+
+
 @bench_app.command("serve")
 def bench_serve(
     model: Annotated[str, typer.Option(help="Bundled model to load")] = "tweet-sentiment",

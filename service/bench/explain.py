@@ -23,7 +23,7 @@ import math
 import random
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -32,12 +32,13 @@ import torch
 from service.bench import report
 from service.bench.report import echo, in_worker_thread
 from service.serving import render
+from service.serving.contract import CreditSpec
 from service.serving.engine import Engine, Result, Task
 from service.serving.schemas import TokenCredit
 
 FRACTIONS = (0.01, 0.05, 0.10, 0.20)
 CURVE = tuple(k / 10 for k in range(11))  # deletion curve: 0%, 10%, ..., 100% of the tokens deleted
-EXPLAINERS = {  # method -> the engine task that explains one text with it
+EXPLAINERS: dict[str, dict[str, Any]] = {  # method -> the credit that explains one text with it
     "contrast": {"method": "contribution", "contrast": True},
     "contribution": {"method": "contribution", "contrast": False},
     "shares": {"method": "shares"},
@@ -59,19 +60,24 @@ def cost_of_credit(engine: Engine, texts: list[str], batch_size: int, rounds: in
     batches = [ordered[k : k + batch_size] for k in range(0, len(ordered), batch_size)]
     modes: dict[str, Callable[[str, int], Task]] = {
         "classify": lambda t, _: Task(t),
-        "contrast": lambda t, _: Task(t, explain="tokens"),
-        "shares": lambda t, _: Task(t, explain="tokens", method="shares"),
-        "full_views": lambda t, _: Task(t, explain="full"),
-        "one_explained": lambda t, k: Task(t, explain="tokens" if k == 0 else None),
+        "contrast": lambda t, _: Task(t, credit=CreditSpec()),
+        "shares": lambda t, _: Task(t, credit=CreditSpec(method="shares")),
+        "full_views": lambda t, _: Task(t, credit=CreditSpec(detail="full")),
+        "one_explained": lambda t, k: Task(t, credit=CreditSpec() if k == 0 else None),
     }
     names = list(modes)
+    model = engine.default
 
     def answer(name: str, b: list[str]) -> list[Any]:
-        """One batch as the service answers it: the engine, then the response views (render)."""
-        results = engine.run([modes[name](t, k) for k, t in enumerate(b)])
+        """One batch as the service answers it: tokenizing, the engine, then the response views (render)."""
+        encodings = engine.chunker.encode(b, engine.max_length(model))
+        tasks = [replace(modes[name](t, k), encoding=e) for k, (t, e) in enumerate(zip(b, encodings, strict=True))]
+        results = engine.run(tasks)
         if name == "full_views":
-            return [render.explain_result(r, t) for r, t in zip(results, b, strict=True)]
-        return [render.classify_result(r) for r in results]
+            return [render.explain_result(r, t, engine.tokens(e), e.word_ids)
+                    for r, t, e in zip(results, b, encodings, strict=True)]
+        return [render.classify_result(r, engine.tokens(e) if r.credit is not None else None)
+                for r, e in zip(results, encodings, strict=True)]
 
     def once(name: str) -> float:
         t0 = time.perf_counter()
@@ -99,7 +105,8 @@ class LayerIG:
         from captum.attr import LayerIntegratedGradients
 
         self.n_steps = n_steps
-        self.clf = engine.classifier
+        self.clf = engine.classifiers[engine.default]
+        self.max_length = engine.max_length(engine.default)
         self.tok = self.clf.backbone.tokenizer
         self.lig = LayerIntegratedGradients(self._prob, self.clf.backbone.encoder.embeddings)
 
@@ -111,7 +118,7 @@ class LayerIG:
     def explain(self, text: str, target: int) -> dict[tuple[int, int], float]:
         """Attribution of each (non-special) token of the first chunk, keyed by its character span."""
         enc = self.tok(text, return_offsets_mapping=True, return_special_tokens_mask=True, truncation=True,
-                       max_length=self.clf.backbone.max_length, return_tensors="pt")
+                       max_length=self.max_length, return_tensors="pt")
         ids, att = enc["input_ids"], enc["attention_mask"]
         special = enc["special_tokens_mask"][0].bool()
         baseline = ids.clone()
@@ -125,9 +132,10 @@ class LayerIG:
                 if not sp}
 
 
-def explained_tokens(res: Result) -> list[TokenCredit]:
-    """The non-special tokens of an explained result with their credit, as the service answers them."""
-    view = render.classify_result(res).explanation
+def explained_tokens(engine: Engine, text: str, res: Result) -> list[TokenCredit]:
+    """The non-special tokens of ``text``'s explained result with their credit, as the service answers them."""
+    (encoding,) = engine.chunker.encode([text], engine.max_length(engine.default))
+    view = render.classify_result(res, engine.tokens(encoding)).explanation
     if view is None:
         raise ValueError("the result carries no credit")
     return view.tokens
@@ -196,8 +204,8 @@ def probe(engine: Engine, probs: Probabilities, text: str, lig: LayerIG | None, 
     tokens: list[TokenCredit] = []
     pr: Probe | None = None
     for method, options in EXPLAINERS.items():
-        res = engine.run([Task(text, explain="tokens", **options)])[0]
-        tokens = explained_tokens(res)
+        res = engine.run([Task(text, credit=CreditSpec(**options))])[0]
+        tokens = explained_tokens(engine, text, res)
         if pr is None:
             pr = Probe(text, [(t.start, t.end) for t in tokens], res.label, res.scores[res.label])
         pr.scores[method] = [t.credit for t in tokens]
@@ -205,7 +213,7 @@ def probe(engine: Engine, probs: Probabilities, text: str, lig: LayerIG | None, 
     pr.scores["shares_abs"] = [abs(v) for v in pr.scores["shares"]]  # type: ignore[arg-type]
     pr.scores["random"] = [rng.random() for _ in tokens]
     if lig is not None:
-        by_span = lig.explain(text, engine.labels.index(pr.target))
+        by_span = lig.explain(text, engine.labels(engine.default).index(pr.target))
         pr.scores["layer_ig"] = [by_span.get(sp) for sp in pr.spans]
     n = len(pr.spans)
     pr.occluded = list(range(n)) if n <= max_occlusion else sorted(rng.sample(range(n), max_occlusion))
@@ -225,15 +233,15 @@ def time_per_explanation(engine: Engine, texts: list[str], lig: LayerIG | None, 
     methods' blocks alternate over ``rounds`` in a rotating order so that drift hits them alike.
     Occlusion: one forward pass per token (up to ``max_occlusion``), in batches."""
     def occlude(text: str) -> None:
-        res = engine.run([Task(text, explain="tokens")])[0]
-        spans = [(t.start, t.end) for t in explained_tokens(res)][:max_occlusion]
+        res = engine.run([Task(text, credit=CreditSpec())])[0]
+        spans = [(t.start, t.end) for t in explained_tokens(engine, text, res)][:max_occlusion]
         edited = [delete_tokens(text, spans, [m]) for m in range(len(spans))]
         for k in range(0, len(edited), batch_size):
             engine.run([Task(t) for t in edited[k : k + batch_size]])
 
     methods: dict[str, Callable[[str], Any]] = {"classify": lambda t: engine.run([Task(t)])}
     for name, options in EXPLAINERS.items():
-        methods[name] = lambda t, o=options: engine.run([Task(t, explain="tokens", **o)])
+        methods[name] = lambda t, o=options: engine.run([Task(t, credit=CreditSpec(**o))])
     if lig is not None:
         methods["layer_ig"] = lambda t: lig.explain(t, 0)
     methods["occlusion"] = occlude

@@ -16,7 +16,7 @@ import re
 import statistics
 import string
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -93,11 +93,12 @@ def run_async(main: Coroutine[Any, Any, T]) -> T:
         return runner.run(main)
 
 
-async def closed_loop(url: str, path: str, texts: list[str], concurrency: int, seconds: float,
+async def closed_loop(url: str, path: str | Sequence[str], texts: list[str], concurrency: int, seconds: float,
                       body: dict[str, Any] | None = None,
                       cpu: Callable[[], dict[str, float] | None] | None = None) -> Level:
     """``concurrency`` clients, each sending one text at a time for ``seconds`` (aiohttp: about a tenth
-    of httpx's CPU per request, measured here: 0.2 vs 2.0 ms). ``cpu``: CPU seconds used so far by the
+    of httpx's CPU per request, measured here: 0.2 vs 2.0 ms); with several ``path`` s, client ``w`` sends
+    to ``path[w % len(path)]``. ``cpu``: CPU seconds used so far by the
     server's parts (see ``LocalServer.cpu``), to count where the machine's CPU went, the load generator's
     (this process) included."""
     cpu0, own0 = (cpu() if cpu else None), time.process_time()
@@ -112,10 +113,11 @@ async def closed_loop(url: str, path: str, texts: list[str], concurrency: int, s
         async def worker(w: int) -> None:
             nonlocal errors
             k = w
+            where = path if isinstance(path, str) else path[w % len(path)]
             while time.monotonic() < end:
                 t0 = time.perf_counter()
                 try:
-                    async with client.post(path, json={"inputs": [texts[k % len(texts)]], **(body or {})}) as r:
+                    async with client.post(where, json={"inputs": [texts[k % len(texts)]], **(body or {})}) as r:
                         await r.read()
                         ok = r.status == 200
                 except (aiohttp.ClientError, TimeoutError):

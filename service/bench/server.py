@@ -39,6 +39,17 @@ def children(pid: int) -> list[int]:
             if (fields := _stat(entry.name)) is not None and fields[1] == str(pid)]
 
 
+def pss_bytes(pid: int) -> float | None:
+    """Proportional set size of process ``pid`` in bytes (Linux ``/proc/<pid>/smaps_rollup``)."""
+    try:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                return float(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -46,9 +57,11 @@ def free_port() -> int:
 
 
 class LocalServer:
-    """Start the service with ``ROUTING_<NAME>=value`` for every keyword setting; log to ``log_dir``."""
+    """Start the service with ``ROUTING_<NAME>=value`` for every keyword setting; log to ``log_dir``.
+    ``checkout``: run the service's code of another checkout of this repository (its root folder) instead of
+    this one's, to compare two versions side by side."""
 
-    def __init__(self, log_dir: Path, **settings: object) -> None:
+    def __init__(self, log_dir: Path, checkout: Path | None = None, **settings: object) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {k: v for k, v in os.environ.items() if not k.startswith("ROUTING_")}
@@ -58,8 +71,10 @@ class LocalServer:
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = log_dir / f"server-{self.port}.log"
         self._log = self.log_path.open("w")
+        if checkout is not None:  # ``-m`` finds the package in the working folder first
+            env["PYTHONPATH"] = str(checkout.resolve())
         self.proc = subprocess.Popen([sys.executable, "-m", "service", "serve"], env=env, stdout=self._log,
-                                     stderr=subprocess.STDOUT)
+                                     stderr=subprocess.STDOUT, cwd=checkout)
 
     def wait_ready(self, timeout: float = 300) -> LocalServer:
         end = time.monotonic() + timeout
@@ -83,6 +98,15 @@ class LocalServer:
         running = [cpu_seconds(k) for k in children(self.proc.pid)]
         # a model's process that exited and was started again keeps counting through ``exited``
         return {"server": server, "models": exited + sum(c for c in running if c is not None)}
+
+    def pss(self) -> dict[str, float] | None:
+        """Proportional set size (bytes) of the server's process and of its children (the backbones'
+        processes) now: shared pages count once over them (Linux ``smaps_rollup``; None where unreadable)."""
+        server = pss_bytes(self.proc.pid)
+        kids = [pss_bytes(k) for k in children(self.proc.pid)]
+        if server is None or None in kids:
+            return None
+        return {"server": server, "backbones": sum(k for k in kids if k is not None)}
 
     def log(self) -> str:
         """The end of the server's log."""

@@ -11,6 +11,7 @@ import importlib
 import os
 import socket
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
@@ -78,27 +79,57 @@ class ChunkTokenizer:
         start = next(k for k in range(len(full)) if full[k : k + len(bare)] == bare)
         return full[:start], full[start + len(bare) :]
 
-    def encode(self, texts: list[str]) -> list[Encoding]:
-        """Tokenize ``texts`` (one tokenizer call) and cut each into chunks of at most ``max_length``."""
+    def cut(self, max_length: int | None) -> int:
+        """Chunk length for a model asking for ``max_length`` (None: the backbone's limit), capped at the limit."""
+        return min(max_length or self.max_length, self.max_length)
+
+    def encode(self, texts: list[str], max_length: int | None = None) -> list[Encoding]:
+        """Tokenize ``texts`` (one tokenizer call) and cut each into chunks of at most ``max_length`` tokens
+        (default: the tokenizer's own)."""
+        length = self.cut(max_length)
+        return [by_length[length] for by_length in self.encode_lengths(texts, [length])]
+
+    def encode_lengths(self, texts: list[str], max_lengths: Sequence[int]) -> list[dict[int, Encoding]]:
+        """Tokenize ``texts`` once and cut each into chunks of every length in ``max_lengths`` (capped at the
+        limit): per text, chunk length -> its :class:`Encoding`. A text that fits in one chunk of the
+        shortest length gets the same chunks at every length (heads of different lengths share its
+        encoder pass then)."""
         with self._lock:
             tok = self.tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
-        body, n_pre, n_suf = self.body, len(self.prefix), len(self.suffix)
-        out = []
+        lengths = sorted({self.cut(m) for m in max_lengths})
+        out: list[dict[int, Encoding]] = []
         for t, ids in enumerate(tok["input_ids"]):
-            pieces = [ids[k : k + body] for k in range(0, len(ids), body)] or [[]]
             words = [-1 if w is None else w for w in tok.word_ids(t)]
             offs = [tuple(o) for o in tok["offset_mapping"][t]]
-            toff: list[tuple[int, int]] = []
-            tspec: list[bool] = []
-            tword: list[int] = []
-            for k, p in enumerate(pieces):
-                lo = k * body
-                toff += [(0, 0)] * n_pre + offs[lo : lo + len(p)] + [(0, 0)] * n_suf
-                tspec += [True] * n_pre + [False] * len(p) + [True] * n_suf
-                tword += [-1] * n_pre + words[lo : lo + len(p)] + [-1] * n_suf
-            chunks = tuple(tuple(self.prefix + p + self.suffix) for p in pieces)
-            out.append(Encoding(chunks, tuple(toff), tuple(tspec), tuple(tword)))
+            by_length: dict[int, Encoding] = {}
+            for length in lengths:
+                body = length - len(self.prefix) - len(self.suffix)
+                if body <= 0:
+                    raise BackboneError(f"max_length={length} leaves no room for text tokens")
+                one = next((e for e in by_length.values() if len(e.chunks) == 1), None)
+                by_length[length] = one if one is not None and len(ids) <= body else self._chunked(ids, offs, words,
+                                                                                                    body)
+            out.append(by_length)
         return out
+
+    def _chunked(self, ids: list[int], offs: list[tuple[int, int]], words: list[int], body: int) -> Encoding:
+        """One text's tokens cut into chunks of ``body`` text tokens, the special tokens around each."""
+        n_pre, n_suf = len(self.prefix), len(self.suffix)
+        pieces = [ids[k : k + body] for k in range(0, len(ids), body)] or [[]]
+        toff: list[tuple[int, int]] = []
+        tspec: list[bool] = []
+        tword: list[int] = []
+        for k, p in enumerate(pieces):
+            lo = k * body
+            toff += [(0, 0)] * n_pre + offs[lo : lo + len(p)] + [(0, 0)] * n_suf
+            tspec += [True] * n_pre + [False] * len(p) + [True] * n_suf
+            tword += [-1] * n_pre + words[lo : lo + len(p)] + [-1] * n_suf
+        chunks = tuple(tuple(self.prefix + p + self.suffix) for p in pieces)
+        return Encoding(chunks, tuple(toff), tuple(tspec), tuple(tword))
+
+    def token_names(self, encoding: Encoding) -> list[str]:
+        """The token of every position of ``encoding`` (special tokens included), as the tokenizer spells it."""
+        return self.tokenizer.convert_ids_to_tokens([i for c in encoding.chunks for i in c])
 
 
 class BackboneError(ValueError):

@@ -16,7 +16,8 @@ Groups share the worker fairly: each batch is built around the oldest item of th
 waited longest since its last batch finished, so a group of many items (a long text's chunks) is
 spread over several batches and a group that arrives meanwhile goes in the next one. ``run_batch``
 may answer an item with None when it is part of a group answered through another of its items;
-the observer counts the answers that are not None as ``completed``.
+the observer gets each batch's payloads and results (None for a failed batch) and reads what it
+counts from them.
 
 Every accepted item gets exactly one answer: its result, the batch's exception, or
 :class:`DeadlineExceeded`. Items whose caller went away (cancelled future) or whose deadline
@@ -53,24 +54,25 @@ class DeadlineExceeded(Exception):
     """The request's deadline passed before its result was ready."""
 
 
-class BatchObserver(Protocol):
-    """What the batcher reports, for metrics; every method must be cheap and never raise."""
+class BatchObserver(Protocol[P, R]):
+    """What the batcher reports, for metrics; every method must be cheap and never raise. ``payloads`` are
+    the items concerned; ``results`` a batch's answers in the same order, None when the batch failed."""
 
     def on_queue_depth(self, depth: int) -> None: ...
-    def on_drop(self, reason: str, n: int) -> None: ...
-    def on_batch(self, size: int, padded_cost: int, real_cost: int, waits: Sequence[float], seconds: float,
-                 completed: int) -> None: ...
+    def on_drop(self, reason: str, payloads: Sequence[P]) -> None: ...
+    def on_batch(self, payloads: Sequence[P], results: Sequence[R] | None, padded_cost: int,
+                 waits: Sequence[float], seconds: float) -> None: ...
 
 
-class NullObserver:
+class NullObserver(Generic[P, R]):
     def on_queue_depth(self, depth: int) -> None:
         pass
 
-    def on_drop(self, reason: str, n: int) -> None:
+    def on_drop(self, reason: str, payloads: Sequence[P]) -> None:
         pass
 
-    def on_batch(self, size: int, padded_cost: int, real_cost: int, waits: Sequence[float], seconds: float,
-                 completed: int) -> None:
+    def on_batch(self, payloads: Sequence[P], results: Sequence[R] | None, padded_cost: int,
+                 waits: Sequence[float], seconds: float) -> None:
         pass
 
 
@@ -99,13 +101,13 @@ class Batcher(Generic[P, R]):
     """Dynamic batching in front of ``run_batch(payloads) -> results`` (same length, same order)."""
 
     def __init__(self, run_batch: Callable[[list[P]], list[R]] | Sequence[Callable[[list[P]], list[R]]],
-                 limits: BatchLimits, observer: BatchObserver | None = None, name: str = "batcher") -> None:
+                 limits: BatchLimits, observer: BatchObserver[P, R] | None = None, name: str = "batcher") -> None:
         self.runners: list[Callable[[list[P]], list[R]]] = (
             [run_batch] if callable(run_batch) else list(run_batch))
         if not self.runners:
             raise ValueError("a batcher needs at least one runner")
         self.limits, self.name = limits, name
-        self.observer: BatchObserver = observer or NullObserver()
+        self.observer: BatchObserver[P, R] = observer or NullObserver()
         self._pending: list[_Item[P]] = []
         self._queued: Counter[Hashable] = Counter()  # group -> items in _pending (kept with every change)
         self._wakeup = asyncio.Event()
@@ -219,15 +221,17 @@ class Batcher(Generic[P, R]):
     def _drop_stale(self) -> None:
         """Drop items nobody waits for any more, and answer those past their deadline."""
         now = time.monotonic()
-        keep, gone, late = [], 0, 0
+        keep: list[_Item[P]] = []
+        gone: list[P] = []
+        late: list[P] = []
         for it in self._pending:
             if it.future.cancelled():  # the caller went away
-                gone += 1
+                gone.append(it.payload)
             elif it.future.done():  # already answered: its caller's deadline passed
-                late += 1
+                late.append(it.payload)
             elif it.deadline <= now:
                 _fail(it.future, DeadlineExceeded("deadline passed while queued"))
-                late += 1
+                late.append(it.payload)
             else:
                 keep.append(it)
         if gone:
@@ -323,7 +327,7 @@ class Batcher(Generic[P, R]):
     async def _run(self, loop: asyncio.AbstractEventLoop, runner: int, batch: list[_Item[P]]) -> None:
         """Compute ``batch`` on ``runner`` (marked busy by the caller) and answer its items."""
         started = time.monotonic()
-        ok, results = False, []
+        ok, results = False, []  # type: ignore[var-annotated]
         try:
             results = await loop.run_in_executor(self._executor, self.runners[runner], [it.payload for it in batch])
             if len(results) != len(batch):
@@ -344,13 +348,12 @@ class Batcher(Generic[P, R]):
         queued = self._queued
         self._served = {g: t for g, t in self._served.items() if g in queued}
         self._served.update((it.group, finished) for it in batch if it.group in queued)
-        completed = sum(1 for r in results if r is not None) if ok else 0
         widest = max(it.cost for it in batch)
         log.debug("batch %s: %d items, %d groups, cost %d (padded %d), %.4f s", self.name, len(batch),
                   len({it.group for it in batch}), sum(it.cost for it in batch), widest * len(batch),
                   finished - started)
-        self.observer.on_batch(len(batch), widest * len(batch), sum(it.cost for it in batch),
-                               [started - it.enqueued for it in batch], finished - started, completed)
+        self.observer.on_batch([it.payload for it in batch], results if ok else None, widest * len(batch),
+                               [started - it.enqueued for it in batch], finished - started)
 
 
 def _fail(future: asyncio.Future[Any], exc: BaseException) -> None:

@@ -1,9 +1,10 @@
-"""What routes hand the engine and what they get back: plain dataclasses, no torch, no HTTP.
+"""What the inference layer hands the engine and what it gets back: plain dataclasses, no torch, no HTTP.
 
-A route turns a request into :class:`Task` s (one per text, tokenized once), the engine's
-:meth:`~service.serving.engine.Planner.plan` cuts each into :class:`ChunkWork` (one per chunk of
-``max_length`` tokens) for the batcher, and the batch that computes a text's last chunk answers it
-with a :class:`Result`.
+A text is tokenized once and asked of one or more heads on one backbone (:class:`Ask`, each with its
+:class:`CreditSpec`). The planner cuts it into :class:`ChunkWork` (one per chunk of the heads'
+``max_length`` tokens) for the batcher; the batch that encodes the text's last chunk runs every head
+asked of it and answers with one :class:`Result` per head. Results carry numbers only: the tokens a
+response shows are built from the encoding the front already holds.
 """
 
 from __future__ import annotations
@@ -15,34 +16,62 @@ from typing import Any, Literal
 
 from service.modeling.encoding import Encoding
 
-Explain = Literal["tokens", "full"]
-"""``"tokens"``: credit per token of the targets; ``"full"``: also per (token, depth), for the explain views."""
 Method = Literal["contribution", "shares"]
+"""``"contribution"``: the value path's exact split of a logit; ``"shares"``: the paper's eq. 15 shares."""
+Detail = Literal["tokens", "full"]
+"""``"tokens"``: credit per token of the targets; ``"full"``: also per (token, depth), for the explain views."""
+
+
+@dataclass(frozen=True)
+class CreditSpec:
+    """What credit to compute for a text on one head, travelling from the request to the head and back.
+
+    Attributes:
+        method: see :data:`Method`.
+        contrast: explain ``logit_k - mean(logits)`` instead of ``logit_k`` (contributions only: for
+            shares it is always False).
+        targets: class indices to explain; None: the predicted class.
+        detail: see :data:`Detail`.
+        matrix: also every class's ``[n, d_depth]`` credit (the full matrix).
+        phi: also the three routings' ``phi``.
+    """
+
+    method: Method = "contribution"
+    contrast: bool = True
+    targets: tuple[int, ...] | None = None
+    detail: Detail = "tokens"
+    matrix: bool = False
+    phi: bool = False
+
+    def __post_init__(self) -> None:
+        if self.method != "contribution" and self.contrast:  # the one place the contrast rule lives
+            object.__setattr__(self, "contrast", False)
+
+
+@dataclass(frozen=True)
+class Ask:
+    """One head asked of a text: the model's name (None: the engine's only or first head) and its credit
+    (None: scores only)."""
+
+    model: str | None = None
+    credit: CreditSpec | None = None
 
 
 @dataclass(frozen=True)
 class Task:
-    """One text and what to compute for it.
-
-    ``explain``: None (scores only), ``"tokens"`` or ``"full"`` (see :data:`Explain`); ``targets``:
-    the labels to explain (None = the predicted label). ``method`` and ``contrast`` choose the credit
-    (see ``service.modeling.classifier``). ``encoding``: the text tokenized once (the engine tokenizes
-    it only when it is absent).
-    """
+    """One text asked of one head: what :meth:`~service.serving.engine.Engine.run` takes. ``encoding``: the
+    text tokenized once for that head's chunk length (the planner tokenizes it only when it is absent)."""
 
     text: str
     encoding: Encoding | None = None
-    explain: Explain | None = None
-    targets: tuple[str, ...] | None = None
-    method: Method = "contribution"
-    contrast: bool = True
-    include_matrix: bool = False
-    include_phi: bool = False
+    model: str | None = None
+    credit: CreditSpec | None = None
 
 
 @dataclass(frozen=True)
 class Token:
-    """A token position: the token, its character span in the text ((0, 0) for special tokens)."""
+    """A token position as a response shows it: the token, its character span in the text ((0, 0) for
+    special tokens), whether it is special."""
 
     token: str
     start: int
@@ -52,11 +81,12 @@ class Token:
 
 @dataclass
 class TargetCredit:
-    """Credit of one target label.
+    """Credit of one target class.
 
     Attributes:
+        label: the class's label.
         tokens: per token position, summed over depth.
-        depth: ``[n_tokens][d_depth]`` per (position, depth); None when only token credit was asked for.
+        depth: ``[n_tokens][d_depth]`` per (position, depth); None unless ``detail="full"``.
         logit, baseline: the explained read-out and its value at zero hidden states
             (``sum(tokens) + baseline == logit``); None for routing shares.
     """
@@ -70,13 +100,11 @@ class TargetCredit:
 
 @dataclass
 class Credit:
-    """One text's credit: its tokens (every position, special ones included) and each target's credit;
-    ``matrix`` (``[n][d_depth][n_classes]``) and ``phi`` (the three routings') when asked for."""
+    """One text's credit on one head: each target's numbers; ``matrix`` (``[n][d_depth][n_classes]``) and
+    ``phi`` (the three routings') when asked for."""
 
     method: Method
     contrast: bool
-    tokens: list[Token]
-    word_ids: list[int]
     targets: list[TargetCredit]
     matrix: list[list[list[float]]] | None = None
     phi: list[Any] | None = None
@@ -84,7 +112,7 @@ class Credit:
 
 @dataclass
 class Result:
-    """One text's answer; ``error`` (the text's scores were not finite) replaces everything else."""
+    """One text's answer from one head; ``error`` (the scores were not finite) replaces everything else."""
 
     label: str
     scores: dict[str, float]
@@ -92,24 +120,33 @@ class Result:
     error: str | None = None
 
 
+Answer = list[Result]
+"""A text's answers, one per :class:`Ask` of its job, in order."""
+
 _JOB_KEYS = itertools.count()
 
 
 @dataclass(eq=False)
 class TextJob:
-    """A text on its way through the model: each chunk's hidden states as the batches compute them.
-    ``key`` names it across processes (a model process keeps the states of texts it has not finished)."""
+    """A text on its way through the backbone: its encoding, the heads asked of it, and each chunk's hidden
+    states as the batches compute them. ``key`` names it across processes (a model process keeps the
+    states of texts it has not finished)."""
 
-    task: Task
+    encoding: Encoding
+    asks: tuple[Ask, ...]
     states: list[Any]
     left: int
     key: int = field(default_factory=lambda: next(_JOB_KEYS))
 
-    @property
-    def encoding(self) -> Encoding:
-        if self.task.encoding is None:
-            raise ValueError("a planned task is always encoded")
-        return self.task.encoding
+    @classmethod
+    def of(cls, encoding: Encoding, asks: Sequence[Ask]) -> TextJob:
+        if not asks:
+            raise ValueError("a text needs at least one head to ask")
+        return cls(encoding, tuple(asks), [None] * len(encoding.chunks), len(encoding.chunks))
+
+    def chunks(self) -> list[ChunkWork]:
+        """The batcher's units of work for this text, one per chunk."""
+        return [ChunkWork(self, k, ids) for k, ids in enumerate(self.encoding.chunks)]
 
 
 @dataclass(frozen=True, eq=False)
@@ -125,8 +162,55 @@ class ChunkWork:
         return len(self.ids)
 
 
-def results_of(chunks: Sequence[ChunkWork], answers: Sequence[Result | None]) -> list[Result]:
+def answers_of(chunks: Sequence[ChunkWork], answers: Sequence[Answer | None]) -> list[Answer]:
     """Each text's answer (given at the place of the chunk whose batch completed it), in the order of the
     texts' first chunks."""
-    by_text = {id(w.job): r for w, r in zip(chunks, answers, strict=True) if r is not None}
+    by_text = {id(w.job): a for w, a in zip(chunks, answers, strict=True) if a is not None}
     return [by_text[id(w.job)] for w in chunks if w.k == 0]
+
+
+# --- messages between the server's process and a backbone's process (pickled over a pipe) ---
+
+@dataclass(frozen=True)
+class LoadBackbone:
+    """Load a backbone and the heads of ``folders`` on it."""
+
+    folders: tuple[str, ...]
+    device: str
+    dtype: str
+    warmup: bool
+    torch_threads: int | None
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """The backbone process is ready: each head's description, where it computes, its CUDA memory."""
+
+    descriptions: dict[str, dict[str, Any]]
+    device: str
+    dtype: str
+    memory: list[dict[str, float | str]]
+
+
+@dataclass(frozen=True)
+class Failed:
+    """Loading, or a batch, failed: why."""
+
+    error: str
+
+
+@dataclass(frozen=True)
+class RunBatch:
+    """Compute these chunks; first forget the texts in ``forget`` (given up by the server)."""
+
+    works: list[ChunkWork]
+    forget: list[int]
+
+
+@dataclass(frozen=True)
+class Computed:
+    """A batch's answers (see :class:`Answer`), the CUDA memory after it, and how many texts are held."""
+
+    answers: list[Answer | None]
+    memory: list[dict[str, float | str]]
+    held: int

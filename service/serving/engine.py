@@ -1,30 +1,44 @@
-"""The engine: runs batches of chunks through a model on its device and turns the tensors into plain
-results. It knows torch and the model, nothing about HTTP; it runs in the batcher's thread.
+"""The engine: one frozen backbone and the heads of every model on it. It runs batches of chunks through
+the encoder once, each head on the texts that asked for it, and turns the tensors into plain results.
+It knows torch and the models, nothing about HTTP.
 
-A text is planned as one :class:`~service.serving.contract.ChunkWork` per chunk; batches of chunks
-(from any texts) run through the encoder, and the head runs on a text as soon as its last chunk has
-been encoded, in the same batch, together with the other texts completed there."""
+A text is planned as one :class:`~service.serving.contract.ChunkWork` per chunk; batches of chunks (from
+any texts, for any heads) run through the encoder, and as soon as a text's last chunk has been encoded,
+every head asked of it runs on it, in the same batch, together with the other texts completed there
+that asked for the same head. The backbone is frozen, so a head's answer does not depend on which other
+heads, or texts, share the batch."""
 
 from __future__ import annotations
 
 import abc
 import time
-from collections.abc import Callable
-from dataclasses import replace
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from service.config import DTYPES
-from service.modeling.backbone import ChunkTokenizer
+from service.modeling.backbone import Backbone, BackboneError, ChunkTokenizer
 from service.modeling.classifier import CreditRequest, Explained, Prediction, RoutingClassifier
 from service.modeling.encoding import Encoding
 from service.modeling.grouping import length_groups
-from service.modeling.repository import Manifest, load_model
-from service.serving.contract import ChunkWork, Credit, Result, TargetCredit, Task, TextJob, Token, results_of
+from service.modeling.repository import MANIFEST, Manifest, ModelLoadError, load_model, read_manifest
+from service.serving.contract import (
+    Answer,
+    Ask,
+    ChunkWork,
+    Credit,
+    CreditSpec,
+    Result,
+    TargetCredit,
+    Task,
+    TextJob,
+    Token,
+    answers_of,
+)
 
-__all__ = ["ChunkWork", "Engine", "NonFiniteScores", "Planner", "Result", "Task"]
+__all__ = ["Ask", "ChunkWork", "CreditSpec", "Engine", "NonFiniteScores", "Planner", "Result", "Task"]
 
 TORCH_DTYPES = {name: getattr(torch, name) for name in DTYPES}
 
@@ -61,196 +75,271 @@ class NonFiniteScores(RuntimeError):
     """The model produced NaN or Inf scores: a fault of the model, never an answer."""
 
 
+def backbone_key(manifest: Manifest) -> tuple[str, str]:
+    """What makes two models share a loaded backbone: the same source and revision (device and dtype are
+    the server's, the same for every model)."""
+    return manifest.backbone.source, manifest.backbone.revision
+
+
+def group_name(manifest: Manifest) -> str:
+    """The backbone group's name in logs and metrics."""
+    return f"{manifest.backbone.name}@{manifest.backbone.revision}"
+
+
 class Planner(abc.ABC):
-    """A model as the server sees it before it runs: its manifest and tokenizer, which cut texts into the
-    batcher's units of work. :class:`Engine` runs them in this process, ``ModelProcess``
-    (``service.serving.worker``) in a process of its own; both add ``run_chunks``, ``describe``,
-    ``device_memory`` and ``close``."""
+    """A backbone and its heads as the server's front sees them: the models' manifests and the backbone's
+    tokenizer, which cut texts into the batcher's units of work. :class:`Engine` runs them in this process,
+    ``BackboneProcess`` (``service.serving.worker``) in a process of its own; both add ``run_chunks``,
+    ``describe``, ``device_memory`` and ``close``.
+
+    Heads share a text's encoder pass when they cut it into the same chunks: always when their
+    ``max_length`` is the same, and for a text that fits in one chunk of the shorter one otherwise.
+    """
 
     device: torch.device | str
     dtype: torch.dtype | str
 
-    def __init__(self, manifest: Manifest, chunker: ChunkTokenizer) -> None:
-        self.manifest, self.chunker = manifest, chunker
-        self.name = manifest.name
-        self.labels = manifest.labels
+    def __init__(self, manifests: Sequence[Manifest], chunker: ChunkTokenizer) -> None:
+        if not manifests:
+            raise ValueError("a backbone needs at least one model")
+        keys = {backbone_key(m) for m in manifests}
+        if len(keys) > 1:
+            raise ValueError(f"models on one backbone must name the same backbone, not {sorted(keys)}")
+        self.manifests = {m.name: m for m in manifests}
+        self.chunker = chunker
+        self.name = group_name(manifests[0])
+        self.default = manifests[0].name  # the head of a task that names none
 
     @property
-    def max_length(self) -> int:
-        return self.chunker.max_length
+    def models(self) -> list[str]:
+        return list(self.manifests)
 
-    def encode(self, texts: list[str]) -> list[Encoding]:
-        """Tokenize and chunk ``texts`` once; ``n_tokens`` of each is the batcher's cost."""
-        return self.chunker.encode(texts)
+    def labels(self, model: str) -> list[str]:
+        return self.manifests[model].labels
+
+    def max_length(self, model: str) -> int:
+        """Tokens per chunk for ``model`` (its manifest's, capped at the backbone's limit)."""
+        return self.chunker.cut(self.manifests[model].max_length)
+
+    def encode(self, texts: list[str], models: Sequence[str]) -> list[dict[int, Encoding]]:
+        """Tokenize ``texts`` once and cut each for every chunk length the ``models`` use (see
+        :meth:`ChunkTokenizer.encode_lengths`): per text, chunk length -> encoding."""
+        return self.chunker.encode_lengths(texts, [self.max_length(m) for m in models])
+
+    def tokens(self, encoding: Encoding) -> list[Token]:
+        """The positions of ``encoding`` as a response shows them (special tokens included)."""
+        names = self.chunker.token_names(encoding)
+        return [Token(t, s, e, sp) for t, (s, e), sp in zip(names, encoding.offsets, encoding.special, strict=True)]
+
+    def jobs(self, encodings: dict[int, Encoding], asks: Sequence[Ask]) -> list[TextJob]:
+        """One text's jobs: its asks grouped by the chunks their heads cut it into (one job, one encoder pass,
+        for heads that cut it alike), in the order of each group's first ask."""
+        groups: dict[tuple[tuple[int, ...], ...], list[Ask]] = {}
+        encoding_of: dict[tuple[tuple[int, ...], ...], Encoding] = {}
+        for ask in asks:
+            enc = encodings[self.max_length(ask.model or self.default)]
+            groups.setdefault(enc.chunks, []).append(ask)
+            encoding_of.setdefault(enc.chunks, enc)
+        return [TextJob.of(encoding_of[chunks], group) for chunks, group in groups.items()]
 
     def plan(self, tasks: list[Task]) -> list[list[ChunkWork]]:
-        """Each task's chunks as units of work for the batcher (texts not yet tokenized are tokenized)."""
-        missing = [t.text for t in tasks if t.encoding is None]
-        fresh = iter(self.encode(missing) if missing else [])
+        """Each single-head task's chunks as units of work for the batcher (texts not yet tokenized are
+        tokenized here, once for all of them)."""
+        resolved = [Task(t.text, t.encoding, t.model or self.default, t.credit) for t in tasks]
+        for t in resolved:
+            if t.model not in self.manifests:
+                raise KeyError(f"no model {t.model!r} on backbone {self.name} (it has {self.models})")
+        missing = [t for t in resolved if t.encoding is None]
+        fresh = iter(self.encode([t.text for t in missing], [t.model for t in missing if t.model]) if missing else [])
         plans = []
-        for task in tasks:
-            enc = task.encoding if task.encoding is not None else next(fresh)
-            job = TextJob(replace(task, encoding=enc), [None] * len(enc.chunks), len(enc.chunks))
-            plans.append([ChunkWork(job, k, ids) for k, ids in enumerate(enc.chunks)])
+        for t in resolved:
+            enc = t.encoding if t.encoding is not None else next(fresh)[self.max_length(t.model or self.default)]
+            plans.append(TextJob.of(enc, [Ask(t.model, t.credit)]).chunks())
         return plans
 
-    def explain_elements(self, n_tokens: int, include_matrix: bool, include_phi: bool) -> int:
-        """How many numbers the full matrix and the phis add for a text of ``n_tokens``."""
-        n_hid, n_k = self.manifest.head.n_hid, len(self.labels)
-        n_i = n_tokens * self.manifest.backbone.d_depth
-        total = n_i * n_k if include_matrix else 0
-        if include_phi:
+    def explain_elements(self, model: str, n_tokens: int, spec: CreditSpec) -> int:
+        """How many numbers the full matrix and the phis add for a text of ``n_tokens`` on ``model``."""
+        m = self.manifests[model]
+        n_hid, n_k = m.head.n_hid, len(m.labels)
+        n_i = n_tokens * m.backbone.d_depth
+        total = n_i * n_k if spec.matrix else 0
+        if spec.phi:
             total += n_i * n_hid + n_hid * n_hid + n_hid * n_k
         return total
 
     @abc.abstractmethod
-    def run_chunks(self, works: list[ChunkWork]) -> list[Result | None]:
+    def run_chunks(self, works: list[ChunkWork]) -> list[Answer | None]:
         """Compute a batch of chunks; each text completed in it is answered at its last chunk's place."""
 
     @property
-    def runners(self) -> list[Callable[[list[ChunkWork]], list[Result | None]]]:
+    def runners(self) -> list[Callable[[list[ChunkWork]], list[Answer | None]]]:
         """What computes batches, one batch at a time each: the batcher sends each batch to a free one and
         keeps a text's chunks on one (it holds their states until the last)."""
         return [self.run_chunks]
 
     def resident_bytes(self) -> int | None:
-        """Resident memory of the model's own processes (None: it computes in the server's process)."""
+        """Resident memory of the backbone's own processes (None: it computes in the server's process)."""
         return None
 
     @abc.abstractmethod
-    def describe(self) -> dict[str, Any]:
-        """What ``/v1/models`` says of the model."""
+    def describe(self, model: str) -> dict[str, Any]:
+        """What ``/v1/models`` says of ``model``."""
 
     @abc.abstractmethod
     def device_memory(self) -> list[dict[str, float | str]]:
-        """CUDA memory of the devices this model's process uses (empty on CPU)."""
+        """CUDA memory of the devices this backbone's process uses (empty on CPU)."""
 
     def close(self) -> None:  # noqa: B027 (nothing to release unless a subclass holds more)
-        """Release what the model holds beyond this object (a process of its own)."""
+        """Release what the backbone holds beyond this object (a process of its own)."""
+
+
+def load_backbone(folders: Sequence[Path], device: torch.device, dtype: torch.dtype
+                  ) -> tuple[list[Manifest], dict[str, RoutingClassifier]]:
+    """Read every model folder, load their shared backbone once and each head onto it.
+
+    Raises:
+        ModelLoadError: a folder is damaged, its backbone cannot load, or the folders name different backbones.
+    """
+    manifests = [read_manifest(Path(f)) for f in folders]
+    first = manifests[0]
+    for f, m in zip(folders, manifests, strict=True):
+        if backbone_key(m) != backbone_key(first):
+            raise ModelLoadError(Path(f) / MANIFEST, f"backbone {backbone_key(m)} differs from {first.name}'s "
+                                 f"{backbone_key(first)}; load it on a backbone of its own")
+    try:  # chunks as long as the backbone allows: each head cuts texts at its own max_length
+        backbone = Backbone(first.backbone.source, max_length=None, device=device, dtype=dtype)
+    except BackboneError as e:
+        raise ModelLoadError(Path(folders[0]) / MANIFEST, f"unknown or unloadable backbone: {e}") from e
+    classifiers = {m.name: load_model(Path(f), device=device, dtype=dtype, backbone=backbone)[1]
+                   for f, m in zip(folders, manifests, strict=True)}
+    return manifests, classifiers
 
 
 class Engine(Planner):
-    """A loaded model ready to serve batches, in this process."""
+    """A backbone and its heads, loaded and ready to serve batches, in this process."""
 
-    def __init__(self, manifest: Manifest, classifier: RoutingClassifier, device: torch.device,
-                 dtype: torch.dtype, load_seconds: float) -> None:
-        super().__init__(manifest, classifier.backbone.chunker)
-        self.classifier, self.device, self.dtype = classifier, device, dtype
+    def __init__(self, manifests: Sequence[Manifest], classifiers: dict[str, RoutingClassifier],
+                 device: torch.device, dtype: torch.dtype, load_seconds: float) -> None:
+        backbone = next(iter(classifiers.values())).backbone
+        super().__init__(manifests, backbone.chunker)
+        self.backbone, self.classifiers, self.device, self.dtype = backbone, classifiers, device, dtype
         self.load_seconds = load_seconds
 
     @classmethod
-    def load(cls, folder: Path, device: str = "auto", dtype: str = "float32", warmup: bool = True) -> Engine:
+    def load(cls, folders: Path | Sequence[Path], device: str = "auto", dtype: str = "float32",
+             warmup: bool = True) -> Engine:
+        """Load the models of ``folders`` (one folder, or several naming the same backbone) on one backbone."""
         t0 = time.perf_counter()
+        folders = [folders] if isinstance(folders, Path | str) else list(folders)
         dev = resolve_device(device)
         dt = resolve_dtype(dtype, dev)
-        manifest, clf = load_model(folder, device=dev, dtype=dt)
-        engine = cls(manifest, clf, dev, dt, 0.0)
+        manifests, classifiers = load_backbone(folders, dev, dt)
+        engine = cls(manifests, classifiers, dev, dt, 0.0)
         if warmup:
-            results = engine.run([Task("warm up the model", explain="full"),
-                                  Task("and its routing shares", explain="full", method="shares")])
-            failed = [r.error for r in results if r.error]
+            full, shares = CreditSpec(detail="full"), CreditSpec(method="shares", detail="full")
+            tasks = [Task(text, model=m, credit=c) for m in engine.models
+                     for text, c in (("warm up the model", full), ("and its routing shares", shares))]
+            failed = [r.error for r in engine.run(tasks) if r.error]
             if failed:
-                raise NonFiniteScores(f"model {manifest.name} failed its warm-up: {failed[0]}")
+                raise NonFiniteScores(f"a model on backbone {engine.name} failed its warm-up: {failed[0]}")
         engine.load_seconds = time.perf_counter() - t0
         return engine
 
-    def describe(self) -> dict[str, Any]:
-        head = self.classifier.head
+    def describe(self, model: str) -> dict[str, Any]:
+        m, clf = self.manifests[model], self.classifiers[model]
         return {
-            "name": self.name, "task": self.manifest.task, "description": self.manifest.description,
-            "labels": self.labels, "backbone": self.manifest.backbone.model_dump(),
-            "head": self.manifest.head.model_dump(), "max_length": self.max_length,
-            "parameters": {"head": sum(p.numel() for p in head.parameters()),
-                           "backbone": sum(p.numel() for p in self.classifier.backbone.parameters())},
+            "name": model, "task": m.task, "description": m.description,
+            "labels": m.labels, "backbone": m.backbone.model_dump(),
+            "head": m.head.model_dump(), "max_length": self.max_length(model),
+            "parameters": {"head": sum(p.numel() for p in clf.head.parameters()),
+                           "backbone": sum(p.numel() for p in self.backbone.parameters())},
             "device": str(self.device), "dtype": str(self.dtype).removeprefix("torch."),
-            "evaluation": self.manifest.evaluation, "load_seconds": round(self.load_seconds, 3),
+            "evaluation": m.evaluation, "load_seconds": round(self.load_seconds, 3),
         }
 
-    def _credit_request(self, task: Task) -> CreditRequest | None:
-        """The classifier's request for ``task``: every class when the full matrix is wanted."""
-        if task.explain is None:
+    def _credit_request(self, model: str, spec: CreditSpec | None) -> CreditRequest | None:
+        """The classifier's request for ``spec``: every class when the full matrix is wanted."""
+        if spec is None:
             return None
-        targets = None
-        if task.include_matrix:
-            targets = tuple(range(len(self.labels)))
-        elif task.targets is not None:
-            targets = tuple(self.labels.index(t) for t in task.targets)
-        return CreditRequest(targets=targets, method=task.method, contrast=task.contrast)
+        targets = tuple(range(len(self.labels(model)))) if spec.matrix else spec.targets
+        return CreditRequest(targets=targets, method=spec.method, contrast=spec.contrast)
 
     def run(self, tasks: list[Task]) -> list[Result]:
-        """Classify a batch of whole texts (every chunk in this one call)."""
+        """Classify a batch of whole texts, each on its own head (every chunk in this one call)."""
         chunks = [w for plan in self.plan(tasks) for w in plan]
-        return results_of(chunks, self.run_chunks(chunks))
+        return [answer[0] for answer in answers_of(chunks, self.run_chunks(chunks))]
 
-    def run_chunks(self, works: list[ChunkWork]) -> list[Result | None]:
-        """Encode a batch of chunks; run the head on every text whose last chunk this was (batched by
-        length) and answer it at that chunk's place. The other places are None."""
-        states = self.classifier.backbone.run_chunks([list(w.ids) for w in works])
+    @torch.inference_mode()
+    def run_chunks(self, works: list[ChunkWork]) -> list[Answer | None]:
+        """Encode a batch of chunks once; run each head on every text completed here that asked for it (in
+        length groups) and answer each such text at its last chunk's place. The other places are None."""
+        states = self.backbone.run_chunks([list(w.ids) for w in works])
         done: dict[int, TextJob] = {}  # position in the batch -> text completed there
         for pos, (w, st) in enumerate(zip(works, states, strict=True)):
             w.job.states[w.k] = st
             w.job.left -= 1
             if w.job.left == 0:
                 done[pos] = w.job
-        answers: list[Result | None] = [None] * len(works)
-        for group in self._head_groups(done):
-            jobs = [done[pos] for pos in group]
-            for pos, res in zip(group, self._finish(jobs), strict=True):
-                answers[pos] = res
-            for job in jobs:
-                job.states = []  # the hidden states are no longer needed
-        return answers
+        answers: list[Answer | None] = [[] for _ in works]
+        results: dict[tuple[int, int], Result] = {}  # (position, ask) -> its result
+        by_model: dict[str, list[tuple[int, int]]] = {}
+        for pos, job in done.items():
+            for a, ask in enumerate(job.asks):
+                by_model.setdefault(ask.model or self.default, []).append((pos, a))
+        for model, places in by_model.items():
+            for group in self._head_groups([done[pos].encoding.n_tokens for pos, _ in places]):
+                chosen = [places[g] for g in group]
+                jobs = [done[pos] for pos, _ in chosen]
+                specs = [done[pos].asks[a].credit for pos, a in chosen]
+                for place, res in zip(chosen, self._finish(model, jobs, specs), strict=True):
+                    results[place] = res
+        for pos, job in done.items():
+            answers[pos] = [results[(pos, a)] for a in range(len(job.asks))]
+            job.states = []  # the hidden states are no longer needed
+        return [answers[pos] if pos in done else None for pos in range(len(works))]
 
-    def _head_groups(self, done: dict[int, TextJob]) -> list[list[int]]:
-        """Completed texts (by batch position) in length groups within ``chunk_batch_tokens`` padded
-        positions, so short texts are not padded to a long one. A call of the head costs about twice
-        what one of the encoder does in padded positions (on the CPU: 2.4 ms a call against 0.018 ms
-        a padded position), so it is cut less often."""
-        backbone = self.classifier.backbone
-        positions = list(done)
-        groups = length_groups([done[p].encoding.n_tokens for p in positions], 2 * backbone.call_overhead,
-                               backbone.chunk_batch_tokens)
-        return [[positions[k] for k in group] for group in groups]
+    def _head_groups(self, lengths: list[int]) -> list[list[int]]:
+        """Texts (by index into ``lengths``) in length groups within ``chunk_batch_tokens`` padded positions, so
+        short texts are not padded to a long one. A call of the head costs about twice what one of the
+        encoder does in padded positions (on the CPU: 2.4 ms a call against 0.018 ms a padded position),
+        so it is cut less often."""
+        return length_groups(lengths, 2 * self.backbone.call_overhead, self.backbone.chunk_batch_tokens)
 
-    def _finish(self, jobs: list[TextJob]) -> list[Result]:
-        """The head's part for texts whose chunks are all encoded."""
-        tasks = [j.task for j in jobs]
-        enc = self.classifier.backbone.join([j.encoding for j in jobs], [j.states for j in jobs])
-        pred = self.classifier.classify(enc, explain=[self._credit_request(t) for t in tasks],
-                                        return_phi=any(t.include_phi for t in tasks))
+    def _finish(self, model: str, jobs: list[TextJob], specs: list[CreditSpec | None]) -> list[Result]:
+        """Head ``model``'s part for texts whose chunks are all encoded."""
+        clf = self.classifiers[model]
+        enc = self.backbone.join([j.encoding for j in jobs], [j.states for j in jobs])
+        pred = clf.classify(enc, explain=[self._credit_request(model, s) for s in specs],
+                            return_phi=any(s is not None and s.phi for s in specs))
         probs = pred.probs.cpu()  # one device-to-host copy per batch, not per text
-        return [self._result(pred, probs, b, t) for b, t in enumerate(tasks)]
+        return [self._result(model, pred, probs, b, s) for b, s in enumerate(specs)]
 
-    def _result(self, pred: Prediction, probs: torch.Tensor, b: int, task: Task) -> Result:
+    def _result(self, model: str, pred: Prediction, probs: torch.Tensor, b: int, spec: CreditSpec | None) -> Result:
+        labels = self.labels(model)
         if not bool(torch.isfinite(probs[b]).all()):
-            return Result(label="", scores={}, error=f"model {self.name} produced non-finite scores for this text")
+            return Result(label="", scores={}, error=f"model {model} produced non-finite scores for this text")
         k = int(probs[b].argmax())
-        scores = {lab: float(p) for lab, p in zip(self.labels, probs[b].tolist(), strict=True)}
-        res = Result(label=self.labels[k], scores=scores)
+        res = Result(label=labels[k], scores=dict(zip(labels, probs[b].tolist(), strict=True)))
         explained = pred.explained[b]
-        if task.explain is not None and explained is not None:
-            res.credit = self._credit(pred, b, explained, task, res.label)
+        if spec is not None and explained is not None:
+            res.credit = self._credit(labels, pred, b, explained, spec, k)
         return res
 
-    def _credit(self, pred: Prediction, b: int, ex: Explained, task: Task, predicted: str) -> Credit:
+    def _credit(self, labels: list[str], pred: Prediction, b: int, ex: Explained, spec: CreditSpec,
+                predicted: int) -> Credit:
         """Plain numbers of one text's credit (views are built from them off the model thread)."""
-        enc = task.encoding
-        if enc is None:
-            raise ValueError("a task reaches the head encoded")
-        names = self.classifier.backbone.tokenizer.convert_ids_to_tokens([i for c in enc.chunks for i in c])
-        tokens = [Token(t, s, e, sp) for t, (s, e), sp in zip(names, enc.offsets, enc.special, strict=True)]
-        full = task.explain == "full"
+        full = spec.detail == "full"
         targets = []
-        for label in task.targets or (predicted,):  # the full matrix covers every class; these are the asked ones
-            j = ex.targets.index(self.labels.index(label))
+        for k in spec.targets or (predicted,):  # the full matrix covers every class; these are the asked ones
+            j = ex.targets.index(k)
             logit, baseline = (None, None) if ex.logit is None or ex.baseline is None else (
                 float(ex.logit[j]), float(ex.baseline[j]))
             depth = ex.credit[:, :, j].tolist() if full else None  # [n][e]
-            targets.append(TargetCredit(label, ex.credit[:, :, j].sum(dim=1).tolist(), depth, logit, baseline))
-        credit = Credit(task.method, task.contrast, tokens, list(enc.word_ids), targets)
-        if task.include_matrix:
+            targets.append(TargetCredit(labels[k], ex.credit[:, :, j].sum(dim=1).tolist(), depth, logit, baseline))
+        credit = Credit(spec.method, spec.contrast, targets)
+        if spec.matrix:
             credit.matrix = ex.credit.tolist()
-        if task.include_phi and pred.phi is not None:
+        if spec.phi and pred.phi is not None:
             n_i = ex.credit.shape[0] * ex.credit.shape[1]
             phi1, phi2, phi3 = (p[b].float().cpu() for p in pred.phi)
             credit.phi = [phi1[:n_i].tolist(), phi2.tolist(), phi3.tolist()]

@@ -7,11 +7,14 @@ Buckets cover both CPU (tens of ms to seconds) and GPU (milliseconds) serving.
 
 from __future__ import annotations
 
+from collections import Counter as Tally
 from collections.abc import Callable, Iterable, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+from service.serving.contract import Answer, ChunkWork
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -21,7 +24,7 @@ RATIO_BUCKETS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 FAILURE_REASONS = ("validation", "overloaded", "deadline", "disconnected", "auth", "internal", "draining")
 
 DeviceMemory = Callable[[], Iterable[dict[str, float | str]]]
-ModelMemory = Callable[[], Iterable[tuple[str, float]]]
+BackboneMemory = Callable[[], Iterable[tuple[str, float]]]
 
 CHUNK = "(a text, or max_length tokens of a longer one)"
 
@@ -42,30 +45,33 @@ class _DeviceMemoryCollector(Collector):
         return list(families.values())
 
 
-class _ModelProcessCollector(Collector):
-    """Resident memory of each model's own process (where its weights are), read at scrape time."""
+class _BackboneProcessCollector(Collector):
+    """Resident memory of each backbone's own process (where its weights and its heads are), read at scrape
+    time."""
 
-    def __init__(self, read: ModelMemory) -> None:
+    def __init__(self, read: BackboneMemory) -> None:
         self.read = read
 
     def collect(self) -> Iterable[GaugeMetricFamily]:
-        fam = GaugeMetricFamily("routing_model_process_resident_memory_bytes",
-                                "Resident memory of a model's own processes (its replicas summed)", labels=["model"])
-        for model, rss in self.read():
-            fam.add_metric([model], rss)
+        fam = GaugeMetricFamily("routing_backbone_process_resident_memory_bytes",
+                                "Resident memory of a backbone's own processes, its heads included (replicas "
+                                "summed)", labels=["backbone"])
+        for backbone, rss in self.read():
+            fam.add_metric([backbone], rss)
         return [fam]
 
 
 class Metrics:
     """The service's metrics, registered in their own registry (one per app)."""
 
-    def __init__(self, device_memory: DeviceMemory | None = None, model_memory: ModelMemory | None = None) -> None:
+    def __init__(self, device_memory: DeviceMemory | None = None,
+                 backbone_memory: BackboneMemory | None = None) -> None:
         r = self.registry = CollectorRegistry()
         ProcessCollector(namespace="routing", registry=r)  # routing_process_resident_memory_bytes, cpu, fds
         if device_memory is not None:
             r.register(_DeviceMemoryCollector(device_memory))
-        if model_memory is not None:
-            r.register(_ModelProcessCollector(model_memory))
+        if backbone_memory is not None:
+            r.register(_BackboneProcessCollector(backbone_memory))
         self.requests = Counter("routing_requests_total", "HTTP requests by endpoint and status code",
                                 ["endpoint", "status"], registry=r)
         self.request_duration = Histogram("routing_request_duration_seconds", "HTTP request duration",
@@ -73,20 +79,20 @@ class Metrics:
         self.in_flight = Gauge("routing_requests_in_flight", "HTTP requests being handled", registry=r)
         self.queue_wait = Histogram("routing_queue_wait_seconds", f"Time a chunk {CHUNK} waited in the queue",
                                     ["model"], buckets=LATENCY_BUCKETS, registry=r)
-        self.batch_seconds = Histogram("routing_batch_compute_seconds", "Time in the model per batch", ["model"],
-                                       buckets=LATENCY_BUCKETS, registry=r)
-        self.batch_size = Histogram("routing_batch_size", f"Chunks {CHUNK} per batch", ["model"],
+        self.batch_seconds = Histogram("routing_batch_compute_seconds", "Time in the backbone and its heads per "
+                                       "batch", ["backbone"], buckets=LATENCY_BUCKETS, registry=r)
+        self.batch_size = Histogram("routing_batch_size", f"Chunks {CHUNK} per batch", ["backbone"],
                                     buckets=BATCH_SIZE_BUCKETS, registry=r)
-        self.batch_tokens = Histogram("routing_batch_padded_tokens", "Padded tokens per batch", ["model"],
+        self.batch_tokens = Histogram("routing_batch_padded_tokens", "Padded tokens per batch", ["backbone"],
                                       buckets=TOKEN_BUCKETS, registry=r)
         self.padding_ratio = Histogram("routing_batch_padding_ratio", "Share of a batch's tokens that are padding",
-                                       ["model"], buckets=RATIO_BUCKETS, registry=r)
-        self.queue_depth = Gauge("routing_queue_depth", f"Chunks {CHUNK} waiting in the queue", ["model"],
-                                 registry=r)
+                                       ["backbone"], buckets=RATIO_BUCKETS, registry=r)
+        self.queue_depth = Gauge("routing_queue_depth", f"Chunks {CHUNK} waiting in a backbone's queue",
+                                 ["backbone"], registry=r)
         self.texts = Counter("routing_texts_processed_total", "Texts answered by the model (every chunk encoded, "
                              "head computed)", ["model"], registry=r)
-        self.tokens = Counter("routing_tokens_processed_total", "Real tokens run through the model", ["model"],
-                              registry=r)
+        self.tokens = Counter("routing_tokens_processed_total", "Real tokens run through the backbone for the model "
+                              "(a chunk shared by several models counts for each)", ["model"], registry=r)
         self.failures = Counter("routing_failures_total", "Requests that failed, by reason", ["reason"],
                                 registry=r)
         self.dropped = Counter("routing_dropped_texts_total", "Queued texts dropped before compute, by reason",
@@ -98,37 +104,56 @@ class Metrics:
         for reason in FAILURE_REASONS:
             self.failures.labels(reason)  # export zeros so dashboards and alerts see every series
 
-    def observer(self, model: str) -> BatchMetrics:
-        return BatchMetrics(self, model)
+    def observer(self, backbone: str) -> BatchMetrics:
+        return BatchMetrics(self, backbone)
+
+
+def _models(work: ChunkWork) -> list[str]:
+    return [a.model or "" for a in work.job.asks]
 
 
 class BatchMetrics:
-    """Adapter from the batcher's events to metrics for one model (see ``batcher.BatchObserver``)."""
+    """Adapter from a backbone batcher's events to metrics (see ``batcher.BatchObserver``): batch metrics per
+    backbone, queue waits, texts, tokens and drops per model."""
 
-    def __init__(self, m: Metrics, model: str) -> None:
-        self.m, self.model = m, model
-        for h in (m.queue_wait, m.batch_seconds, m.batch_size, m.batch_tokens, m.padding_ratio):
-            h.labels(model)
-        m.queue_depth.labels(model).set(0)
-        m.texts.labels(model)
-        m.tokens.labels(model)
+    def __init__(self, m: Metrics, backbone: str) -> None:
+        self.m, self.backbone = m, backbone
+        for h in (m.batch_seconds, m.batch_size, m.batch_tokens, m.padding_ratio):
+            h.labels(backbone)
+        m.queue_depth.labels(backbone).set(0)
+
+    def model(self, name: str) -> None:
+        """Export a model's series at zero (call when it is loaded)."""
+        m = self.m
+        m.queue_wait.labels(name)
+        m.texts.labels(name)
+        m.tokens.labels(name)
         for reason in ("disconnected", "deadline"):
-            m.dropped.labels(model, reason)
+            m.dropped.labels(name, reason)
 
     def on_queue_depth(self, depth: int) -> None:
-        self.m.queue_depth.labels(self.model).set(depth)
+        self.m.queue_depth.labels(self.backbone).set(depth)
 
-    def on_drop(self, reason: str, n: int) -> None:
-        self.m.dropped.labels(self.model, reason).inc(n)
+    def on_drop(self, reason: str, payloads: Sequence[ChunkWork]) -> None:
+        texts = Tally(m for w in {id(w.job): w for w in payloads}.values() for m in _models(w))  # per model
+        for model, n in texts.items():
+            self.m.dropped.labels(model, reason).inc(n)
 
-    def on_batch(self, size: int, padded_cost: int, real_cost: int, waits: Sequence[float], seconds: float,
-                 completed: int) -> None:
-        m, model = self.m, self.model
-        m.batch_size.labels(model).observe(size)
-        m.batch_tokens.labels(model).observe(padded_cost)
-        m.padding_ratio.labels(model).observe(1.0 - real_cost / padded_cost if padded_cost else 0.0)
-        m.batch_seconds.labels(model).observe(seconds)
-        for w in waits:
-            m.queue_wait.labels(model).observe(w)
-        m.texts.labels(model).inc(completed)
-        m.tokens.labels(model).inc(real_cost)
+    def on_batch(self, payloads: Sequence[ChunkWork], results: Sequence[Answer | None] | None, padded_cost: int,
+                 waits: Sequence[float], seconds: float) -> None:
+        m, backbone = self.m, self.backbone
+        real_cost = sum(w.cost for w in payloads)
+        m.batch_size.labels(backbone).observe(len(payloads))
+        m.batch_tokens.labels(backbone).observe(padded_cost)
+        m.padding_ratio.labels(backbone).observe(1.0 - real_cost / padded_cost if padded_cost else 0.0)
+        m.batch_seconds.labels(backbone).observe(seconds)
+        for w, wait in zip(payloads, waits, strict=True):
+            for model in _models(w):
+                m.queue_wait.labels(model).observe(wait)
+                m.tokens.labels(model).inc(w.cost)
+        if results is None:  # the batch failed: nothing was answered
+            return
+        for w, answer in zip(payloads, results, strict=True):
+            if answer is not None:
+                for model in _models(w):
+                    m.texts.labels(model).inc()

@@ -21,6 +21,7 @@ from service.serving.metrics import Metrics
 from service.serving.state import AppState
 
 log = logging.getLogger("service.http")
+CLIENT_CLOSED = 499  # what a request whose client left before any response is recorded as
 
 
 class Observe:
@@ -39,7 +40,7 @@ class Observe:
         request_id = request_id or uuid.uuid4().hex
         state: AppState = scope["app"].state.app_state
         path, method = scope["path"], scope["method"]
-        status = 500
+        status: int | None = None  # until the app starts a response
         t0 = time.perf_counter()
 
         async def send_with_id(message: Message) -> None:
@@ -50,10 +51,11 @@ class Observe:
                 message["headers"] = [*message["headers"], (b"x-request-id", request_id.encode("latin-1"))]
             await send(message)
 
-        state.in_flight += 1
+        life = state.lifecycle
+        life.in_flight += 1
         m.in_flight.inc()
         try:
-            if state.status == "draining" and (path.startswith("/v1/") or errors.is_v2(path)):
+            if life.draining and (path.startswith("/v1/") or errors.is_v2(path)):
                 # requests that arrived before the drain began finish; new ones are turned away
                 m.failures.labels("draining").inc()
                 response = errors.error_response(503, errors.SHUTTING_DOWN, headers=errors.retry_after("draining"),
@@ -61,9 +63,16 @@ class Observe:
                 await response(scope, receive, send_with_id)
             else:
                 await self.app(scope, receive, send_with_id)
+        except Exception:
+            if status is None:  # the app failed before answering: the server's error handler answers 500
+                status = 500
+            raise
         finally:
-            state.in_flight -= 1
+            life.in_flight -= 1
             m.in_flight.dec()
+            if status is None:  # no response was started: the client went away first (nginx's 499), no 500
+                status = CLIENT_CLOSED
+                m.failures.labels("disconnected").inc()
             endpoint = getattr(scope.get("route"), "path", "unmatched")
             elapsed = time.perf_counter() - t0
             m.requests.labels(endpoint, str(status)).inc()

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from service.modeling import views
-from service.serving.contract import Credit, Result
+from service.serving.contract import Credit, Result, Token
 from service.serving.schemas import (
     ClassifyResult,
     ExplainResult,
@@ -27,30 +27,35 @@ async def off_loop(fn: Callable[[], T]) -> T:
     return await asyncio.get_running_loop().run_in_executor(None, fn)
 
 
-def predicted(credit: Credit) -> PredictedExplanation:
+def predicted(credit: Credit, tokens: list[Token]) -> PredictedExplanation:
     """Token credit (summed over depth) of the one explained label, special tokens summed apart."""
     target = credit.targets[0]
     return PredictedExplanation(
         target=target.label, method=credit.method, contrast=credit.contrast, logit=target.logit,
         baseline=target.baseline,
-        special=float(sum(c for tok, c in zip(credit.tokens, target.tokens, strict=True) if tok.special)),
+        special=float(sum(c for tok, c in zip(tokens, target.tokens, strict=True) if tok.special)),
         tokens=[TokenCredit(token=tok.token, start=tok.start, end=tok.end, credit=c)
-                for tok, c in zip(credit.tokens, target.tokens, strict=True) if not tok.special])
+                for tok, c in zip(tokens, target.tokens, strict=True) if not tok.special])
 
 
-def classify_result(res: Result) -> ClassifyResult:
-    return ClassifyResult(label=res.label, score=res.scores[res.label], scores=res.scores,
-                          explanation=predicted(res.credit) if res.credit is not None else None)
+def classify_result(res: Result, tokens: list[Token] | None = None) -> ClassifyResult:
+    """Label and probabilities; with credit, the predicted label's token credit (``tokens``: the text's)."""
+    explanation = None
+    if res.credit is not None:
+        if tokens is None:
+            raise ValueError("a result with credit needs its tokens")
+        explanation = predicted(res.credit, tokens)
+    return ClassifyResult(label=res.label, score=res.scores[res.label], scores=res.scores, explanation=explanation)
 
 
-def explain_result(res: Result, text: str) -> ExplainResult:
+def explain_result(res: Result, text: str, tokens: list[Token], word_ids: tuple[int, ...] | list[int]) -> ExplainResult:
     """Tokens, and per target credit per token, word, sentence and depth (plus matrix and phi)."""
     c = res.credit
     if c is None:
         raise ValueError("an explain result needs its credit")
-    offsets = [(t.start, t.end) for t in c.tokens]
-    special = [t.special for t in c.tokens]
-    words = views.words(text, offsets, c.word_ids, special)
+    offsets = [(t.start, t.end) for t in tokens]
+    special = [t.special for t in tokens]
+    words = views.words(text, offsets, list(word_ids), special)
     sents = views.sentences(text, offsets, special)
 
     def spans(items: list[views.Span], values: list[float]) -> list[SpanCredit]:
@@ -63,5 +68,5 @@ def explain_result(res: Result, text: str) -> ExplainResult:
         for t in c.targets}
     return ExplainResult(
         label=res.label, score=res.scores[res.label], scores=res.scores, method=c.method, contrast=c.contrast,
-        tokens=[TokenView(token=t.token, start=t.start, end=t.end, special=t.special) for t in c.tokens],
+        tokens=[TokenView(token=t.token, start=t.start, end=t.end, special=t.special) for t in tokens],
         targets=[t.label for t in c.targets], credit=by_target, matrix=c.matrix, phi=c.phi)

@@ -6,6 +6,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StringConstraints
 
+from service.serving.contract import Method
+from service.serving.lifecycle import Status
+
 NonBlank = Annotated[str, StringConstraints(min_length=1, pattern=r"\S"), Field(description="A text to classify")]
 
 
@@ -17,8 +20,14 @@ class _Request(BaseModel):
                                     "the server's default applies when absent and its maximum caps it")
 
 
+ModelNames = Annotated[list[Annotated[str, StringConstraints(min_length=1)]] | Literal["all"] | None, Field(
+    min_length=1, description='Only on /v1/classify and /v1/explain: several models (or "all": every loaded one) in '
+    "place of the default; the answer then holds each model's usual response, in the order asked. A text's encoder "
+    "pass is shared by the models on one backbone", examples=[["tweet-sentiment", "bbc-news-topics"]])]
+
+
 class CreditOptions(BaseModel):
-    method: Literal["contribution", "shares"] = Field(
+    method: Method = Field(
         "contribution", description='"contribution": each token\'s exact share of the logit through the head\'s '
         'value path, in logit units, summing to logit - baseline. "shares": the paper\'s eq. 15 routing shares '
         '(phi1 @ phi2 @ phi3 at unit variance): how much of each token\'s data the routings pass to a class, '
@@ -29,11 +38,14 @@ class CreditOptions(BaseModel):
 
 class ClassifyRequest(CreditOptions, _Request):
     explain: StrictBool = Field(False, description="Also return token-level credit for each predicted label")
+    models: ModelNames = None
 
 
 class ExplainRequest(CreditOptions, _Request):
     target: str | list[Annotated[str, StringConstraints(min_length=1)]] | None = Field(
-        None, description='Label(s) to explain: a label, a list of labels, or "all" (default: the predicted one)')
+        None, description='Label(s) to explain: a label, a list of labels, or "all" (default: the predicted one); '
+        'with several models, "all" or none, for each model')
+    models: ModelNames = None
     include_matrix: StrictBool = Field(False, description="Add the full credit matrix [n_pos, d_depth, n_classes] "
                                        "(every class, same method)")
     include_phi: StrictBool = Field(False, description="Add each routing's credit matrix phi "
@@ -54,7 +66,7 @@ _BASELINE = "The logit with every hidden state at zero (routing coefficients and
 
 class PredictedExplanation(BaseModel):
     target: str = Field(description="The label explained (the predicted one)")
-    method: Literal["contribution", "shares"]
+    method: Method
     contrast: bool
     logit: float | None = Field(description=_LOGIT)
     baseline: float | None = Field(description=_BASELINE)
@@ -101,7 +113,7 @@ class ExplainResult(BaseModel):
     label: str
     score: float
     scores: dict[str, float]
-    method: Literal["contribution", "shares"]
+    method: Method
     contrast: bool
     tokens: list[Token]
     targets: list[str]
@@ -115,6 +127,16 @@ class ExplainResponse(BaseModel):
     model: str
     labels: list[str]
     results: list[ExplainResult]
+
+
+class MultiClassifyResponse(BaseModel):
+    models: list[str] = Field(description="The models asked, in order")
+    responses: list[ClassifyResponse] = Field(description="Each model's own response, in the order of `models`")
+
+
+class MultiExplainResponse(BaseModel):
+    models: list[str] = Field(description="The models asked, in order")
+    responses: list[ExplainResponse] = Field(description="Each model's own response, in the order of `models`")
 
 
 class ModelInfo(BaseModel):
@@ -149,5 +171,5 @@ class ErrorResponse(BaseModel):
 
 
 class Health(BaseModel):
-    status: Literal["ok", "loading", "draining", "stopped", "failed"]
+    status: Status
     models: list[str] = []

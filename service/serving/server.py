@@ -54,7 +54,7 @@ class DrainingServer(uvicorn.Server):
             n = state.abort("the server's drain deadline passed before this text was computed")
             log.warning("drain deadline passed: %d texts answered 503", n)
             grace = time.monotonic() + WRITE_GRACE_S
-            while state.in_flight and time.monotonic() < grace:
+            while state.lifecycle.in_flight and time.monotonic() < grace:
                 await asyncio.sleep(0.02)
         log.info("drained (%s); shutting down", "idle" if state.idle else "deadline")
         self.should_exit = True
@@ -75,9 +75,9 @@ def run_server(settings: Settings) -> None:
 
     async def main() -> None:
         async def exit_if_load_fails() -> None:
-            while state.status == "loading":
+            while state.lifecycle.loading:
                 await asyncio.sleep(0.1)
-            if state.status == "failed":
+            if state.lifecycle.failed:
                 server.should_exit = True
 
         watcher = asyncio.create_task(exit_if_load_fails())
@@ -87,6 +87,6 @@ def run_server(settings: Settings) -> None:
     # uvicorn's loop choice (uvloop where installed: less CPU per request, left to the model's threads)
     with asyncio.Runner(loop_factory=config.get_loop_factory()) as runner:
         runner.run(main())
-    if state.status == "failed":
-        log.error("exiting: %s", state.error)
+    if state.lifecycle.failed:
+        log.error("exiting: %s", state.lifecycle.error)
         sys.exit(1)

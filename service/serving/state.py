@@ -1,5 +1,6 @@
-"""What the app holds while it runs: settings, metrics, and one engine + batcher per model.
-Loading happens in the background so /healthz answers at once and /readyz says when it is done."""
+"""What the app holds while it runs: settings, metrics, the lifecycle, and the inference layer with one
+engine + batcher per backbone group. Loading happens in the background so /healthz answers at once and
+/readyz says when it is done."""
 
 from __future__ import annotations
 
@@ -9,39 +10,34 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING
 
 from service.config import Settings
-from service.modeling.repository import discover
+from service.modeling.repository import discover, read_manifest
 from service.serving.batcher import Batcher, BatchLimits
-from service.serving.contract import ChunkWork, Result
-from service.serving.engine import Engine, Planner, device_memory
+from service.serving.engine import Engine, Planner, backbone_key, device_memory
+from service.serving.lifecycle import Lifecycle
 from service.serving.metrics import Metrics
-from service.serving.worker import ModelProcess, Replicas
+from service.serving.worker import BackboneProcess, Replicas
 from service.threads import set_torch_threads
 
+if TYPE_CHECKING:
+    from service.serving.inference import Inference
+
 log = logging.getLogger("service.state")
-
-
-@dataclass
-class Served:
-    engine: Planner  # an Engine in this process, a ModelProcess, or Replicas
-    batcher: Batcher[ChunkWork, Result | None]
 
 
 @dataclass
 class AppState:
     settings: Settings
     metrics: Metrics
-    models: dict[str, Served] = field(default_factory=dict)
-    # the one owner of the server's state: loading -> ok -> draining -> stopped, or loading -> failed
-    status: Literal["loading", "ok", "draining", "stopped", "failed"] = "loading"
-    error: str | None = None
-    in_flight: int = 0
+    lifecycle: Lifecycle = field(default_factory=Lifecycle)
+    inference: Inference = field(init=False)
 
-    @property
-    def ready(self) -> bool:
-        return self.status == "ok"
+    def __post_init__(self) -> None:
+        from service.serving.inference import Inference
+
+        self.inference = Inference(self.settings, self.lifecycle)
 
     def model_names(self, repository: Path) -> list[str]:
         available = discover(repository)
@@ -51,8 +47,18 @@ class AppState:
             raise ValueError(f"models {unknown} not found in {repository} (available: {available})")
         return list(wanted)
 
+    def backbone_groups(self, names: list[str]) -> list[list[Path]]:
+        """The model folders of ``names`` by the backbone they name (source and revision), in order."""
+        repo = self.settings.model_repository
+        groups: dict[tuple[str, str], list[Path]] = {}
+        for name in names:
+            groups.setdefault(backbone_key(read_manifest(repo / name)), []).append(repo / name)
+        return list(groups.values())
+
     async def load(self) -> None:
-        """Load, warm up and start every model; on failure record why (the server then exits)."""
+        """Load, warm up and start every backbone group; on failure record why (the server then exits)."""
+        from service.serving.inference import Backbone
+
         s = self.settings
         loop = asyncio.get_running_loop()
         try:
@@ -64,52 +70,57 @@ class AppState:
                 raise ValueError(f"no models in {s.model_repository}")
             if s.default_model not in names:
                 raise ValueError(f"default model {s.default_model!r} is not among the loaded models {names}")
-            for name in names:
+            for folders in self.backbone_groups(names):
                 t0 = time.perf_counter()
-                log.info("loading model %s", name)
-                folder = s.model_repository / name
-                engine = await loop.run_in_executor(None, self._load_model, folder)
+                log.info("loading models %s on one backbone", [f.name for f in folders])
+                engine = await loop.run_in_executor(None, self._load_backbone, folders)
                 limits = BatchLimits(max_batch_size=s.max_batch_size, max_batch_tokens=s.max_batch_tokens,
                                      max_wait_s=s.max_wait_ms / 1000, max_queue=s.max_queue)
-                batcher: Batcher[ChunkWork, Result | None] = Batcher(engine.runners, limits,
-                                                                     self.metrics.observer(name), name)
+                observer = self.metrics.observer(engine.name)
+                for name in engine.models:
+                    observer.model(name)
+                batcher = Batcher(engine.runners, limits, observer, engine.name)
                 batcher.start()
-                self.models[name] = Served(engine, batcher)
-                self.metrics.model_load.labels(name).set(time.perf_counter() - t0)
-                self.metrics.model_info.labels(name, engine.manifest.backbone.name, str(engine.device),
-                                               str(engine.dtype).removeprefix("torch.")).set(1)
-                log.info("model %s ready on %s in %.1f s", name, engine.device, time.perf_counter() - t0)
-            self.status = "ok"
+                self.inference.add(Backbone(engine, batcher))
+                seconds = time.perf_counter() - t0
+                for name in engine.models:
+                    self.metrics.model_load.labels(name).set(seconds)
+                    self.metrics.model_info.labels(name, engine.manifests[name].backbone.name, str(engine.device),
+                                                   str(engine.dtype).removeprefix("torch.")).set(1)
+                log.info("backbone %s with models %s ready on %s in %.1f s", engine.name, engine.models,
+                         engine.device, seconds)
+            self.lifecycle.loaded()
         except Exception as e:
-            self.status, self.error = "failed", f"{type(e).__name__}: {e}"
-            log.error("model loading failed: %s", self.error)
+            self.lifecycle.fail(f"{type(e).__name__}: {e}")
+            log.error("model loading failed: %s", self.lifecycle.error)
 
-    def _load_model(self, folder: Path) -> Planner:
-        """The model in ``folder`` as the settings say: in this process, a process of its own, or several."""
+    def _load_backbone(self, folders: list[Path]) -> Planner:
+        """The models of ``folders`` on one backbone, as the settings say: in this process, a process of its
+        own, or several."""
         s = self.settings
         if not s.model_process:
-            return Engine.load(folder, s.device, s.dtype, s.warmup)
+            return Engine.load(folders, s.device, s.dtype, s.warmup)
         if s.model_replicas > 1:
-            return Replicas(folder, s.device, s.dtype, s.warmup, s.torch_threads, s.model_replicas)
-        return ModelProcess(folder, s.device, s.dtype, s.warmup, s.torch_threads)
+            return Replicas(folders, s.device, s.dtype, s.warmup, s.torch_threads, s.model_replicas)
+        return BackboneProcess(folders, s.device, s.dtype, s.warmup, s.torch_threads)
 
     def start_draining(self) -> None:
-        """New requests get 503 from here on; requests already being handled still reach the batcher."""
-        if self.status in ("ok", "loading"):
-            self.status = "draining"
-        for served in self.models.values():
-            served.batcher.flush()
+        """New requests get 503 from here on; requests already being handled still reach the batchers."""
+        self.lifecycle.drain()
+        for backbone in self.inference.backbones.values():
+            backbone.batcher.flush()
 
     @property
     def idle(self) -> bool:
-        return self.in_flight == 0 and all(m.batcher.idle for m in self.models.values())
+        return self.lifecycle.in_flight == 0 and all(b.batcher.idle for b in self.inference.backbones.values())
 
     def device_memory(self) -> list[dict[str, float | str]]:
-        """CUDA memory per device over the models' processes (this one's only when a model computes here,
+        """CUDA memory per device over the backbones' processes (this one's only when a backbone computes here,
         so that a scrape never opens a CUDA context in the server's process): amounts summed."""
-        own = any(isinstance(m.engine, Engine) for m in self.models.values())
+        engines = [b.engine for b in self.inference.backbones.values()]
+        own = any(isinstance(e, Engine) for e in engines)
         readings = (device_memory() if own else []) + [
-            d for m in self.models.values() if not isinstance(m.engine, Engine) for d in m.engine.device_memory()]
+            d for e in engines if not isinstance(e, Engine) for d in e.device_memory()]
         merged: dict[str, dict[str, float | str]] = {}
         for d in readings:
             if d["device"] not in merged:
@@ -120,21 +131,21 @@ class AppState:
                 into[key] = float(into[key]) + float(d[key])
         return list(merged.values())
 
-    def model_memory(self) -> list[tuple[str, float]]:
-        """Resident memory of each model's own processes, summed over its replicas (none for models computing
-        in this one)."""
-        readings = [(name, m.engine.resident_bytes()) for name, m in self.models.items()]
+    def backbone_memory(self) -> list[tuple[str, float]]:
+        """Resident memory of each backbone's own processes, summed over its replicas (none for backbones
+        computing in this one)."""
+        readings = [(name, b.engine.resident_bytes()) for name, b in self.inference.backbones.items()]
         return [(name, float(rss)) for name, rss in readings if rss is not None]
 
     def abort(self, reason: str) -> int:
         """Answer every text still queued or computing with 'shutting down' (503); how many there were."""
-        return sum(served.batcher.abort(reason) for served in self.models.values())
+        return sum(b.batcher.abort(reason) for b in self.inference.backbones.values())
 
     async def close(self, timeout_s: float) -> None:
-        """Stop every batcher, answering what is still queued within ``timeout_s``; close the models."""
-        for served in self.models.values():
-            await served.batcher.stop(timeout_s)
-        loop = asyncio.get_running_loop()  # side by side: each model's process exits on its own time
-        await asyncio.gather(*(loop.run_in_executor(None, served.engine.close) for served in self.models.values()))
-        if self.status != "failed":
-            self.status = "stopped"
+        """Stop every batcher, answering what is still queued within ``timeout_s``; close the backbones."""
+        backbones = list(self.inference.backbones.values())
+        for backbone in backbones:
+            await backbone.batcher.stop(timeout_s)
+        loop = asyncio.get_running_loop()  # side by side: each backbone's process exits on its own time
+        await asyncio.gather(*(loop.run_in_executor(None, b.engine.close) for b in backbones))
+        self.lifecycle.stop()

@@ -1,7 +1,8 @@
-"""A model in a process of its own.
+"""A backbone and its heads in a process of their own.
 
-The server's process keeps the HTTP stack, the tokenizer and the batcher; the model's process holds
-the weights and computes the batches of chunks the batcher sends it. A model computing in a thread
+The server's process keeps the HTTP stack, the tokenizer and the batcher; the backbone's process holds
+the weights (one backbone, every head on it) and computes the batches of chunks the batcher sends it,
+exchanging the typed messages of ``service.serving.contract``. A model computing in a thread
 of the server's process needs the GIL between every two tensor operations and waits for it while the
 event loop answers requests; in a process of its own it never does (on two CPU cores, served
 throughput at concurrency 32 rose by about 5%, measured in turns by ``bench serve``; see the README).
@@ -13,7 +14,7 @@ is held for a text nobody waits for. The model's process ignores SIGINT (Ctrl-C 
 process group; the server drains first and then closes it), and it exits by itself when the server's
 process is gone.
 
-:class:`Replicas` runs several such processes of one model; the batcher gives each its own batches
+:class:`Replicas` runs several such processes of one backbone; the batcher gives each its own batches
 and keeps a text's chunks on one.
 """
 
@@ -38,7 +39,17 @@ from typing import Any
 
 from service.modeling.backbone import BackboneError, ChunkTokenizer
 from service.modeling.repository import MANIFEST, ModelLoadError, read_manifest
-from service.serving.contract import ChunkWork, Result, TextJob
+from service.serving.contract import (
+    Answer,
+    ChunkWork,
+    Computed,
+    Failed,
+    LoadBackbone,
+    Loaded,
+    Result,
+    RunBatch,
+    TextJob,
+)
 from service.serving.engine import Planner
 from service.threads import available_cpus
 
@@ -46,47 +57,46 @@ log = logging.getLogger("service.worker")
 
 
 class ModelProcessError(RuntimeError):
-    """The model's process failed to load, or exited while computing a batch."""
+    """The backbone's process failed to load, or exited while computing a batch."""
 
 
 def _serve(conn: Connection) -> None:
-    """The model process's main: load the engine, then answer batches until the server closes the pipe."""
+    """The backbone process's main: load the engine, then answer batches until the server closes the pipe."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     from service.serving.engine import Engine
     from service.threads import set_torch_threads
 
-    folder, device, dtype, warmup, torch_threads = conn.recv()
+    load: LoadBackbone = conn.recv()
     try:
-        set_torch_threads(torch_threads)
-        engine = Engine.load(folder, device, dtype, warmup)
+        set_torch_threads(load.torch_threads)
+        engine = Engine.load([Path(f) for f in load.folders], load.device, load.dtype, load.warmup)
     except Exception as e:  # reported to the server, which fails its start with it
-        conn.send(("failed", f"{type(e).__name__}: {e}"))
+        conn.send(Failed(f"{type(e).__name__}: {e}"))
         return
-    conn.send(("ready", engine.describe(), str(engine.device), str(engine.dtype).removeprefix("torch."),
-               engine.device_memory()))
+    conn.send(Loaded({m: engine.describe(m) for m in engine.models}, str(engine.device),
+                     str(engine.dtype).removeprefix("torch."), engine.device_memory()))
     held: dict[int, TextJob] = {}  # texts with chunks still to come: their states so far
     while True:
         try:
-            msg = conn.recv()
+            msg: RunBatch | None = conn.recv()
         except EOFError:  # the server's process is gone
             return
         if msg is None:
             return
-        works, forget = msg
-        for key in forget:
+        for key in msg.forget:
             held.pop(key, None)
-        works = [_held(w, held) for w in works]
+        works = [_held(w, held) for w in msg.works]
         try:
             answers = engine.run_chunks(works)
         except Exception as e:  # the batch fails (its texts are answered 500); the process goes on
             for w in works:
                 held.pop(w.job.key, None)
-            conn.send(("error", f"{type(e).__name__}: {e}"))
+            conn.send(Failed(f"{type(e).__name__}: {e}"))
             continue
         for w in works:
             if w.job.left == 0:
                 held.pop(w.job.key, None)
-        conn.send(("ok", answers, engine.device_memory(), len(held)))
+        conn.send(Computed(answers, engine.device_memory(), len(held)))
 
 
 def _held(work: ChunkWork, held: dict[int, TextJob]) -> ChunkWork:
@@ -95,37 +105,38 @@ def _held(work: ChunkWork, held: dict[int, TextJob]) -> ChunkWork:
     return work if job is work.job else replace(work, job=job)
 
 
-class ModelProcess(Planner):
-    """A model served from a process of its own; tokenizing and planning stay in this process.
+class BackboneProcess(Planner):
+    """A backbone and its heads served from a process of their own; tokenizing and planning stay in this one.
 
     Args:
-        folder: the model's folder.
-        device, dtype, warmup: as for :meth:`Engine.load`, in the model's process.
-        torch_threads: intra-op threads of the model's process (None: the CPUs it may use).
-        chunker: the model's tokenizer when it is already loaded (another process of the same model).
+        folders: the folders of the models on this backbone (their manifests name the same one).
+        device, dtype, warmup: as for :meth:`Engine.load`, in the backbone's process.
+        torch_threads: intra-op threads of the backbone's process (None: the CPUs it may use).
+        chunker: the backbone's tokenizer when it is already loaded (another process of the same backbone).
 
     Raises:
-        ModelLoadError: the manifest or the tokenizer cannot be read.
-        ModelProcessError: the model's process failed to load the model.
+        ModelLoadError: a manifest or the tokenizer cannot be read.
+        ModelProcessError: the backbone's process failed to load the models.
     """
 
-    def __init__(self, folder: Path, device: str = "auto", dtype: str = "float32", warmup: bool = True,
+    def __init__(self, folders: Path | list[Path], device: str = "auto", dtype: str = "float32", warmup: bool = True,
                  torch_threads: int | None = None, chunker: ChunkTokenizer | None = None) -> None:
-        manifest = read_manifest(folder)
+        folders = [folders] if isinstance(folders, Path) else list(folders)
+        manifests = [read_manifest(f) for f in folders]
         if chunker is None:
             try:
-                chunker = ChunkTokenizer.load(manifest.backbone.source, manifest.max_length)
+                chunker = ChunkTokenizer.load(manifests[0].backbone.source)
             except BackboneError as e:
-                raise ModelLoadError(folder / MANIFEST, f"unknown or unloadable backbone: {e}") from e
-        super().__init__(manifest, chunker)
-        self._args = (folder, device, dtype, warmup, torch_threads)
+                raise ModelLoadError(folders[0] / MANIFEST, f"unknown or unloadable backbone: {e}") from e
+        super().__init__(manifests, chunker)
+        self._load = LoadBackbone(tuple(str(f) for f in folders), device, dtype, warmup, torch_threads)
         self._lock = threading.Lock()  # one batch at a time on the pipe
         self._forget: collections.deque[int] = collections.deque()  # texts given up, to tell the process
         self._watched: set[int] = set()  # texts of several chunks whose freeing is watched
         self._lost: set[int] = set()  # texts with chunks computed by a process that has exited
-        self.held_texts = 0  # texts whose states the model's process holds (after the last batch)
-        self._memory: list[dict[str, float | str]]  # CUDA memory the model's process reported last
-        self._description: dict[str, Any]
+        self.held_texts = 0  # texts whose states the backbone's process holds (after the last batch)
+        self._memory: list[dict[str, float | str]]  # CUDA memory the backbone's process reported last
+        self._descriptions: dict[str, dict[str, Any]]
         self._start()
 
     def _start(self) -> None:
@@ -137,26 +148,26 @@ class ModelProcess(Planner):
                                           pass_fds=[theirs.fileno()])
         self._conn = Connection(ours.detach())
         try:
-            self._conn.send(self._args)
-            msg = self._conn.recv()
+            self._conn.send(self._load)
+            msg: Loaded | Failed = self._conn.recv()
         except (EOFError, OSError):
-            raise ModelProcessError(f"the process of model {self.name} exited while loading "
+            raise ModelProcessError(f"the process of backbone {self.name} exited while loading "
                                     f"(code {self._proc.wait()})") from None
-        if msg[0] == "failed":
+        if isinstance(msg, Failed):
             self._proc.wait()
-            raise ModelProcessError(msg[1])
-        _, self._description, self.device, self.dtype, self._memory = msg
-        log.info("model %s computes in process %d", self.name, self._proc.pid)
+            raise ModelProcessError(msg.error)
+        self._descriptions, self.device, self.dtype, self._memory = msg.descriptions, msg.device, msg.dtype, msg.memory
+        log.info("backbone %s (models %s) computes in process %d", self.name, self.models, self._proc.pid)
 
     @property
     def pid(self) -> int | None:
         return self._proc.pid
 
-    def describe(self) -> dict[str, Any]:
-        return dict(self._description)
+    def describe(self, model: str) -> dict[str, Any]:
+        return dict(self._descriptions[model])
 
     def resident_bytes(self) -> int | None:
-        """The model process's resident memory (Linux ``/proc``; None where it cannot be read)."""
+        """The backbone process's resident memory (Linux ``/proc``; None where it cannot be read)."""
         try:
             pages = int(Path(f"/proc/{self._proc.pid}/statm").read_text().split()[1])
         except (OSError, IndexError, ValueError):
@@ -166,22 +177,23 @@ class ModelProcess(Planner):
     def device_memory(self) -> list[dict[str, float | str]]:
         return list(self._memory)  # as of the last batch (or the warm-up)
 
-    def run_chunks(self, works: list[ChunkWork]) -> list[Result | None]:
-        """Compute a batch in the model's process (started again first if it has exited). A text whose
+    def run_chunks(self, works: list[ChunkWork]) -> list[Answer | None]:
+        """Compute a batch in the backbone's process (started again first if it has exited). A text whose
         earlier chunks a process that exited had computed is answered with an error, not computed."""
         with self._lock:
             if self._proc.poll() is not None:
-                log.error("the process of model %s had exited (code %s): starting it again", self.name,
+                log.error("the process of backbone %s had exited (code %s): starting it again", self.name,
                           self._proc.returncode)
                 self._conn.close()
                 self._lost |= self._watched  # their earlier chunks' states went with it
                 self._start()
-            answers: list[Result | None] = [None] * len(works)
+            answers: list[Answer | None] = [None] * len(works)
             send = []
             for pos, w in enumerate(works):
                 if w.job.key in self._lost:
-                    answers[pos] = Result(label="", scores={}, error=f"the process of model {self.name} exited "
-                                          "while this text was being computed")
+                    lost = Result(label="", scores={}, error=f"the process of backbone {self.name} exited while "
+                                  "this text was being computed")
+                    answers[pos] = [lost for _ in w.job.asks]
                     continue
                 send.append(pos)
                 if len(w.job.states) > 1 and w.job.key not in self._watched:
@@ -191,17 +203,17 @@ class ModelProcess(Planner):
                 return answers
             forget = [self._forget.popleft() for _ in range(len(self._forget))]
             try:
-                self._conn.send(([works[pos] for pos in send], forget))
-                msg = self._conn.recv()
+                self._conn.send(RunBatch([works[pos] for pos in send], forget))
+                msg: Computed | Failed = self._conn.recv()
             except (EOFError, OSError):
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     self._proc.wait(5)
-                raise ModelProcessError(f"the process of model {self.name} exited (code {self._proc.returncode}) "
+                raise ModelProcessError(f"the process of backbone {self.name} exited (code {self._proc.returncode}) "
                                         "while computing this batch; it starts again with the next one") from None
-        if msg[0] == "error":
-            raise ModelProcessError(msg[1])
-        _, computed, self._memory, self.held_texts = msg
-        for pos, answer in zip(send, computed, strict=True):
+        if isinstance(msg, Failed):
+            raise ModelProcessError(msg.error)
+        self._memory, self.held_texts = msg.memory, msg.held
+        for pos, answer in zip(send, msg.answers, strict=True):
             answers[pos] = answer
         return answers
 
@@ -211,7 +223,7 @@ class ModelProcess(Planner):
         self._forget.append(key)
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """Ask the model's process to exit (after the batch it computes, if any); kill it after ``timeout_s``."""
+        """Ask the backbone's process to exit (after the batch it computes, if any); kill it after ``timeout_s``."""
         with self._lock:
             with contextlib.suppress(OSError):
                 self._conn.send(None)
@@ -224,30 +236,30 @@ class ModelProcess(Planner):
 
 
 class Replicas(Planner):
-    """Several processes of one model, each computing batches of its own (by default the CPUs this process
-    may use, shared among them: one intra-op thread each on two cores). On a 2-core CPU, two processes of
+    """Several processes of one backbone and its heads, each computing batches of its own (by default the CPUs
+    this process may use, shared among them: one intra-op thread each on two cores). On a 2-core CPU, two processes of
     one thread computed 1.08-1.16x what one process of two threads did offline, and served 1.06-1.31x as
     much in five comparisons (measured in turns; see the README). Each holds a copy of the model's weights.
 
     Args:
-        folder, device, dtype, warmup: as for :class:`ModelProcess`.
+        folders, device, dtype, warmup: as for :class:`BackboneProcess`.
         n: processes (at least 2).
         torch_threads: intra-op threads of each (None: the CPUs this process may use, shared among them).
 
     Raises:
-        ModelLoadError, ModelProcessError: as :class:`ModelProcess` (the processes already started are closed).
+        ModelLoadError, ModelProcessError: as :class:`BackboneProcess` (the processes already started are closed).
     """
 
-    def __init__(self, folder: Path, device: str = "auto", dtype: str = "float32", warmup: bool = True,
+    def __init__(self, folders: Path | list[Path], device: str = "auto", dtype: str = "float32", warmup: bool = True,
                  torch_threads: int | None = None, n: int = 2) -> None:
         if n < 2:
             raise ValueError(f"replicas need at least 2 processes, not {n}")
         threads = torch_threads or max(1, available_cpus() // n)
-        first = ModelProcess(folder, device, dtype, warmup, threads)
-        super().__init__(first.manifest, first.chunker)
+        first = BackboneProcess(folders, device, dtype, warmup, threads)
+        super().__init__(list(first.manifests.values()), first.chunker)
         self.processes = [first]
         with ThreadPoolExecutor(n - 1) as pool:  # the others load side by side
-            started = [pool.submit(ModelProcess, folder, device, dtype, warmup, threads, first.chunker)
+            started = [pool.submit(BackboneProcess, folders, device, dtype, warmup, threads, first.chunker)
                        for _ in range(n - 1)]
         self.processes += [f.result() for f in started if f.exception() is None]
         failed = next((e for f in started if (e := f.exception()) is not None), None)
@@ -255,18 +267,18 @@ class Replicas(Planner):
             self.close()
             raise failed
         self.device, self.dtype = first.device, first.dtype
-        log.info("model %s computes in %d processes of %d torch threads each", self.name, n, threads)
+        log.info("backbone %s computes in %d processes of %d torch threads each", self.name, n, threads)
 
     @property
-    def runners(self) -> list[Callable[[list[ChunkWork]], list[Result | None]]]:
+    def runners(self) -> list[Callable[[list[ChunkWork]], list[Answer | None]]]:
         return [p.run_chunks for p in self.processes]
 
-    def run_chunks(self, works: list[ChunkWork]) -> list[Result | None]:
+    def run_chunks(self, works: list[ChunkWork]) -> list[Answer | None]:
         """Compute a batch in the first process (the batcher spreads batches over :attr:`runners`)."""
         return self.processes[0].run_chunks(works)
 
-    def describe(self) -> dict[str, Any]:
-        return self.processes[0].describe()
+    def describe(self, model: str) -> dict[str, Any]:
+        return self.processes[0].describe(model)
 
     def resident_bytes(self) -> int | None:
         readings = [p.resident_bytes() for p in self.processes]
@@ -281,7 +293,7 @@ class Replicas(Planner):
             list(pool.map(lambda p: p.close(timeout_s), self.processes))
 
 
-if __name__ == "__main__":  # started by ModelProcess with the file descriptor of its end of the socket pair
+if __name__ == "__main__":  # started by BackboneProcess with the file descriptor of its end of the socket pair
     _serve(Connection(int(sys.argv[1])))
     # Exit as multiprocessing's children do, without the interpreter's teardown of torch and transformers
     # (1.3 s measured here), which the server's shutdown would wait for: nothing is left to write but stdio.

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from service.bench.explain import delete_tokens, faithfulness, ranking, spearman
-from service.serving import render
+from service.bench.explain import delete_tokens, explained_tokens, faithfulness, ranking, spearman
+from service.serving.contract import CreditSpec
 from service.serving.engine import Engine, Task
 
 TEXTS = ["the first text is here", "a second, somewhat longer text. It has two sentences!",
@@ -39,8 +39,8 @@ def test_metrics_agree_with_direct_computation(engine: Engine) -> None:
     # occlusion's top token is the one whose deletion drops p most: comprehensiveness at one token
     drops = []
     for text in TEXTS:
-        res = engine.run([Task(text, explain="tokens")])[0]
-        spans = [(t.start, t.end) for t in render.classify_result(res).explanation.tokens]
+        res = engine.run([Task(text, credit=CreditSpec())])[0]
+        spans = [(t.start, t.end) for t in explained_tokens(engine, text, res)]
         edited = engine.run([Task(delete_tokens(text, spans, [m])) for m in range(len(spans))])
         drops.append(max(res.scores[res.label] - r.scores[res.label] for r in edited))
     assert methods["occlusion"]["comprehensiveness"][0.01] == pytest.approx(sum(drops) / len(drops), abs=1e-6)

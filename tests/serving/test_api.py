@@ -179,9 +179,10 @@ def test_unknown_model_route_method_and_media_type(tiny: Server) -> None:
     assert r.status_code == 422 and r.json()["error"]["code"] == "validation_error"
 
 
-def test_timeout_above_the_server_maximum_is_capped_not_refused(tiny: Server) -> None:
+def test_timeout_above_the_server_maximum_is_not_refused(tiny: Server) -> None:
+    """Accepted (the cap itself: ``test_heads.test_a_timeout_above_the_maximum_is_capped``)."""
     r = post(tiny, "/v1/classify", {"inputs": ["ok"], "timeout_s": 3000})
-    assert r.status_code == 200
+    assert r.status_code == 200 and r.json()["results"][0]["label"] in ("alpha", "beta", "gamma")
 
 
 def test_models_endpoints(tiny: Server) -> None:

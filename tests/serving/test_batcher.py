@@ -19,11 +19,11 @@ class Recorder:
     def on_queue_depth(self, depth: int) -> None:
         self.depths.append(depth)
 
-    def on_drop(self, reason: str, n: int) -> None:
-        self.drops[reason] = self.drops.get(reason, 0) + n
+    def on_drop(self, reason: str, payloads) -> None:
+        self.drops[reason] = self.drops.get(reason, 0) + len(payloads)
 
-    def on_batch(self, size, padded_cost, real_cost, waits, seconds, completed) -> None:
-        self.completed.append(completed)
+    def on_batch(self, payloads, results, padded_cost, waits, seconds) -> None:
+        self.completed.append(sum(r is not None for r in results or []))
 
 
 def make(run, **limits):
@@ -42,6 +42,14 @@ def later(seconds: float = 5.0) -> float:
     return time.monotonic() + seconds
 
 
+async def until(condition, timeout: float = 5.0) -> None:
+    """Yield to the event loop until ``condition()`` holds (what the test waits for, not a guessed delay)."""
+    end = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < end, "the condition never held"
+        await asyncio.sleep(0.001)
+
+
 async def busy(**limits):
     """A started batcher (one text per batch) whose model waits on ``gate``, already computing
     ``["slow"]`` (the ``blocker``); returns ``(batcher, recorder, gate, blocker)``."""
@@ -49,7 +57,7 @@ async def busy(**limits):
     b, rec = make(lambda ps: (gate.wait(5), ps)[1], max_batch_size=1, **limits)
     b.start()
     blocker = asyncio.ensure_future(b.submit(["slow"], [1], later()))
-    await asyncio.sleep(0.05)
+    await until(lambda: rec.batches == [["slow"]])  # the model has it
     return b, rec, gate, blocker
 
 
@@ -92,7 +100,7 @@ async def test_failing_batch_fails_only_its_own_requests() -> None:
 async def test_overload_rejects_whole_request_without_queueing() -> None:
     b, _rec, gate, first = await busy(max_queue=3)  # "slow" is computing; the queue is empty
     queued = asyncio.ensure_future(b.submit(["a", "b", "c"], [1, 1, 1], later()))
-    await asyncio.sleep(0.01)
+    await until(lambda: b.queue_depth == 3)
     with pytest.raises(Overloaded):
         await b.submit(["d"], [1], later())
     assert b.queue_depth == 3
@@ -107,7 +115,7 @@ async def test_deadline_while_queued_is_answered_and_dropped_before_compute() ->
         await b.submit(["late"], [1], time.monotonic() + 0.05)
     gate.set()
     await blocker
-    await asyncio.sleep(0.05)
+    await until(lambda: b.idle)
     assert ["late"] not in rec.batches and rec.drops.get("deadline") == 1
     await b.stop(1)
 
@@ -115,7 +123,7 @@ async def test_deadline_while_queued_is_answered_and_dropped_before_compute() ->
 async def test_cancelled_caller_is_dropped_before_compute() -> None:
     b, rec, gate, blocker = await busy()
     gone = asyncio.ensure_future(b.submit(["gone"], [1], later()))
-    await asyncio.sleep(0.01)
+    await until(lambda: b.queue_depth == 1)
     gone.cancel()
     gate.set()
     await blocker
@@ -128,7 +136,7 @@ async def test_stop_answers_queued_work_then_refuses_new() -> None:
     b, _rec = make(lambda ps: (time.sleep(0.05), ps)[1], max_batch_size=2)
     b.start()
     pending = [asyncio.ensure_future(b.submit([f"p{k}"], [1], later())) for k in range(6)]
-    await asyncio.sleep(0.01)
+    await until(lambda: b.queue_depth + sum(map(len, _rec.batches)) == 6)  # every one accepted
     await b.stop(drain_timeout=5)
     assert [await p for p in pending] == [[f"p{k}"] for k in range(6)]
     with pytest.raises(Draining):
@@ -136,13 +144,15 @@ async def test_stop_answers_queued_work_then_refuses_new() -> None:
 
 
 async def test_event_loop_stays_free_while_a_batch_computes() -> None:
-    b, _ = make(lambda ps: (time.sleep(0.3), ps)[1])
+    """The model holds its batch until the event loop has run other work: it computes off the loop."""
+    loop_ran = threading.Event()
+    b, rec = make(lambda ps: (loop_ran.wait(5), ps)[1])
     b.start()
     work = asyncio.ensure_future(b.submit(["x"], [1], later()))
-    t0 = time.monotonic()
-    await asyncio.sleep(0.05)
-    assert time.monotonic() - t0 < 0.2
-    await work
+    await until(lambda: rec.batches == [["x"]])  # the model is computing
+    assert not work.done()
+    loop_ran.set()  # set by the event loop while the batch computes: it would deadlock if the loop were blocked
+    assert await work == ["x"]
     await b.stop(1)
 
 
@@ -160,9 +170,9 @@ async def test_a_group_arriving_behind_a_long_one_goes_in_the_next_batch() -> No
     b.start()
     long = asyncio.ensure_future(b.submit([f"long{k}" for k in range(12)], [100] * 12, later(),
                                           groups=["long"] * 12))
-    await asyncio.sleep(0.05)  # the first batch (4 chunks) is computing
+    await until(lambda: len(rec.batches) == 1)  # the first batch (4 chunks) is computing
     short = asyncio.ensure_future(b.submit(["short"], [5], later()))
-    await asyncio.sleep(0.05)
+    await until(lambda: b.queue_depth == 9)  # the long text's other 8 chunks and the short one
     for g in gates:
         g.set()
     assert await short == ["short"]
@@ -189,8 +199,8 @@ async def test_the_queue_limit_counts_groups_not_items() -> None:
     b, _rec, gate, blocker = await busy(max_queue=2)
     long = asyncio.ensure_future(b.submit(["c0", "c1", "c2"], [1, 1, 1], later(), groups=["t"] * 3))
     short = asyncio.ensure_future(b.submit(["s"], [1], later()))
-    await asyncio.sleep(0.01)
-    assert b.queue_depth == 4 and b.queued_groups == 2
+    await until(lambda: b.queue_depth == 4)
+    assert b.queued_groups == 2
     with pytest.raises(Overloaded):
         await b.submit(["one more"], [1], later())
     gate.set()

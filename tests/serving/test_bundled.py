@@ -1,11 +1,17 @@
-"""The bundled models, served as the README's main command serves them (real backbone, CPU)."""
+"""The bundled models, served as the README's main command serves them (real backbone, CPU): one backbone
+process for both, each model as accurate on a sample of its test split as its manifest says, and several
+models in one request answering as each alone."""
 
+import math
+import random
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
+from service.bench.server import children
+from service.training.data import make_dataset, preset_path, read_examples
 from tests.serving.conftest import running
 from tests.serving.server import Server
 
@@ -29,9 +35,43 @@ def test_default_is_tweet_sentiment_and_both_models_are_listed(bundled: Server) 
         ev = m["evaluation"]
         assert {"accuracy", "macro_f1", "confusion_matrix"} <= set(ev["head"])
         assert "accuracy" in ev["baseline"]["test"]
-    tweets = names["tweet-sentiment"]["evaluation"]
-    assert tweets["head"]["accuracy"] > tweets["baseline"]["test"]["accuracy"]
-    assert names["bbc-news-topics"]["evaluation"]["head"]["accuracy"] >= 0.97
+    assert len(children(bundled.proc.pid)) == 1  # one process holds the backbone and both heads
+
+
+@pytest.mark.parametrize(("model", "n"), [("tweet-sentiment", 300), ("bbc-news-topics", 60)])
+def test_each_model_is_as_accurate_as_its_manifest_says(bundled: Server, model: str, n: int) -> None:
+    """A seeded sample of the model's test split, classified by the server: its accuracy is within three
+    standard errors of the manifest's test accuracy (a wrong head, label order or chunking would miss)."""
+    path, opts = preset_path(model)
+    test = make_dataset(read_examples(path, **opts), model).test
+    pairs = random.Random(0).sample(list(zip(test.texts, test.labels, strict=True)), n)
+    labels = httpx.get(f"{bundled.url}/v1/models/{model}").json()["labels"]
+    right = 0
+    for k in range(0, n, 32):
+        batch = pairs[k : k + 32]
+        r = httpx.post(f"{bundled.url}/v1/models/{model}/classify", json={"inputs": [t for t, _ in batch]},
+                       timeout=120)
+        assert r.status_code == 200, r.text[:300]
+        right += sum(res["label"] == labels[y] for res, (_, y) in zip(r.json()["results"], batch, strict=True))
+    claimed = httpx.get(f"{bundled.url}/v1/models/{model}").json()["evaluation"]["head"]["accuracy"]
+    se = math.sqrt(max(claimed * (1 - claimed), 0.01) / n)
+    assert abs(right / n - claimed) <= 3 * se, (right / n, claimed)
+
+
+def test_both_models_in_one_request_answer_as_each_alone(bundled: Server) -> None:
+    texts = ["I absolutely love this, best day ever!", SPORT[:600]]  # one fits a chunk of either; one does not
+    both = httpx.post(f"{bundled.url}/v1/classify", json={"inputs": texts, "models": "all", "explain": True},
+                      timeout=120).json()
+    assert both["models"] == ["bbc-news-topics", "tweet-sentiment"]  # every loaded model, in loading order
+    for model, got in zip(both["models"], both["responses"], strict=True):
+        alone = httpx.post(f"{bundled.url}/v1/models/{model}/classify", json={"inputs": texts, "explain": True},
+                           timeout=120).json()
+        assert got["model"] == model
+        for g, a in zip(got["results"], alone["results"], strict=True):
+            assert g["label"] == a["label"]
+            assert max(abs(g["scores"][k] - a["scores"][k]) for k in a["scores"]) <= 1e-5
+            assert max(abs(x["credit"] - y["credit"]) for x, y in zip(g["explanation"]["tokens"],
+                                                                      a["explanation"]["tokens"], strict=True)) <= 1e-5
 
 
 def test_tweet_sentiment_classify_and_explain(bundled: Server) -> None:

@@ -13,7 +13,7 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from service.serving.contract import ChunkWork, Result
+from service.serving.contract import ChunkWork, CreditSpec, Result
 from service.serving.engine import Engine, Task
 from tests.serving.test_tokenize_once import started
 
@@ -36,19 +36,19 @@ def same(a: Result, b: Result) -> None:
 
 
 def test_a_long_text_split_over_batches_among_other_work_gets_the_same_answer(engine: Engine) -> None:
-    task = Task(LONG, explain="tokens")
+    task = Task(LONG, credit=CreditSpec())
     alone = engine.run([task])[0]
     (plan,) = engine.plan([task])
     assert len(plan) > 6
-    others = [w for p in engine.plan([Task(t, explain="tokens") for t in SHORT]) for w in p]
+    others = [w for p in engine.plan([Task(t, credit=CreditSpec()) for t in SHORT]) for w in p]
     batches: list[list[ChunkWork]] = [plan[:3] + others[:1], plan[3:5], others[1:] + plan[5:]]
     answers = [engine.run_chunks(b) for b in batches]
     # only the batch holding a text's last chunk answers it, at that chunk's place
     assert all(a is None for a in answers[0][:3] + answers[1])
     assert answers[0][3] is not None and answers[2][0] is not None
     assert all(a is None for a in answers[2][1:-1])
-    same(answers[2][-1], alone)
-    same(answers[0][3], engine.run([Task(SHORT[0], explain="tokens")])[0])
+    same(answers[2][-1][0], alone)
+    same(answers[0][3][0], engine.run([Task(SHORT[0], credit=CreditSpec())])[0])
     assert plan[0].job.states == []  # the hidden states are let go once the text is answered
 
 
@@ -60,14 +60,14 @@ def test_a_short_request_goes_ahead_of_a_long_texts_remaining_chunks(tiny_repo: 
 
 
 def short_behind_long(c: TestClient) -> None:
-    batcher = c.app.state.app_state.models["tiny"].batcher
+    batcher = c.app.state.app_state.inference.models["tiny"].batcher
     expected = c.post("/v1/classify", json={"inputs": [LONG]}).json()["results"][0]
     gate, first = threading.Event(), threading.Event()
-    batches: list[list[str]] = []
+    batches: list[list[bool]] = []  # per batch, per chunk: whether it is the long text's
     run_chunks = batcher.runners[0]
 
     def gated(works: list[ChunkWork]) -> list[Result | None]:
-        batches.append([w.job.task.text for w in works])
+        batches.append([len(w.job.encoding.chunks) > 1 for w in works])
         if len(batches) == 1:
             first.set()
             gate.wait(10)
@@ -90,8 +90,8 @@ def short_behind_long(c: TestClient) -> None:
         gate.set()
         assert short.result(10)["label"]
         got = long.result(10)
-    assert batches[1][0] == SHORT[0]  # the next batch is built around it
-    assert sum(b.count(LONG) for b in batches) > 6 and len(batches) > 3
+    assert batches[1][0] is False  # the next batch is built around the short text
+    assert sum(sum(b) for b in batches) > 6 and len(batches) > 3
     assert done[SHORT[0]] < done[LONG]
     assert got["label"] == expected["label"]
     for k, p in expected["scores"].items():

@@ -3,8 +3,10 @@
 import asyncio
 
 import httpx
+from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from service.serving.metrics import Metrics
 from tests.serving.server import Server, metric
 
 EXPECTED = {  # name: (type, labels)
@@ -12,11 +14,11 @@ EXPECTED = {  # name: (type, labels)
     "routing_request_duration_seconds": ("histogram", {"endpoint"}),
     "routing_requests_in_flight": ("gauge", set()),
     "routing_queue_wait_seconds": ("histogram", {"model"}),
-    "routing_batch_compute_seconds": ("histogram", {"model"}),
-    "routing_batch_size": ("histogram", {"model"}),
-    "routing_batch_padded_tokens": ("histogram", {"model"}),
-    "routing_batch_padding_ratio": ("histogram", {"model"}),
-    "routing_queue_depth": ("gauge", {"model"}),
+    "routing_batch_compute_seconds": ("histogram", {"backbone"}),
+    "routing_batch_size": ("histogram", {"backbone"}),
+    "routing_batch_padded_tokens": ("histogram", {"backbone"}),
+    "routing_batch_padding_ratio": ("histogram", {"backbone"}),
+    "routing_queue_depth": ("gauge", {"backbone"}),
     "routing_texts_processed": ("counter", {"model"}),
     "routing_tokens_processed": ("counter", {"model"}),
     "routing_failures": ("counter", {"reason"}),
@@ -24,7 +26,7 @@ EXPECTED = {  # name: (type, labels)
     "routing_model_load_seconds": ("gauge", {"model"}),
     "routing_model_info": ("gauge", {"model", "backbone", "device", "dtype"}),
     "routing_process_resident_memory_bytes": ("gauge", set()),
-    "routing_model_process_resident_memory_bytes": ("gauge", {"model"}),
+    "routing_backbone_process_resident_memory_bytes": ("gauge", {"backbone"}),
     "routing_cuda_memory_allocated_bytes": ("gauge", {"device"}),
     "routing_cuda_memory_reserved_bytes": ("gauge", {"device"}),
     "routing_cuda_memory_peak_bytes": ("gauge", {"device"}),
@@ -37,16 +39,34 @@ def families(server: Server) -> dict:
     return {f.name: f for f in text_string_to_metric_families(httpx.get(f"{server.url}/metrics").text)}
 
 
-def test_every_metric_has_its_name_type_and_labels(tiny: Server) -> None:
-    httpx.post(f"{tiny.url}/v1/classify", json={"inputs": ["warm"]})
-    fams = families(tiny)
-    for name, (kind, labels) in EXPECTED.items():
+def check_families(fams: dict, expected: dict) -> None:
+    for name, (kind, labels) in expected.items():
         assert name in fams, f"{name} missing"
         fam = fams[name]
         assert fam.type == kind, (name, fam.type)
+        assert fam.samples, f"{name} has no samples: its labels would go unchecked"
         for sample in fam.samples:
             got = set(sample.labels) - {"le"}
             assert got == labels, (name, sample)
+
+
+def test_the_cuda_families_read_each_device() -> None:
+    """On a CPU the server exports no CUDA samples, so the families are checked here with a reading of two
+    devices, as a backbone's process on a GPU reports it."""
+    reading = [{"device": f"cuda:{k}", "allocated": 1.0 + k, "reserved": 2.0, "peak": 3.0, "total": 80.0}
+               for k in range(2)]
+    registry = Metrics(device_memory=lambda: reading).registry
+    fams = {f.name: f for f in text_string_to_metric_families(generate_latest(registry).decode())}
+    check_families(fams, {k: v for k, v in EXPECTED.items() if k.startswith("routing_cuda_")})
+    allocated = {s.labels["device"]: s.value for s in fams["routing_cuda_memory_allocated_bytes"].samples}
+    assert allocated == {"cuda:0": 1.0, "cuda:1": 2.0}
+
+
+def test_every_metric_has_its_name_type_and_labels(tiny: Server) -> None:
+    httpx.post(f"{tiny.url}/v1/classify", json={"inputs": ["warm"]})
+    fams = families(tiny)
+    check_families(fams, {k: v for k, v in EXPECTED.items() if not k.startswith("routing_cuda_")})
+    assert not any(fams[k].samples for k in EXPECTED if k.startswith("routing_cuda_"))  # no GPU here
     for fam in fams.values():
         assert fam.name.startswith("routing_"), fam.name
     info = next(s for s in fams["routing_model_info"].samples if s.labels["model"] == "tiny")
@@ -54,8 +74,8 @@ def test_every_metric_has_its_name_type_and_labels(tiny: Server) -> None:
     assert info.value == 1
     assert next(s.value for s in fams["routing_model_load_seconds"].samples) > 0
     assert next(s.value for s in fams["routing_process_resident_memory_bytes"].samples) > 50e6
-    model_rss = {s.labels["model"]: s.value for s in fams["routing_model_process_resident_memory_bytes"].samples}
-    assert set(model_rss) == {"tiny"} and model_rss["tiny"] > 50e6  # the model's own process, torch loaded
+    rss = {s.labels["backbone"]: s.value for s in fams["routing_backbone_process_resident_memory_bytes"].samples}
+    assert set(rss) == {"tiny-bert@random"} and rss["tiny-bert@random"] > 50e6  # its own process, torch loaded
 
 
 def test_values_move_with_traffic_and_concurrent_load_batches(tiny: Server) -> None:
@@ -78,12 +98,13 @@ def test_values_move_with_traffic_and_concurrent_load_batches(tiny: Server) -> N
     assert delta("routing_tokens_processed_total", model="tiny") >= 48 * 3
     assert delta("routing_request_duration_seconds_count", endpoint="/v1/classify") == 25
     assert delta("routing_queue_wait_seconds_count", model="tiny") == 48
-    batches = delta("routing_batch_size_count", model="tiny")
+    bb = "tiny-bert@random"
+    batches = delta("routing_batch_size_count", backbone=bb)
     assert 0 < batches < 48  # texts shared batches
-    assert delta("routing_batch_size_bucket", model="tiny", le="1.0") < batches  # some batch held more than 1 text
+    assert delta("routing_batch_size_bucket", backbone=bb, le="1.0") < batches  # some batch held more than 1 text
     real_tokens = delta("routing_tokens_processed_total", model="tiny")
-    assert delta("routing_batch_padded_tokens_sum", model="tiny") >= real_tokens
-    ratio_sum = delta("routing_batch_padding_ratio_sum", model="tiny")
+    assert delta("routing_batch_padded_tokens_sum", backbone=bb) >= real_tokens
+    ratio_sum = delta("routing_batch_padding_ratio_sum", backbone=bb)
     assert 0 <= ratio_sum < batches
-    assert metric(after, "routing_queue_depth", model="tiny") == 0
+    assert metric(after, "routing_queue_depth", backbone=bb) == 0
     assert metric(after, "routing_requests_in_flight") == 1  # the /metrics request itself

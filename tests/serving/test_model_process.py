@@ -1,6 +1,6 @@
-"""A model in a process of its own: the same answers as in the server's process, texts whose chunks
-span batches, texts given up, a process that exits, a process that cannot load, and no orphan when
-the server is killed."""
+"""A backbone and its heads in a process of their own: the same answers as in the server's process, texts
+whose chunks span batches, texts given up, a process that exits, a process that cannot load, and no orphan
+when the server is killed."""
 
 from __future__ import annotations
 
@@ -17,17 +17,17 @@ from pathlib import Path
 import httpx
 import pytest
 
-from service.serving.contract import Task, results_of
+from service.serving.contract import CreditSpec, Task, answers_of
 from service.serving.engine import Engine
-from service.serving.worker import ModelProcess, ModelProcessError
+from service.serving.worker import BackboneProcess, ModelProcessError
 from tests.serving.server import Server
 
 TEXTS = ["a short text", "Long one. " * 30, "and a third, somewhat longer text than the first"]
 
 
 @pytest.fixture(scope="module")
-def model(tiny_repo: Path) -> Iterator[ModelProcess]:
-    mp = ModelProcess(tiny_repo / "tiny", device="cpu")
+def model(tiny_repo: Path) -> Iterator[BackboneProcess]:
+    mp = BackboneProcess(tiny_repo / "tiny", device="cpu")
     try:
         yield mp
     finally:
@@ -38,8 +38,8 @@ def close(a: list[float], b: list[float]) -> bool:
     return len(a) == len(b) and max(abs(x - y) for x, y in zip(a, b, strict=True)) <= 1e-5
 
 
-def test_chunks_over_several_batches_give_the_engines_answers(model: ModelProcess, tiny_repo: Path) -> None:
-    tasks = [Task(t, explain="tokens") for t in TEXTS]
+def test_chunks_over_several_batches_give_the_engines_answers(model: BackboneProcess, tiny_repo: Path) -> None:
+    tasks = [Task(t, credit=CreditSpec()) for t in TEXTS]
     chunks = [w for plan in model.plan(tasks) for w in plan]
     assert len(chunks) > len(TEXTS)  # the long text has several chunks (max_length 16)
     answers, held = [], []
@@ -48,13 +48,13 @@ def test_chunks_over_several_batches_give_the_engines_answers(model: ModelProces
         held.append(model.held_texts)
     assert max(held) == 1 and held[-1] == 0  # its states were held between batches, then let go
     expected = Engine.load(tiny_repo / "tiny", device="cpu").run(tasks)
-    for got, want in zip(results_of(chunks, answers), expected, strict=True):
+    for (got,), want in zip(answers_of(chunks, answers), expected, strict=True):
         assert got.label == want.label and close(list(got.scores.values()), list(want.scores.values()))
         assert got.credit is not None and want.credit is not None
         assert close(got.credit.targets[0].tokens, want.credit.targets[0].tokens)
 
 
-def test_a_text_given_up_is_forgotten(model: ModelProcess) -> None:
+def test_a_text_given_up_is_forgotten(model: BackboneProcess) -> None:
     chunks = [w for plan in model.plan([Task("Long one. " * 30)]) for w in plan]
     model.run_chunks(chunks[:1])
     assert model.held_texts == 1
@@ -65,7 +65,7 @@ def test_a_text_given_up_is_forgotten(model: ModelProcess) -> None:
 
 
 def test_close_lets_the_process_finish_and_exit_cleanly(tiny_repo: Path) -> None:
-    mp = ModelProcess(tiny_repo / "tiny", device="cpu")
+    mp = BackboneProcess(tiny_repo / "tiny", device="cpu")
     try:
         mp.run_chunks([w for plan in mp.plan([Task("a text")]) for w in plan])
     finally:
@@ -74,14 +74,14 @@ def test_close_lets_the_process_finish_and_exit_cleanly(tiny_repo: Path) -> None
 
 
 def test_a_process_that_exits_is_started_again(tiny_repo: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    mp = ModelProcess(tiny_repo / "tiny", device="cpu")
+    mp = BackboneProcess(tiny_repo / "tiny", device="cpu")
     try:
         work = [w for plan in mp.plan([Task("a short text")]) for w in plan]
         pids = [mp.pid]
         os.kill(pids[-1], signal.SIGKILL)  # between batches: the next batch starts a new process
         mp._proc.wait()
-        (answer,) = mp.run_chunks(work)
-        assert answer is not None and answer.label in mp.labels and mp.pid not in pids
+        ((answer,),) = mp.run_chunks(work)
+        assert answer.label in mp.labels("tiny") and mp.pid not in pids
         pids.append(mp.pid)
         os.kill(pids[-1], signal.SIGKILL)  # during a batch (it is seen exiting only once the batch is sent):
         mp._proc.wait()
@@ -89,16 +89,16 @@ def test_a_process_that_exits_is_started_again(tiny_repo: Path, monkeypatch: pyt
             m.setattr(mp._proc, "poll", lambda: None)
             with pytest.raises(ModelProcessError, match=r"exited .* while computing this batch"):
                 mp.run_chunks(work)  # that batch fails
-        (answer,) = mp.run_chunks(work)  # and the next one is computed by a new process
-        assert answer is not None and mp.pid not in pids
+        ((answer,),) = mp.run_chunks(work)  # and the next one is computed by a new process
+        assert mp.pid not in pids
         long = [w for plan in mp.plan([Task("Long one. " * 30)]) for w in plan]
         mp.run_chunks(long[:1])
         os.kill(mp.pid, signal.SIGKILL)  # with a text half computed: its first chunk's states are gone
         mp._proc.wait()
         answers = mp.run_chunks(long[1:] + work)
-        lost = [a for a in answers[:-1] if a is not None]
+        lost = [a[0] for a in answers[:-1] if a is not None]
         assert lost and all(a.error and "exited while this text was being computed" in a.error for a in lost)
-        assert answers[-1] is not None and answers[-1].error is None  # other texts are computed as usual
+        assert answers[-1] is not None and answers[-1][0].error is None  # other texts are computed as usual
     finally:
         mp.close()
 
@@ -109,7 +109,7 @@ def test_a_model_that_cannot_load_says_why(tiny_repo: Path, tmp_path: Path) -> N
     weights = next(folder.glob("*.safetensors"))
     weights.write_bytes(b"not safetensors")
     with pytest.raises(ModelProcessError, match="ModelLoadError"):
-        ModelProcess(folder, device="cpu")
+        BackboneProcess(folder, device="cpu")
 
 
 def test_the_api_answers_alike_in_either_process(tiny_repo: Path, tmp_path: Path) -> None:
@@ -131,7 +131,7 @@ def test_the_api_answers_alike_in_either_process(tiny_repo: Path, tmp_path: Path
 
 def test_no_model_process_outlives_a_killed_server(tiny_repo: Path, tmp_path: Path) -> None:
     srv = Server(tmp_path, model_repository=tiny_repo, default_model="tiny").wait_ready()
-    found = re.search(r"model tiny computes in process (\d+)", srv.full_log())
+    found = re.search(r"\['tiny'\]\) computes in process (\d+)", srv.full_log())
     assert found, srv.log()
     child = int(found.group(1))
     os.kill(child, 0)  # alive
@@ -150,15 +150,17 @@ def test_no_model_process_outlives_a_killed_server(tiny_repo: Path, tmp_path: Pa
 
 def test_cuda_memory_of_the_model_processes_is_summed_per_device() -> None:
     from service.config import Settings
+    from service.serving.inference import Backbone
     from service.serving.metrics import Metrics
-    from service.serving.state import AppState, Served
+    from service.serving.state import AppState
 
     state = AppState(settings=Settings(), metrics=Metrics())
-    for k, allocated in enumerate((1.0, 2.0)):  # two models' processes on one GPU, as of their last batches
-        mp = object.__new__(ModelProcess)
+    for k, allocated in enumerate((1.0, 2.0)):  # two backbones' processes on one GPU, as of their last batches
+        mp = object.__new__(BackboneProcess)
+        mp.name, mp.manifests = f"b{k}", {}
         mp._memory = [{"device": "cuda:0", "allocated": allocated, "reserved": 2 * allocated, "peak": 3 * allocated,
                        "total": 80.0}]
-        state.models[f"m{k}"] = Served(mp, batcher=None)  # type: ignore[arg-type]
+        state.inference.add(Backbone(mp, batcher=None))  # type: ignore[arg-type]
     assert state.device_memory() == [{"device": "cuda:0", "allocated": 3.0, "reserved": 6.0, "peak": 9.0,
                                       "total": 80.0}]
 
@@ -169,12 +171,14 @@ def test_replicas_answer_as_one_process_and_keep_a_texts_chunks_together(tiny_re
     from service.bench.server import cpu_seconds
     from tests.serving.server import metric
 
-    expected = Engine.load(tiny_repo / "tiny", device="cpu").run([Task(t, explain="tokens") for t in TEXTS])
+    engine = Engine.load(tiny_repo / "tiny", device="cpu")
+    expected = engine.run([Task(t, credit=CreditSpec()) for t in TEXTS])
+    special = [e.special for e in engine.chunker.encode(TEXTS, engine.max_length("tiny"))]
     srv = Server(tmp_path, model_repository=tiny_repo, default_model="tiny", model_replicas=2, max_batch_size=2,
                  max_wait_ms=0).wait_ready()
     try:
-        pids = [int(p) for p in re.findall(r"model tiny computes in process (\d+)", srv.full_log())]
-        assert len(set(pids)) == 2 and "model tiny computes in 2 processes of 1 torch threads each" in srv.full_log()
+        pids = [int(p) for p in re.findall(r"\['tiny'\]\) computes in process (\d+)", srv.full_log())]
+        assert len(set(pids)) == 2 and "computes in 2 processes of 1 torch threads each" in srv.full_log()
         before = [cpu_seconds(p) or 0.0 for p in pids]
         with httpx.Client(base_url=srv.url, timeout=60) as client, ThreadPoolExecutor(6) as pool:
             rs = list(pool.map(lambda _: client.post("/v1/classify", json={"inputs": TEXTS, "explain": True}),
@@ -182,14 +186,13 @@ def test_replicas_answer_as_one_process_and_keep_a_texts_chunks_together(tiny_re
             page = client.get("/metrics").text
         for r in rs:
             assert r.status_code == 200, r.text
-            for got, want in zip(r.json()["results"], expected, strict=True):
+            for got, want, sp in zip(r.json()["results"], expected, special, strict=True):
                 assert got["label"] == want.label and close(list(got["scores"].values()), list(want.scores.values()))
                 assert want.credit is not None  # the API lists the text's own tokens, not the special ones
-                words = [c for c, t in zip(want.credit.targets[0].tokens, want.credit.tokens, strict=True)
-                         if not t.special]
+                words = [c for c, s in zip(want.credit.targets[0].tokens, sp, strict=True) if not s]
                 assert close([t["credit"] for t in got["explanation"]["tokens"]], words)
         assert all((cpu_seconds(p) or 0.0) > b for p, b in zip(pids, before, strict=True))  # both computed
-        assert metric(page, "routing_model_process_resident_memory_bytes", model="tiny") > 0
+        assert metric(page, "routing_backbone_process_resident_memory_bytes", backbone="tiny-bert@random") > 0
     finally:
         srv.stop()
     for p in pids:

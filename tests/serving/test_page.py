@@ -128,3 +128,27 @@ def test_api_key_typed_into_the_page_and_a_20000_character_text(tiny_repo: Path,
         assert time.monotonic() - t1 < 2 and t1 - t0 < 60, (t1 - t0)
         assert "secret-key" not in b.current_url
         assert b.execute_script("return window.localStorage.length + window.sessionStorage.length") == 0
+
+
+def test_several_models_explain_the_text_in_one_request(tiny_backbone_dir: Path, tmp_path: Path, logs: Path,
+                                                        browser: WebDriver) -> None:
+    """Two models picked: one request to /v1/explain, and a switch between the models' answers."""
+    from tests.conftest import write_tiny_model
+
+    write_tiny_model(tmp_path, tiny_backbone_dir, name="tiny")
+    write_tiny_model(tmp_path, tiny_backbone_dir, name="tiny-b", seed=1, labels=["up", "down"])
+    for server in running(logs, model_repository=tmp_path, default_model="tiny"):
+        b = browser
+        open_page(b, server)
+        b.execute_script("for (const o of document.getElementById('model').options) o.selected = true;")
+        submit(b, TEXT)
+        assert not b.find_element(By.ID, "error").text
+        answered = b.find_elements(By.CSS_SELECTOR, "#answered button")
+        assert [a.get_attribute("data-model") for a in answered] == ["tiny", "tiny-b"]
+        refs = {m: httpx.post(f"{server.url}/v1/models/{m}/explain", json={"inputs": [TEXT]}).json()["results"][0]
+                for m in ("tiny", "tiny-b")}
+        assert b.find_element(By.ID, "label").text == refs["tiny"]["label"]
+        answered[1].click()
+        assert b.find_element(By.ID, "label").text == refs["tiny-b"]["label"]
+        bars = b.find_elements(By.CSS_SELECTOR, "#bars .bar")
+        assert [bar.get_attribute("data-label") for bar in bars] == ["up", "down"]

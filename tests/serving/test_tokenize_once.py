@@ -43,7 +43,7 @@ def started(tiny_repo: Path, **settings: Any) -> Iterator[tuple[TestClient, Coun
             if client.get("/readyz").status_code == 200:
                 break
             time.sleep(0.05)
-        chunker: ChunkTokenizer = app.state.app_state.models["tiny"].engine.chunker  # the server's tokenizer
+        chunker: ChunkTokenizer = app.state.app_state.inference.models["tiny"].engine.chunker  # the server's tokenizer
         counting = CountingTokenizer(chunker.tokenizer)
         chunker.tokenizer = counting
         yield client, counting

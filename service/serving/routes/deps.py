@@ -1,4 +1,4 @@
-"""Dependencies shared by the route modules: app state, model lookup, API-key check.
+"""Dependencies shared by the route modules: app state, API-key and content-type checks.
 
 The dependencies are ``async def``: they do no blocking work, and FastAPI runs a plain ``def``
 dependency in its thread pool, a thread hop per dependency and request."""
@@ -10,8 +10,8 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from service.serving.errors import APIError, unavailable
-from service.serving.state import AppState, Served
+from service.serving.errors import APIError
+from service.serving.state import AppState
 
 
 async def get_state(request: Request) -> AppState:
@@ -46,16 +46,3 @@ async def require_json(request: Request) -> None:
     ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if ctype != "application/json" and not ctype.endswith("+json"):
         raise APIError(415, f"send the body as application/json, not {ctype or 'no content type'!r}")
-
-
-def served_model(state: AppState, name: str) -> Served:
-    """The loaded model called ``name``: 503 while loading, 404 if there is none.
-
-    While draining, requests that arrived before the drain still get their model (the middleware
-    turns new ones away)."""
-    if state.status not in ("ok", "draining"):
-        raise unavailable(f"models are {state.status}" + (f": {state.error}" if state.error else ""), "loading")
-    served = state.models.get(name)
-    if served is None:
-        raise APIError(404, f"unknown model {name!r}; available: {sorted(state.models)}")
-    return served

@@ -18,15 +18,16 @@ router = APIRouter(tags=["health"])
 @router.get("/healthz", response_model=Health, summary="Liveness")
 async def healthz(state: State) -> Health:
     """200 while the process runs, whatever its state (loading, ok, draining, failed)."""
-    return Health(status=state.status, models=sorted(state.models))
+    return Health(status=state.lifecycle.status, models=sorted(state.inference.models))
 
 
 @router.get("/readyz", response_model=Health, responses={503: {"model": Health}}, summary="Readiness")
 async def readyz(state: State) -> JSONResponse:
     """200 once every model is loaded and warm; 503 while loading, draining, or after a failed load."""
-    body = Health(status=state.status, models=sorted(state.models))
-    headers = None if state.ready else retry_after("draining" if state.status == "draining" else "loading")
-    return JSONResponse(body.model_dump(), status_code=200 if state.ready else 503, headers=headers)
+    life = state.lifecycle
+    body = Health(status=life.status, models=sorted(state.inference.models))
+    headers = None if life.ready else retry_after("draining" if life.draining else "loading")
+    return JSONResponse(body.model_dump(mode="json"), status_code=200 if life.ready else 503, headers=headers)
 
 
 @router.get("/metrics", summary="Prometheus metrics", response_class=Response)

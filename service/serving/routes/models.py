@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends
 
-from service.serving.routes.deps import State, require_key, served_model
+from service.serving.routes.deps import State, require_key
 from service.serving.schemas import ErrorResponse, ModelInfo, ModelList
 
 router = APIRouter(prefix="/v1", tags=["models"], dependencies=[Depends(require_key)],
@@ -14,12 +14,13 @@ router = APIRouter(prefix="/v1", tags=["models"], dependencies=[Depends(require_
 @router.get("/models", response_model=ModelList, summary="Loaded models")
 async def list_models(state: State) -> ModelList:
     default = state.settings.default_model
-    served_model(state, default)
-    return ModelList(default=default, models=[ModelInfo(**m.engine.describe(), default=name == default)
-                                              for name, m in state.models.items()])
+    inf = state.inference
+    inf.backbone_of(default)
+    return ModelList(default=default, models=[ModelInfo(**b.engine.describe(name), default=name == default)
+                                              for name, b in inf.models.items()])
 
 
 @router.get("/models/{model}", response_model=ModelInfo, summary="One model")
 async def get_model(state: State, model: str) -> ModelInfo:
-    served = served_model(state, model)
-    return ModelInfo(**served.engine.describe(), default=model == state.settings.default_model)
+    backbone = state.inference.backbone_of(model)
+    return ModelInfo(**backbone.engine.describe(model), default=model == state.settings.default_model)

@@ -21,10 +21,11 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from service import __version__
-from service.serving.contract import Result, Task
+from service.serving.contract import CreditSpec
 from service.serving.errors import APIError
-from service.serving.routes import inference
-from service.serving.routes.deps import State, require_key, served_model
+from service.serving.inference import Inference, Scored
+from service.serving.routes.deps import State, require_key
+from service.serving.routes.inference import client_gone
 
 BASIC = ("label", "probabilities")
 CREDIT = ("credit", "tokens", "token_lengths", "credit_targets", "logit", "baseline")
@@ -105,15 +106,16 @@ async def live() -> dict[str, bool]:
 
 @router.get("/health/ready", summary="Server readiness (400 when not ready)", responses={400: {"model": ErrorV2}})
 async def ready(state: State) -> JSONResponse:
-    return JSONResponse({"ready": state.ready}, status_code=200 if state.ready else 400)
+    ready = state.lifecycle.ready
+    return JSONResponse({"ready": ready}, status_code=200 if ready else 400)
 
 
 @models.get("/models/{model}", summary="Model metadata")
 @models.get("/models/{model}/versions/{version}", summary="Model metadata", include_in_schema=False)
 async def model_metadata(state: State, model: str, version: str = "1") -> dict[str, Any]:
-    engine = served_model(state, model).engine
+    labels = state.inference.labels(model)
     _check_version(version)
-    n = len(engine.labels)
+    n = len(labels)
     return {
         "name": model, "versions": ["1"], "platform": "pytorch_routing_head",
         "inputs": [_tensor_meta("text", "BYTES", [-1])],
@@ -121,14 +123,14 @@ async def model_metadata(state: State, model: str, version: str = "1") -> dict[s
                     _tensor_meta("credit", "FP32", [-1, -1, -1]), _tensor_meta("tokens", "BYTES", [-1, -1]),
                     _tensor_meta("token_lengths", "INT32", [-1]), _tensor_meta("credit_targets", "BYTES", [-1, -1]),
                     _tensor_meta("logit", "FP32", [-1, -1]), _tensor_meta("baseline", "FP32", [-1, -1])],
-        "parameters": {"labels": engine.labels, "credit_layout": LAYOUT, "request_parameters": PARAMETERS},
+        "parameters": {"labels": labels, "credit_layout": LAYOUT, "request_parameters": PARAMETERS},
     }
 
 
 @models.get("/models/{model}/ready", summary="Model readiness")
 @models.get("/models/{model}/versions/{version}/ready", summary="Model readiness", include_in_schema=False)
 async def model_ready(state: State, model: str, version: str = "1") -> dict[str, Any]:
-    served_model(state, model)
+    state.inference.backbone_of(model)
     _check_version(version)
     return {"name": model, "ready": True}
 
@@ -142,30 +144,30 @@ _INFER_DOC = {"requestBody": {"required": True, "content": {"application/json": 
 @models.post("/models/{model}/versions/{version}/infer", response_model=InferResponse, summary="Inference",
              include_in_schema=False)
 async def infer(request: Request, state: State, model: str, version: str = "1") -> InferResponse:
-    served = served_model(state, model)
+    inf = state.inference
+    labels = inf.labels(model)
     _check_version(version)
     body, binary = await _parse(request)
     texts = _texts(body.inputs[0], binary)
-    inference.check_limits(state, texts)
+    inf.check_limits(texts)
     params = body.parameters or {}
-    options = _credit_options(served.engine.labels, params)
-    available = [*BASIC, *(CREDIT if options["method"] == "contribution" else CREDIT[:4])]
+    spec = _credit_spec(inf, model, params)
+    available = [*BASIC, *(CREDIT if spec.method == "contribution" else CREDIT[:4])]
     wanted = [o.name for o in body.outputs] if body.outputs else None
     unknown = sorted(set(wanted or []) - set(available))
     if unknown:
-        raise APIError(400, f"unknown output(s) {unknown}; with method {options['method']!r} this model gives "
+        raise APIError(400, f"unknown output(s) {unknown}; with method {spec.method!r} this model gives "
                             f"{available}")
     asked = params.get("explain", False)
     if not isinstance(asked, bool):
         raise APIError(422, "parameters.explain must be a bool")
     explain = asked or any(w in CREDIT for w in wanted or [])
-    tasks = [Task(t, explain="tokens" if explain else None, **options) for t in texts]
     timeout = params.get("timeout")
     if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0):
         raise APIError(422, "parameters.timeout must be a positive number of microseconds")
-    deadline = inference.deadline(state, timeout / 1e6 if timeout is not None else None)
-    results = await inference.run_tasks(request, served, tasks, deadline)
-    outputs = _outputs(results, served.engine.labels, explain)
+    deadline = inf.deadline(timeout / 1e6 if timeout is not None else None)
+    (scored,) = await inf.run([model], texts, [spec if explain else None], deadline, client_gone(request))
+    outputs = _outputs(scored, labels, explain)
     names = wanted or (available if explain else list(BASIC))
     return InferResponse(model_name=model, id=body.id, outputs=[outputs[n] for n in names])
 
@@ -237,7 +239,7 @@ def _unpack_bytes(blob: bytes) -> list[bytes]:
     return out
 
 
-def _credit_options(labels: list[str], params: dict[str, Any]) -> dict[str, Any]:
+def _credit_spec(inf: Inference, model: str, params: dict[str, Any]) -> CreditSpec:
     method = params.get("method", "contribution")
     if method not in ("contribution", "shares"):
         raise APIError(422, f"parameters.method must be 'contribution' or 'shares', not {method!r}")
@@ -248,11 +250,11 @@ def _credit_options(labels: list[str], params: dict[str, Any]) -> dict[str, Any]
     if target is not None and not isinstance(target, str):
         raise APIError(422, "parameters.target must be a string: a label, labels separated by commas, or 'all'")
     wanted = None if target is None else target if target == "all" else [t.strip() for t in target.split(",")]
-    return {"targets": inference.targets(labels, wanted), "method": method,
-            "contrast": contrast and method == "contribution"}
+    return inf.credit_spec(model, wanted, method, contrast)
 
 
-def _outputs(results: list[Result], labels: list[str], explain: bool) -> dict[str, TensorOut]:
+def _outputs(scored: list[Scored], labels: list[str], explain: bool) -> dict[str, TensorOut]:
+    results = [s.result for s in scored]
     n = len(results)
     out = {
         "label": TensorOut(name="label", datatype="BYTES", shape=[n], data=[r.label for r in results]),
@@ -262,11 +264,11 @@ def _outputs(results: list[Result], labels: list[str], explain: bool) -> dict[st
     if not explain:
         return out
     credits = [r.credit for r in results if r.credit is not None]
-    width = max(len(c.tokens) for c in credits)
+    names = [[tok.token for tok in s.tokens or []] for s in scored]
+    width = max(len(toks) for toks in names)
     t = len(credits[0].targets)  # the same count for every text of a request
     credit, tokens = [], []
-    for c in credits:
-        toks = [tok.token for tok in c.tokens]
+    for c, toks in zip(credits, names, strict=True):
         tokens += toks + [""] * (width - len(toks))
         columns = [target.tokens for target in c.targets]
         for p in range(width):
@@ -274,7 +276,7 @@ def _outputs(results: list[Result], labels: list[str], explain: bool) -> dict[st
     out["credit"] = TensorOut(name="credit", datatype="FP32", shape=[n, width, t], data=credit)
     out["tokens"] = TensorOut(name="tokens", datatype="BYTES", shape=[n, width], data=tokens)
     out["token_lengths"] = TensorOut(name="token_lengths", datatype="INT32", shape=[n],
-                                     data=[len(c.tokens) for c in credits])
+                                     data=[len(toks) for toks in names])
     out["credit_targets"] = TensorOut(name="credit_targets", datatype="BYTES", shape=[n, t],
                                       data=[target.label for c in credits for target in c.targets])
     if credits[0].method == "contribution":

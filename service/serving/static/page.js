@@ -20,7 +20,7 @@ const GENERIC = ["This is a short example text.", "Another example, with two sen
 const NEG = [178, 24, 43];
 const POS = [33, 102, 172];
 
-const state = { key: null, result: null, target: null };
+const state = { key: null, result: null, target: null, answers: [] };
 const $ = (id) => document.getElementById(id);
 
 class ApiError extends Error {
@@ -107,8 +107,12 @@ async function loadModels() {
   }
 }
 
+function chosenModels() {
+  return [...$("model").selectedOptions].map((o) => o.value);
+}
+
 function showExamples() {
-  const model = $("model").value;
+  const model = chosenModels()[0];
   const texts = EXAMPLES[model] || GENERIC;
   $("examples").replaceChildren(...texts.map((t, k) => {
     const b = document.createElement("button");
@@ -123,18 +127,20 @@ function showExamples() {
 
 async function explain() {
   const text = $("text").value;
-  const model = $("model").value;
+  const models = chosenModels();
   if (!text.trim()) { showError("Type or paste a text first."); return; }
-  if (!model) { showError("No model to ask: load the models first (an API key may be needed)."); return; }
+  if (!models.length) { showError("No model to ask: load the models first (an API key may be needed)."); return; }
   showError("");
   setStatus("Explaining…");
   $("explain").disabled = true;
   try {
-    const body = await api(`v1/models/${encodeURIComponent(model)}/explain`, { inputs: [text], target: "all" });
-    state.result = body.results[0];
-    state.target = state.result.label;
+    // several models: one request, the text encoded once for the models on one backbone
+    const bodies = models.length === 1
+      ? [await api(`v1/models/${encodeURIComponent(models[0])}/explain`, { inputs: [text], target: "all" })]
+      : (await api("v1/explain", { inputs: [text], target: "all", models })).responses;
+    state.answers = bodies.map((b) => ({ model: b.model, result: b.results[0] }));
     state.text = text;
-    render();
+    showAnswer(0);
     setStatus("");
   } catch (e) {
     setStatus("");
@@ -142,6 +148,22 @@ async function explain() {
   } finally {
     $("explain").disabled = false;
   }
+}
+
+function showAnswer(k) {
+  state.result = state.answers[k].result;
+  state.target = state.result.label;
+  $("answered-row").hidden = state.answers.length < 2;
+  $("answered").replaceChildren(...state.answers.map((a, j) => {
+    const b = document.createElement("button");
+    b.type = "button";
+    b.className = "target" + (j === k ? " active" : "");
+    b.textContent = a.model;
+    b.dataset.model = a.model;
+    b.addEventListener("click", () => showAnswer(j));
+    return b;
+  }));
+  render();
 }
 
 function render() {

@@ -1,0 +1,280 @@
+"""The inference layer: the one pipeline every protocol's routes call, callable and tested without HTTP.
+
+For a request of texts asked of one or more models it checks the limits, tokenizes each text once per
+backbone (off the event loop; a queue without room answers before any tokenizing), plans each text as
+jobs that share an encoder pass among the heads that cut it alike, submits them to each backbone's
+batcher, awaits the answers within the request's deadline while the client is there, and turns them
+into plain per-model results and views. Failures are raised as :class:`~service.serving.errors.APIError`
+with the status they answer with (the routes' error handlers give them each protocol's shape).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from service.config import Settings
+from service.modeling.encoding import Encoding
+from service.serving import errors, render
+from service.serving.batcher import Batcher, DeadlineExceeded, Draining, Overloaded
+from service.serving.contract import (
+    Answer,
+    Ask,
+    ChunkWork,
+    CreditSpec,
+    Detail,
+    Method,
+    Result,
+    TextJob,
+    Token,
+    answers_of,
+)
+from service.serving.engine import Planner
+from service.serving.errors import APIError
+from service.serving.lifecycle import Lifecycle
+from service.serving.schemas import ClassifyResult, ExplainResult
+
+Target = str | list[str] | None
+"""What a request asks to explain: a label, a list of labels, ``"all"``, or None (the predicted label)."""
+
+
+@dataclass
+class Backbone:
+    """A loaded backbone group as the front serves it: its engine (here, in a process, or replicas) and its
+    batcher, which mixes the chunks of every model on it."""
+
+    engine: Planner
+    batcher: Batcher[ChunkWork, Answer | None]
+
+
+@dataclass(frozen=True)
+class Scored:
+    """One text's answer from one model, with its tokens (built from the encoding the front holds, only
+    when credit was asked for)."""
+
+    text: str
+    result: Result
+    encoding: Encoding
+    tokens: list[Token] | None
+
+
+Gone = Callable[[], Awaitable[None]]
+"""Returns once the client has gone away (then the request's queued work is dropped)."""
+
+
+class Inference:
+    """Every loaded model, by name, on its backbone group; and the pipeline that serves them."""
+
+    def __init__(self, settings: Settings, lifecycle: Lifecycle) -> None:
+        self.settings, self.lifecycle = settings, lifecycle
+        self.backbones: dict[str, Backbone] = {}
+        self.models: dict[str, Backbone] = {}  # model name -> its backbone group, in loading order
+
+    def add(self, backbone: Backbone) -> None:
+        self.backbones[backbone.engine.name] = backbone
+        for name in backbone.engine.models:
+            self.models[name] = backbone
+
+    # --- resolving what a request names ---
+
+    def backbone_of(self, model: str) -> Backbone:
+        """The group serving ``model``: 503 while loading, 404 if there is none (while draining, requests that
+        arrived before the drain still get their model)."""
+        if not self.lifecycle.serving:
+            raise errors.unavailable(f"models are {self.lifecycle.describe()}", "loading")
+        backbone = self.models.get(model)
+        if backbone is None:
+            raise APIError(404, f"unknown model {model!r}; available: {sorted(self.models)}")
+        return backbone
+
+    def labels(self, model: str) -> list[str]:
+        return self.backbone_of(model).engine.labels(model)
+
+    def resolve(self, names: Sequence[str] | Literal["all"]) -> list[str]:
+        """The models a request names: ``"all"`` is every loaded one; an unknown name is a 404 naming it, a
+        repeated one a 422."""
+        if not self.lifecycle.serving:
+            raise errors.unavailable(f"models are {self.lifecycle.describe()}", "loading")
+        if names == "all":
+            return list(self.models)
+        repeated = sorted({n for n in names if list(names).count(n) > 1})
+        if repeated:
+            raise APIError(422, f"models: {repeated} named more than once",
+                           details=[{"field": "models", "message": f"repeated: {repeated}", "type": "value_error"}])
+        unknown = [n for n in names if n not in self.models]
+        if unknown:
+            raise APIError(404, f"unknown model(s) {unknown}; available: {sorted(self.models)}")
+        return list(names)
+
+    def credit_spec(self, model: str, target: Target = None, method: Method = "contribution", contrast: bool = True,
+                    detail: Detail = "tokens", matrix: bool = False, phi: bool = False) -> CreditSpec:
+        """The credit of ``model`` a request asks for, its target labels turned into class indices (422 for an
+        unknown label)."""
+        labels = self.labels(model)
+        targets: tuple[int, ...] | None = None
+        if target == "all":
+            targets = tuple(range(len(labels)))
+        elif target is not None:
+            wanted = [target] if isinstance(target, str) else target
+            unknown = [t for t in wanted if t not in labels]
+            if unknown or not wanted:
+                raise APIError(422, f"target: unknown label(s) {unknown} for model {model}; choose from {labels} or "
+                                    "'all'", details=[{"field": "target", "message": f"unknown label(s) {unknown}",
+                                                       "type": "value_error"}])
+            targets = tuple(labels.index(t) for t in dict.fromkeys(wanted))
+        return CreditSpec(method=method, contrast=contrast, targets=targets, detail=detail, matrix=matrix, phi=phi)
+
+    def deadline(self, timeout_s: float | None) -> float:
+        """Monotonic deadline: the request's own timeout (capped by the server's maximum) or the default."""
+        s = self.settings
+        return time.monotonic() + min(timeout_s or s.request_timeout_s, s.max_request_timeout_s)
+
+    def check_limits(self, texts: Sequence[str]) -> None:
+        """413 for too many texts or a text over the character limit."""
+        s = self.settings
+        if len(texts) > s.max_inputs:
+            raise APIError(413, f"too many inputs: {len(texts)} > {s.max_inputs}")
+        for k, text in enumerate(texts):
+            if len(text) > s.max_chars:
+                raise APIError(413, f"inputs.{k} has {len(text)} characters, more than the limit of {s.max_chars}")
+
+    # --- the pipeline ---
+
+    async def run(self, models: Sequence[str], texts: list[str], specs: Sequence[CreditSpec | None],
+                  deadline: float, gone: Gone | None = None) -> list[list[Scored]]:
+        """Every text on every model (``specs[m]``: the credit model ``m`` computes, None: scores only).
+
+        Returns:
+            ``[model][text]`` answers, in the order asked.
+        """
+        self.check_limits(texts)
+        by_backbone: dict[str, list[int]] = {}  # backbone -> the indices of its models in ``models``
+        for m, name in enumerate(models):
+            by_backbone.setdefault(self.backbone_of(name).engine.name, []).append(m)
+        for name in by_backbone:
+            try:
+                self.backbones[name].batcher.check_room(len(texts))
+            except (Overloaded, Draining) as e:
+                raise _refused(e) from None
+        loop = asyncio.get_running_loop()
+        plans: list[tuple[Backbone, list[TextJob], list[int]]] = []  # a backbone's jobs, and each job's text
+        encodings: dict[tuple[int, int], Encoding] = {}  # (model, text) -> the encoding its head sees
+        for name, ms in by_backbone.items():
+            backbone = self.backbones[name]
+            engine = backbone.engine
+            per_text = await loop.run_in_executor(None, engine.encode, texts, [models[m] for m in ms])
+            jobs: list[TextJob] = []
+            places: list[int] = []
+            for t, by_length in enumerate(per_text):
+                for m in ms:
+                    encodings[(m, t)] = by_length[engine.max_length(models[m])]
+                text_jobs = engine.jobs(by_length, [Ask(models[m], specs[m]) for m in ms])
+                jobs += text_jobs
+                places += [t] * len(text_jobs)
+            plans.append((backbone, jobs, places))
+        self._check_tokens(models, specs, encodings)
+        answers = await self._submit([(b, [w for j in jobs for w in j.chunks()]) for b, jobs, _ in plans], deadline,
+                                     gone)
+        results: dict[tuple[int, int], Result] = {}  # (model, text) -> result
+        index = {name: m for m, name in enumerate(models)}
+        for (_, jobs, places), got in zip(plans, answers, strict=True):
+            for job, t, answer in zip(jobs, places, got, strict=True):
+                for ask, res in zip(job.asks, answer, strict=True):
+                    results[(index[ask.model or ""], t)] = res
+        failed = next((r.error for r in results.values() if r.error), None)
+        if failed:
+            raise APIError(500, failed, reason="internal")
+        engines = {m: self.models[models[m]].engine for m in range(len(models)) if specs[m] is not None}
+        tokens = await render.off_loop(lambda: {key: engines[key[0]].tokens(enc) for key, enc in encodings.items()
+                                                if key[0] in engines}) if engines else {}
+        return [[Scored(text, results[(m, t)], encodings[(m, t)], tokens.get((m, t))) for t, text in enumerate(texts)]
+                for m in range(len(models))]
+
+    def _check_tokens(self, models: Sequence[str], specs: Sequence[CreditSpec | None],
+                      encodings: dict[tuple[int, int], Encoding]) -> None:
+        """413 for a text over ``max_text_tokens``, or a full matrix / phi payload over ``max_explain_elements``."""
+        cap = self.settings.max_text_tokens
+        size = 0
+        for (m, t), enc in sorted(encodings.items(), key=lambda kv: kv[0][::-1]):
+            if cap is not None and enc.n_tokens > cap:
+                raise APIError(413, f"inputs.{t} has {enc.n_tokens} tokens, more than the limit of {cap}")
+            spec = specs[m]
+            if spec is not None and (spec.matrix or spec.phi):
+                size += self.models[models[m]].engine.explain_elements(models[m], enc.n_tokens, spec)
+        if size > self.settings.max_explain_elements:
+            raise APIError(413, f"include_matrix/include_phi would return {size} numbers, more than the limit of "
+                                f"{self.settings.max_explain_elements}; send fewer or shorter texts")
+
+    async def _submit(self, work: list[tuple[Backbone, list[ChunkWork]]], deadline: float,
+                      gone: Gone | None) -> list[list[Answer]]:
+        """Queue each backbone's chunks on its batcher and wait for them all, the deadline, or the client leaving.
+        Returns each backbone's answers, one per text job, in the order of the jobs' first chunks."""
+        tasks = [asyncio.ensure_future(b.batcher.submit(chunks, [w.cost for w in chunks], deadline,
+                                                        groups=[w.job for w in chunks])) for b, chunks in work]
+        watch = asyncio.ensure_future(gone()) if gone is not None else None
+        try:
+            pending: set[asyncio.Future[object]] = set(tasks)
+            while pending:
+                waiting = pending | ({watch} if watch is not None else set())
+                done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+                if watch is not None and watch in done:
+                    raise APIError(499, "client disconnected")
+                pending -= done
+                if any(not t.cancelled() and t.exception() is not None for t in done):
+                    break
+        finally:
+            if watch is not None:
+                watch.cancel()
+            for t in tasks:  # on any early exit, drop what is still queued
+                if not t.done():
+                    t.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, Exception):
+                        await t
+        for (backbone, _), t in zip(work, tasks, strict=True):
+            name = backbone.engine.name
+            e = t.exception() if t.done() and not t.cancelled() else None
+            if isinstance(e, Overloaded | Draining):
+                raise _refused(e) from None
+            if isinstance(e, DeadlineExceeded):
+                raise APIError(504, f"deadline exceeded: {e}") from None
+            if e is not None:
+                raise APIError(500, f"backbone {name} failed on this batch: {type(e).__name__}: {e}") from e
+        return [answers_of(chunks, t.result()) for (_, chunks), t in zip(work, tasks, strict=True)]
+
+    async def classify(self, models: Sequence[str], texts: list[str], explain: bool = False,
+                       method: Method = "contribution", contrast: bool = True, timeout_s: float | None = None,
+                       gone: Gone | None = None) -> list[list[ClassifyResult]]:
+        """Label and probabilities of each text on each model; with ``explain``, token credit of the predicted
+        label. Returns ``[model][text]``."""
+        until = self.deadline(timeout_s)
+        specs = [self.credit_spec(m, method=method, contrast=contrast) if explain else None for m in models]
+        scored = await self.run(models, texts, specs, until, gone)
+        build = lambda: [[render.classify_result(s.result, s.tokens) for s in per] for per in scored]  # noqa: E731
+        return build() if not explain else await render.off_loop(build)
+
+    async def explain(self, models: Sequence[str], texts: list[str], target: Target = None,
+                      method: Method = "contribution", contrast: bool = True, matrix: bool = False, phi: bool = False,
+                      timeout_s: float | None = None, gone: Gone | None = None) -> list[list[ExplainResult]]:
+        """Credit per token, word, sentence and depth of the ``target`` label(s) of each text on each model
+        (with several models, ``target`` is ``"all"`` or None: each model's own labels). Returns ``[model][text]``."""
+        if len(models) > 1 and target not in (None, "all"):
+            raise APIError(422, "target: with several models only 'all' or none (the predicted label) applies to "
+                                "each; name labels with one model",
+                           details=[{"field": "target", "message": "labels need one model", "type": "value_error"}])
+        until = self.deadline(timeout_s)
+        specs = [self.credit_spec(m, target, method, contrast, "full", matrix, phi) for m in models]
+        scored = await self.run(models, texts, specs, until, gone)
+        return await render.off_loop(lambda: [[render.explain_result(s.result, s.text, s.tokens or [],
+                                                                     s.encoding.word_ids) for s in per]
+                                              for per in scored])
+
+
+def _refused(e: Overloaded | Draining) -> APIError:
+    """The answer when a batcher takes no more texts: 503 with Retry-After."""
+    if isinstance(e, Draining):
+        return errors.unavailable(errors.SHUTTING_DOWN, "draining")
+    return errors.unavailable(f"overloaded, retry later ({e})", "overloaded")
