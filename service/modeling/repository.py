@@ -3,87 +3,29 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from service.modeling.backbone import Backbone, BackboneError
 from service.modeling.classifier import RoutingClassifier
 from service.modeling.head import RoutingHead
+from service.modeling.manifest import (
+    MANIFEST,
+    WEIGHTS,
+    BackboneSpec,
+    HeadSpec,
+    Manifest,
+    ModelLoadError,
+    discover,
+    read_manifest,
+    write_manifest,
+)
 
-MANIFEST = "manifest.json"
-WEIGHTS = "head.safetensors"
-
-
-class ModelLoadError(RuntimeError):
-    """A model folder is missing something or holds something inconsistent."""
-
-    def __init__(self, path: Path, problem: str) -> None:
-        super().__init__(f"{path}: {problem}")
-        self.path, self.problem = path, problem
-
-
-class BackboneSpec(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    source: str = Field(description="Local directory, hub id, or package:<module> shipping the weights")
-    name: str = Field(description="Human-readable name of the pretrained encoder")
-    revision: str = Field(description="Version or revision of the weights")
-    d_depth: int = Field(gt=0, description="Hidden states per position: embeddings + layers")
-    d_emb: int = Field(gt=0)
-
-
-class HeadSpec(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    n_hid: int = Field(64, ge=2)
-    d_hid: int = Field(gt=0)
-    n_iters: int = Field(2, ge=1)
-
-
-class Manifest(BaseModel):
-    """Everything needed to rebuild, serve and judge one model."""
-
-    model_config = ConfigDict(extra="forbid")
-    name: str = Field(pattern=r"^[a-z0-9][a-z0-9._-]*$")
-    task: str = "text-classification"
-    description: str = ""
-    labels: list[str] = Field(min_length=2)
-    backbone: BackboneSpec
-    head: HeadSpec
-    max_length: int = Field(256, gt=2, description="Tokens per chunk, special tokens included")
-    training: dict[str, Any] = Field(default_factory=dict)
-    evaluation: dict[str, Any] = Field(default_factory=dict)
-
-    @field_validator("labels")
-    @classmethod
-    def _unique_labels(cls, v: list[str]) -> list[str]:
-        if len(set(v)) != len(v):
-            raise ValueError("labels must be unique")
-        return v
-
-
-def read_manifest(folder: Path) -> Manifest:
-    """Parse and validate ``folder/manifest.json``."""
-    path = folder / MANIFEST
-    if not path.is_file():
-        raise ModelLoadError(path, "missing manifest file")
-    try:
-        raw = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ModelLoadError(path, f"not valid JSON: {e}") from e
-    try:
-        manifest = Manifest.model_validate(raw)
-    except ValidationError as e:
-        problems = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
-        raise ModelLoadError(path, f"invalid manifest: {problems}") from e
-    if manifest.name != folder.name:
-        raise ModelLoadError(path, f"manifest name {manifest.name!r} differs from its folder {folder.name!r}")
-    return manifest
-
+__all__ = ["MANIFEST", "WEIGHTS", "BackboneSpec", "HeadSpec", "Manifest", "ModelLoadError", "build_head", "discover",
+           "load_head", "load_model", "read_manifest", "save_model", "write_manifest"]
 
 def build_head(manifest: Manifest) -> RoutingHead:
     b, h = manifest.backbone, manifest.head
@@ -140,20 +82,9 @@ def load_model(folder: Path, device: str | torch.device = "cpu", dtype: torch.dt
     return manifest, RoutingClassifier(backbone, head.to(backbone.device), manifest.labels)
 
 
-def discover(repository: Path) -> list[str]:
-    """Names of the model folders (those with a manifest) in ``repository``, sorted."""
-    if not repository.is_dir():
-        raise ModelLoadError(repository, "model repository folder does not exist")
-    return sorted(p.name for p in repository.iterdir() if (p / MANIFEST).is_file())
-
-
 def save_model(folder: Path, manifest: Manifest, head: RoutingHead) -> None:
     """Write ``manifest.json`` and ``head.safetensors`` (contiguous float32 tensors)."""
     folder.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().float().contiguous().cpu() for k, v in head.state_dict().items()}
     save_file(state, str(folder / WEIGHTS))
     write_manifest(folder, manifest)
-
-
-def write_manifest(folder: Path, manifest: Manifest) -> None:
-    (folder / MANIFEST).write_text(json.dumps(manifest.model_dump(), indent=2) + "\n")

@@ -10,18 +10,16 @@ heads, or texts, share the batch."""
 
 from __future__ import annotations
 
-import abc
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from service.config import DTYPES
-from service.modeling.backbone import Backbone, BackboneError, ChunkTokenizer
+from service.modeling.backbone import Backbone, BackboneError
 from service.modeling.classifier import CreditRequest, Explained, Prediction, RoutingClassifier
-from service.modeling.encoding import Encoding
 from service.modeling.grouping import length_groups
 from service.modeling.repository import MANIFEST, Manifest, ModelLoadError, load_model, read_manifest
 from service.serving.contract import (
@@ -34,9 +32,9 @@ from service.serving.contract import (
     TargetCredit,
     Task,
     TextJob,
-    Token,
     answers_of,
 )
+from service.serving.planner import Planner, backbone_key
 
 __all__ = ["Ask", "ChunkWork", "CreditSpec", "Engine", "NonFiniteScores", "Planner", "Result", "Task"]
 
@@ -73,124 +71,6 @@ def device_memory() -> list[dict[str, float | str]]:
 
 class NonFiniteScores(RuntimeError):
     """The model produced NaN or Inf scores: a fault of the model, never an answer."""
-
-
-def backbone_key(manifest: Manifest) -> tuple[str, str]:
-    """What makes two models share a loaded backbone: the same source and revision (device and dtype are
-    the server's, the same for every model)."""
-    return manifest.backbone.source, manifest.backbone.revision
-
-
-def group_name(manifest: Manifest) -> str:
-    """The backbone group's name in logs and metrics."""
-    return f"{manifest.backbone.name}@{manifest.backbone.revision}"
-
-
-class Planner(abc.ABC):
-    """A backbone and its heads as the server's front sees them: the models' manifests and the backbone's
-    tokenizer, which cut texts into the batcher's units of work. :class:`Engine` runs them in this process,
-    ``BackboneProcess`` (``service.serving.worker``) in a process of its own; both add ``run_chunks``,
-    ``describe``, ``device_memory`` and ``close``.
-
-    Heads share a text's encoder pass when they cut it into the same chunks: always when their
-    ``max_length`` is the same, and for a text that fits in one chunk of the shorter one otherwise.
-    """
-
-    device: torch.device | str
-    dtype: torch.dtype | str
-
-    def __init__(self, manifests: Sequence[Manifest], chunker: ChunkTokenizer) -> None:
-        if not manifests:
-            raise ValueError("a backbone needs at least one model")
-        keys = {backbone_key(m) for m in manifests}
-        if len(keys) > 1:
-            raise ValueError(f"models on one backbone must name the same backbone, not {sorted(keys)}")
-        self.manifests = {m.name: m for m in manifests}
-        self.chunker = chunker
-        self.name = group_name(manifests[0])
-        self.default = manifests[0].name  # the head of a task that names none
-
-    @property
-    def models(self) -> list[str]:
-        return list(self.manifests)
-
-    def labels(self, model: str) -> list[str]:
-        return self.manifests[model].labels
-
-    def max_length(self, model: str) -> int:
-        """Tokens per chunk for ``model`` (its manifest's, capped at the backbone's limit)."""
-        return self.chunker.cut(self.manifests[model].max_length)
-
-    def encode(self, texts: list[str], models: Sequence[str]) -> list[dict[int, Encoding]]:
-        """Tokenize ``texts`` once and cut each for every chunk length the ``models`` use (see
-        :meth:`ChunkTokenizer.encode_lengths`): per text, chunk length -> encoding."""
-        return self.chunker.encode_lengths(texts, [self.max_length(m) for m in models])
-
-    def tokens(self, encoding: Encoding) -> list[Token]:
-        """The positions of ``encoding`` as a response shows them (special tokens included)."""
-        names = self.chunker.token_names(encoding)
-        return [Token(t, s, e, sp) for t, (s, e), sp in zip(names, encoding.offsets, encoding.special, strict=True)]
-
-    def jobs(self, encodings: dict[int, Encoding], asks: Sequence[Ask]) -> list[TextJob]:
-        """One text's jobs: its asks grouped by the chunks their heads cut it into (one job, one encoder pass,
-        for heads that cut it alike), in the order of each group's first ask."""
-        groups: dict[tuple[tuple[int, ...], ...], list[Ask]] = {}
-        encoding_of: dict[tuple[tuple[int, ...], ...], Encoding] = {}
-        for ask in asks:
-            enc = encodings[self.max_length(ask.model or self.default)]
-            groups.setdefault(enc.chunks, []).append(ask)
-            encoding_of.setdefault(enc.chunks, enc)
-        return [TextJob.of(encoding_of[chunks], group) for chunks, group in groups.items()]
-
-    def plan(self, tasks: list[Task]) -> list[list[ChunkWork]]:
-        """Each single-head task's chunks as units of work for the batcher (texts not yet tokenized are
-        tokenized here, once for all of them)."""
-        resolved = [Task(t.text, t.encoding, t.model or self.default, t.credit) for t in tasks]
-        for t in resolved:
-            if t.model not in self.manifests:
-                raise KeyError(f"no model {t.model!r} on backbone {self.name} (it has {self.models})")
-        missing = [t for t in resolved if t.encoding is None]
-        fresh = iter(self.encode([t.text for t in missing], [t.model for t in missing if t.model]) if missing else [])
-        plans = []
-        for t in resolved:
-            enc = t.encoding if t.encoding is not None else next(fresh)[self.max_length(t.model or self.default)]
-            plans.append(TextJob.of(enc, [Ask(t.model, t.credit)]).chunks())
-        return plans
-
-    def explain_elements(self, model: str, n_tokens: int, spec: CreditSpec) -> int:
-        """How many numbers the full matrix and the phis add for a text of ``n_tokens`` on ``model``."""
-        m = self.manifests[model]
-        n_hid, n_k = m.head.n_hid, len(m.labels)
-        n_i = n_tokens * m.backbone.d_depth
-        total = n_i * n_k if spec.matrix else 0
-        if spec.phi:
-            total += n_i * n_hid + n_hid * n_hid + n_hid * n_k
-        return total
-
-    @abc.abstractmethod
-    def run_chunks(self, works: list[ChunkWork]) -> list[Answer | None]:
-        """Compute a batch of chunks; each text completed in it is answered at its last chunk's place."""
-
-    @property
-    def runners(self) -> list[Callable[[list[ChunkWork]], list[Answer | None]]]:
-        """What computes batches, one batch at a time each: the batcher sends each batch to a free one and
-        keeps a text's chunks on one (it holds their states until the last)."""
-        return [self.run_chunks]
-
-    def resident_bytes(self) -> int | None:
-        """Resident memory of the backbone's own processes (None: it computes in the server's process)."""
-        return None
-
-    @abc.abstractmethod
-    def describe(self, model: str) -> dict[str, Any]:
-        """What ``/v1/models`` says of ``model``."""
-
-    @abc.abstractmethod
-    def device_memory(self) -> list[dict[str, float | str]]:
-        """CUDA memory of the devices this backbone's process uses (empty on CPU)."""
-
-    def close(self) -> None:  # noqa: B027 (nothing to release unless a subclass holds more)
-        """Release what the backbone holds beyond this object (a process of its own)."""
 
 
 def load_backbone(folders: Sequence[Path], device: torch.device, dtype: torch.dtype

@@ -33,9 +33,9 @@ from service.serving.contract import (
     Token,
     answers_of,
 )
-from service.serving.engine import Planner
 from service.serving.errors import APIError
 from service.serving.lifecycle import Lifecycle
+from service.serving.planner import Planner
 from service.serving.schemas import ClassifyResult, ExplainResult
 
 Target = str | list[str] | None

@@ -13,13 +13,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from service.config import Settings
-from service.modeling.repository import discover, read_manifest
+from service.modeling.manifest import discover, read_manifest
 from service.serving.batcher import Batcher, BatchLimits
-from service.serving.engine import Engine, Planner, backbone_key, device_memory
 from service.serving.lifecycle import Lifecycle
 from service.serving.metrics import Metrics
+from service.serving.planner import Planner, backbone_key
 from service.serving.worker import BackboneProcess, Replicas
-from service.threads import set_torch_threads
 
 if TYPE_CHECKING:
     from service.serving.inference import Inference
@@ -62,9 +61,12 @@ class AppState:
         s = self.settings
         loop = asyncio.get_running_loop()
         try:
-            threads = set_torch_threads(s.torch_threads)
-            log.info("torch intra-op threads: %d; OMP_WAIT_POLICY=%s", threads,
-                     os.environ.get("OMP_WAIT_POLICY", "(runtime default)"))
+            if not s.model_process:  # torch computes in this process (else each backbone's process sets its own)
+                from service.threads import set_torch_threads
+
+                threads = set_torch_threads(s.torch_threads)
+                log.info("torch intra-op threads: %d; OMP_WAIT_POLICY=%s", threads,
+                         os.environ.get("OMP_WAIT_POLICY", "(runtime default)"))
             names = self.model_names(s.model_repository)
             if not names:
                 raise ValueError(f"no models in {s.model_repository}")
@@ -99,6 +101,8 @@ class AppState:
         own, or several."""
         s = self.settings
         if not s.model_process:
+            from service.serving.engine import Engine  # torch, in this process only then
+
             return Engine.load(folders, s.device, s.dtype, s.warmup)
         if s.model_replicas > 1:
             return Replicas(folders, s.device, s.dtype, s.warmup, s.torch_threads, s.model_replicas)
@@ -118,9 +122,9 @@ class AppState:
         """CUDA memory per device over the backbones' processes (this one's only when a backbone computes here,
         so that a scrape never opens a CUDA context in the server's process): amounts summed."""
         engines = [b.engine for b in self.inference.backbones.values()]
-        own = any(isinstance(e, Engine) for e in engines)
-        readings = (device_memory() if own else []) + [
-            d for e in engines if not isinstance(e, Engine) for d in e.device_memory()]
+        own = [e for e in engines if not isinstance(e, BackboneProcess | Replicas)]  # computing in this process
+        readings = (own[0].device_memory() if own else []) + [  # one reading of this process's devices
+            d for e in engines if isinstance(e, BackboneProcess | Replicas) for d in e.device_memory()]
         merged: dict[str, dict[str, float | str]] = {}
         for d in readings:
             if d["device"] not in merged:

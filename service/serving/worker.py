@@ -37,8 +37,8 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from service.modeling.backbone import BackboneError, ChunkTokenizer
-from service.modeling.repository import MANIFEST, ModelLoadError, read_manifest
+from service.modeling.manifest import MANIFEST, ModelLoadError, read_manifest
+from service.modeling.tokenizer import BackboneError, ChunkTokenizer
 from service.serving.contract import (
     Answer,
     ChunkWork,
@@ -50,7 +50,7 @@ from service.serving.contract import (
     RunBatch,
     TextJob,
 )
-from service.serving.engine import Planner
+from service.serving.planner import Planner
 from service.threads import available_cpus
 
 log = logging.getLogger("service.worker")

@@ -152,3 +152,24 @@ def test_unknown_hub_backbone_fails_fast_without_the_hub(broken: Path, monkeypat
         t0 = time.monotonic()
         expect(broken, "manifest.json", "someone/no-such-backbone.*not in the local cache")
         assert time.monotonic() - t0 < 10
+
+
+def test_the_fronts_tokenizer_cuts_texts_as_the_backbones_own(tiny_backbone_dir: Path) -> None:
+    """ChunkTokenizer reads tokenizer.json without transformers; ids, offsets, words and chunks equal those of
+    the backbone's Hugging Face tokenizer."""
+    from service.modeling.backbone import Backbone
+    from service.modeling.tokenizer import ChunkTokenizer
+
+    texts = ["Hello, world! Ünïcödé and emojis 🙂 here.", "word " * 40, "x"]
+    front = ChunkTokenizer.load(str(tiny_backbone_dir))
+    backbone = Backbone(str(tiny_backbone_dir), max_length=16)
+    assert front.max_length == 64 and backbone.max_length == 16
+    for length in (16, 24, None):
+        assert front.encode(texts, length) == backbone.chunker.encode(texts, length)
+    hf = backbone.tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
+    for t, enc in enumerate(front.encode(texts)):
+        body = [i for c, s in zip([i for ch in enc.chunks for i in ch], enc.special, strict=True) if not s for i in [c]]
+        assert body == hf["input_ids"][t]
+        assert [o for o, s in zip(enc.offsets, enc.special, strict=True) if not s] == [tuple(o) for o in
+                                                                                    hf["offset_mapping"][t]]
+        assert front.token_names(enc) == backbone.tokenizer.convert_ids_to_tokens([i for c in enc.chunks for i in c])

@@ -1,6 +1,7 @@
 """Every metric's name, type and labels, and that values move as traffic flows."""
 
 import asyncio
+from pathlib import Path
 
 import httpx
 from prometheus_client import generate_latest
@@ -108,3 +109,10 @@ def test_values_move_with_traffic_and_concurrent_load_batches(tiny: Server) -> N
     assert 0 <= ratio_sum < batches
     assert metric(after, "routing_queue_depth", backbone=bb) == 0
     assert metric(after, "routing_requests_in_flight") == 1  # the /metrics request itself
+
+
+def test_the_servers_process_holds_no_torch(tiny: Server) -> None:
+    """The front tokenizes with the Rust tokenizer alone: torch (and its memory) is only in the backbone's
+    process."""
+    maps = Path(f"/proc/{tiny.proc.pid}/maps").read_text()
+    assert "libtorch" not in maps
