@@ -90,11 +90,13 @@ def _file(path: str, name: str, only_local: bool) -> Path | None:
         found = Path(path) / name
         return found if found.is_file() else None
     from huggingface_hub import hf_hub_download
-    from huggingface_hub.errors import EntryNotFoundError
+    from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
 
     try:
         return Path(hf_hub_download(path, name, local_files_only=only_local))
-    except EntryNotFoundError:
+    except LocalEntryNotFoundError:  # not in the cache: the backbone cannot load (a subclass of the next)
+        raise
+    except EntryNotFoundError:  # the repository has no such file
         return None
 
 
