@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from service.config import DTYPES
-from service.modeling.backbone import Backbone, BackboneError
+from service.modeling.backbone import Backbone, BackboneError, Encoded
 from service.modeling.classifier import CreditRequest, Explained, Prediction, RoutingClassifier
 from service.modeling.grouping import length_groups
 from service.modeling.repository import MANIFEST, Manifest, ModelLoadError, load_model, read_manifest
@@ -160,23 +160,26 @@ class Engine(Planner):
             w.job.left -= 1
             if w.job.left == 0:
                 done[pos] = w.job
-        answers: list[Answer | None] = [[] for _ in works]
         results: dict[tuple[int, int], Result] = {}  # (position, ask) -> its result
         by_model: dict[str, list[tuple[int, int]]] = {}
         for pos, job in done.items():
             for a, ask in enumerate(job.asks):
                 by_model.setdefault(ask.model or self.default, []).append((pos, a))
+        joined: dict[tuple[int, ...], Encoded] = {}  # texts (positions) -> their hidden states, joined once
         for model, places in by_model.items():
             for group in self._head_groups([done[pos].encoding.n_tokens for pos, _ in places]):
                 chosen = [places[g] for g in group]
-                jobs = [done[pos] for pos, _ in chosen]
+                key = tuple(pos for pos, _ in chosen)
+                if key not in joined:  # heads asked of the same texts read the same joined states
+                    jobs = [done[pos] for pos in key]
+                    joined[key] = self.backbone.join([j.encoding for j in jobs], [j.states for j in jobs])
                 specs = [done[pos].asks[a].credit for pos, a in chosen]
-                for place, res in zip(chosen, self._finish(model, jobs, specs), strict=True):
+                for place, res in zip(chosen, self._finish(model, joined[key], specs), strict=True):
                     results[place] = res
-        for pos, job in done.items():
-            answers[pos] = [results[(pos, a)] for a in range(len(job.asks))]
+        for job in done.values():
             job.states = []  # the hidden states are no longer needed
-        return [answers[pos] if pos in done else None for pos in range(len(works))]
+        return [[results[(pos, a)] for a in range(len(done[pos].asks))] if pos in done else None
+                for pos in range(len(works))]
 
     def _head_groups(self, lengths: list[int]) -> list[list[int]]:
         """Texts (by index into ``lengths``) in length groups within ``chunk_batch_tokens`` padded positions, so
@@ -185,10 +188,9 @@ class Engine(Planner):
         so it is cut less often."""
         return length_groups(lengths, 2 * self.backbone.call_overhead, self.backbone.chunk_batch_tokens)
 
-    def _finish(self, model: str, jobs: list[TextJob], specs: list[CreditSpec | None]) -> list[Result]:
-        """Head ``model``'s part for texts whose chunks are all encoded."""
+    def _finish(self, model: str, enc: Encoded, specs: list[CreditSpec | None]) -> list[Result]:
+        """Head ``model``'s part for texts whose chunks are all encoded (``enc``: their joined hidden states)."""
         clf = self.classifiers[model]
-        enc = self.backbone.join([j.encoding for j in jobs], [j.states for j in jobs])
         pred = clf.classify(enc, explain=[self._credit_request(model, s) for s in specs],
                             return_phi=any(s is not None and s.phi for s in specs))
         probs = pred.probs.cpu()  # one device-to-host copy per batch, not per text

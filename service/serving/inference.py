@@ -188,11 +188,18 @@ class Inference:
         failed = next((r.error for r in results.values() if r.error), None)
         if failed:
             raise APIError(500, failed, reason="internal")
-        engines = {m: self.models[models[m]].engine for m in range(len(models)) if specs[m] is not None}
-        tokens = await render.off_loop(lambda: {key: engines[key[0]].tokens(enc) for key, enc in encodings.items()
-                                                if key[0] in engines}) if engines else {}
-        return [[Scored(text, results[(m, t)], encodings[(m, t)], tokens.get((m, t))) for t, text in enumerate(texts)]
-                for m in range(len(models))]
+        explained = {key: enc for key, enc in encodings.items() if specs[key[0]] is not None}
+        tokens = await render.off_loop(lambda: self._tokens(models, explained)) if explained else {}
+        return [[Scored(text, results[(m, t)], encodings[(m, t)], tokens.get(id(encodings[(m, t)])))
+                 for t, text in enumerate(texts)] for m in range(len(models))]
+
+    def _tokens(self, models: Sequence[str], encodings: dict[tuple[int, int], Encoding]) -> dict[int, list[Token]]:
+        """The tokens of each encoding (by identity), built once however many models share it."""
+        out: dict[int, list[Token]] = {}
+        for (m, _), enc in encodings.items():
+            if id(enc) not in out:
+                out[id(enc)] = self.models[models[m]].engine.tokens(enc)
+        return out
 
     def _check_tokens(self, models: Sequence[str], specs: Sequence[CreditSpec | None],
                       encodings: dict[tuple[int, int], Encoding]) -> None:

@@ -73,27 +73,25 @@ class Planner(abc.ABC):
     def jobs(self, encodings: dict[int, Encoding], asks: Sequence[Ask]) -> list[TextJob]:
         """One text's jobs: its asks grouped by the chunks their heads cut it into (one job, one encoder pass,
         for heads that cut it alike), in the order of each group's first ask."""
-        groups: dict[tuple[tuple[int, ...], ...], list[Ask]] = {}
-        encoding_of: dict[tuple[tuple[int, ...], ...], Encoding] = {}
+        groups: dict[tuple[tuple[int, ...], ...], tuple[Encoding, list[Ask]]] = {}  # chunks -> encoding, asks
         for ask in asks:
             enc = encodings[self.max_length(ask.model or self.default)]
-            groups.setdefault(enc.chunks, []).append(ask)
-            encoding_of.setdefault(enc.chunks, enc)
-        return [TextJob.of(encoding_of[chunks], group) for chunks, group in groups.items()]
+            groups.setdefault(enc.chunks, (enc, []))[1].append(ask)
+        return [TextJob.of(enc, group) for enc, group in groups.values()]
 
     def plan(self, tasks: list[Task]) -> list[list[ChunkWork]]:
         """Each single-head task's chunks as units of work for the batcher (texts not yet tokenized are
         tokenized here, once for all of them)."""
-        resolved = [Task(t.text, t.encoding, t.model or self.default, t.credit) for t in tasks]
-        for t in resolved:
-            if t.model not in self.manifests:
-                raise KeyError(f"no model {t.model!r} on backbone {self.name} (it has {self.models})")
-        missing = [t for t in resolved if t.encoding is None]
-        fresh = iter(self.encode([t.text for t in missing], [t.model for t in missing if t.model]) if missing else [])
+        models = [t.model or self.default for t in tasks]
+        unknown = sorted(set(models) - set(self.manifests))
+        if unknown:
+            raise KeyError(f"no model {unknown} on backbone {self.name} (it has {self.models})")
+        missing = [k for k, t in enumerate(tasks) if t.encoding is None]
+        fresh = iter(self.encode([tasks[k].text for k in missing], [models[k] for k in missing]) if missing else [])
         plans = []
-        for t in resolved:
-            enc = t.encoding if t.encoding is not None else next(fresh)[self.max_length(t.model or self.default)]
-            plans.append(TextJob.of(enc, [Ask(t.model, t.credit)]).chunks())
+        for t, model in zip(tasks, models, strict=True):
+            enc = t.encoding if t.encoding is not None else next(fresh)[self.max_length(model)]
+            plans.append(TextJob.of(enc, [Ask(model, t.credit)]).chunks())
         return plans
 
     def explain_elements(self, model: str, n_tokens: int, spec: CreditSpec) -> int:
