@@ -60,15 +60,43 @@ def containers_conf() -> Path:
     path = CACHE / "containers.conf"
     if path.is_file():
         return path
+    _write_conf(path, ulimits=True)
+    return path
+
+
+def _write_conf(path: Path, ulimits: bool) -> None:
+    """``ulimits``: default ulimits within the host's hard limits (podman's own may exceed them); else none, the
+    runtime keeping the host's."""
     CACHE.mkdir(parents=True, exist_ok=True)
     limits = []
     for name, rlimit, want in (("nofile", resource.RLIMIT_NOFILE, 65536), ("nproc", resource.RLIMIT_NPROC, 65536)):
         hard = resource.getrlimit(rlimit)[1]
         n = want if hard == resource.RLIM_INFINITY else min(want, hard)
         limits.append(f'"{name}={n}:{n}"')
-    path.write_text(f"[containers]\ndefault_ulimits = [{', '.join(limits)}]\n[engine]\nruntime = \"{runtime()}\"\n"
-                    "cgroup_manager = \"cgroupfs\"\nevents_logger = \"file\"\n")
-    return path
+    path.write_text(f"[containers]\ndefault_ulimits = [{', '.join(limits) if ulimits else ''}]\n[engine]\n"
+                    f"runtime = \"{runtime()}\"\ncgroup_manager = \"cgroupfs\"\nevents_logger = \"file\"\n")
+
+
+_ULIMITS_CHECKED = False
+
+
+def settle_ulimits(image: str) -> None:
+    """Some machines refuse every rlimit runc sets on a container's process (seen here: 'error setting rlimit
+    type 6: operation not permitted', whatever the value); there the configuration asks for none. Checked
+    once per test run, with ``image``, since the configuration is cached between runs."""
+    global _ULIMITS_CHECKED
+    if _ULIMITS_CHECKED:
+        return
+    _ULIMITS_CHECKED = True
+    path = containers_conf()
+    for ulimits in (True, False):
+        _write_conf(path, ulimits)
+        out = cli("run", "--rm", "--network", "none", image, "true", check=False)
+        if out.returncode == 0:
+            return
+        if "error setting rlimit" not in out.stdout + out.stderr:
+            raise RuntimeError(f"podman cannot run {image}:\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
+    raise RuntimeError(f"podman cannot run {image} with or without default ulimits:\n{out.stderr[-2000:]}")
 
 
 def image_exists(name: str) -> bool:
@@ -78,6 +106,7 @@ def image_exists(name: str) -> bool:
 def ensure_base() -> str:
     """The Dockerfile's Python base, made from Debian's packages (bookworm's python3 is 3.11)."""
     if image_exists(BASE):
+        settle_ulimits(BASE)
         return BASE
     tar = CACHE / "base.tar"
     print(f"making the base image with mmdebstrap into {tar}", file=sys.stderr)
@@ -85,6 +114,7 @@ def ensure_base() -> str:
     cli("import", "--change", "ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
         "--change", "ENV LANG=C.UTF-8", str(tar), BASE)
     tar.unlink()
+    settle_ulimits(BASE)
     return BASE
 
 
