@@ -171,7 +171,7 @@ def bench_sharing(
 def bench_serve(
     model: Annotated[str, typer.Option(help="Bundled model to load")] = "tweet-sentiment",
     preset: Annotated[str | None, typer.Option(help="Dataset whose test split is sent (default: the model)")] = None,
-    concurrency: Annotated[str, typer.Option(help="Concurrency levels")] = "1,4,16,32,64",
+    concurrency: Annotated[str, typer.Option(help="Concurrency levels")] = "1,8,32,64",
     duration: Annotated[float, typer.Option(help="Seconds per level")] = 10.0,
     n_texts: Annotated[int, typer.Option("--texts", help="Test-split texts to cycle through")] = 1000,
     model_repository: Path = Path("models"),
@@ -198,11 +198,24 @@ def bench_serve(
                                                    "side, at concurrency 32")] = 3,
     replicas: Annotated[int, typer.Option(help="Also a server with this many processes of the model, side by "
                                                "side and against as many offline (0: skip)")] = 2,
+    other_settings: Annotated[bool, typer.Option("--other-settings/--no-other-settings",
+                                                 help="Also the servers without batching, with the thread "
+                                                      "settings, the other --model-process and replicas")] = True,
+    peers: Annotated[str, typer.Option(help="Peer frameworks serving the same model beside this service, in "
+                                            "turns (comma-separated; '' to skip): mosec, litserve")] = "mosec,litserve",
+    peer_concurrency: Annotated[str, typer.Option(help="Closed-loop levels of the peer comparison")] = "1,8,32,64",
+    open_loop: Annotated[str, typer.Option(help="Open-loop (Poisson) rates of the peer comparison, as fractions "
+                                                "of this service's best closed-loop throughput ('' to skip)")] = (
+        "0.5,0.9"),
+    peer_rounds: Annotated[int, typer.Option(help="Turns of the peer comparison")] = 2,
+    baseline: Annotated[Path | None, typer.Option(help="A checkout of this repository (e.g. a git worktree of "
+                                                       "an earlier commit) to serve beside the peers")] = None,
     out: Annotated[Path, typer.Option(help="JSON result file")] = Path("bench-results/serve.json"),
 ) -> None:
     """Served throughput and latency vs. concurrency, batching on vs. off, thread settings, short requests
-    while a long text is served, served vs. the offline limit (worker thread, as the server runs it), and
-    the CPU the model's process, the server's process and the load generator used per text."""
+    while a long text is served, served vs. the offline limit (main thread, as the model's process computes),
+    the CPU the model's process, the server's process and the load generator used per text, and peer
+    frameworks (mosec, LitServe) serving the same model, measured in turns."""
     try:
         from service.bench import serve as sb
     except ImportError as e:  # the load generator comes with the bench extra
@@ -214,13 +227,35 @@ def bench_serve(
         typer.echo(f"--offline-batch-sizes needs a size of at most --max-batch-size ({max_batch_size}): the "
                    "offline limit is measured at the batch sizes the server may form", err=True)
         raise typer.Exit(2)
+    from importlib.util import find_spec
+
+    from service.bench.server import PEERS
+    from service.bench.versus import Plan
+
+    names = [p for p in peers.split(",") if p]
+    unknown = sorted(set(names) - set(PEERS))
+    if unknown:
+        typer.echo(f"--peers: unknown {unknown}; choose from {sorted(PEERS)}", err=True)
+        raise typer.Exit(2)
+    missing = [n for n in names if find_spec(n) is None]
+    if missing:
+        typer.echo(f"--peers {missing}: not installed (they come with the bench extra: pip install -e '.[bench]'), "
+                   "or leave them out with --peers ''", err=True)
+        raise typer.Exit(2)
+    if baseline is not None and not (baseline / "service" / "__init__.py").is_file():
+        typer.echo(f"--baseline {baseline}: not a checkout of this repository (no service/ package)", err=True)
+        raise typer.Exit(2)
+    plan = None
+    if names or baseline is not None:
+        plan = Plan(names, baseline, [int(c) for c in peer_concurrency.split(",")],
+                              [float(f) for f in open_loop.split(",") if f], peer_rounds)
     pairs = [p.split(":") for p in threads.split(",") if p]
     configs = [(None if t == "auto" else int(t), None if w == "default" else w) for t, w in pairs]
     sb.run(model=model, preset=preset or model, levels=[int(c) for c in concurrency.split(",")], duration=duration,
            n_texts=n_texts, repository=model_repository, device=device, max_wait_ms=max_wait_ms,
            max_batch_size=max_batch_size, offline_batch_sizes=sizes,
            url=url, out=out, thread_configs=configs, long_chars=long_chars, model_process=model_process,
-           rounds=rounds, replicas=replicas)
+           rounds=rounds, replicas=replicas, other_settings=other_settings, peers=plan)
 
 
 @bench_app.command("explain")

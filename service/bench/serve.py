@@ -1,12 +1,12 @@
 """`routing-service bench serve`: closed-loop HTTP load at several concurrency levels, the same load
 with dynamic batching off, the top level under other thread settings, short requests while one long
-text is served, and the engine's offline limit on the same texts, all in one run; for a server it
-starts, the CPU each part used per text. A server with several processes of the model (replicas) is
-measured beside the others and against as many processes offline.
+text is served, the engine's offline limit on the same texts, and peer frameworks serving the same model
+(``service.bench.versus``), all in one run; for a server it starts, the CPU each part used per text. A
+server with several processes of the model (replicas) is measured beside the others and against as many
+processes offline.
 
-The offline limit is measured in a worker thread, exactly as the server runs the model (torch's
-OpenMP threads busy-wait and collapse on a busy main thread); the main-thread figure is printed beside
-it for reference."""
+The offline limit is measured on a process's main thread, as the model's process computes (the engine
+alone ran 5-28 % faster there than in a worker thread here); the worker-thread figure is printed beside it."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import aiohttp
 import httpx
@@ -28,6 +28,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from service.bench import report
 from service.bench.report import echo, in_worker_thread
 from service.bench.server import LocalServer
+
+if TYPE_CHECKING:
+    from service.bench import versus
 
 T = TypeVar("T")
 NO_BATCHING = {"max_batch_size": 1, "max_wait_ms": 0}  # a server's settings with batching off
@@ -82,6 +85,18 @@ def _batch_stats(url: str, family: str = "routing_batch_size") -> tuple[float, f
     return s, c
 
 
+Stats = Callable[[], tuple[float, float, float]]
+"""A server's totals so far: texts computed in batches, batches, seconds the model spent on them."""
+
+
+def metrics_stats(url: str) -> Stats:
+    """The totals of this service at ``url``, from its metrics."""
+    def read() -> tuple[float, float, float]:
+        texts, batches = _batch_stats(url)
+        return texts, batches, _batch_stats(url, "routing_batch_compute_seconds")[0]
+    return read
+
+
 def run_async(main: Coroutine[Any, Any, T]) -> T:
     """Run ``main`` on uvloop where it is installed (it comes with ``uvicorn[standard]``): the load
     generator shares the machine with the server, so it should take as little CPU as it can."""
@@ -93,17 +108,27 @@ def run_async(main: Coroutine[Any, Any, T]) -> T:
         return runner.run(main)
 
 
+async def _post(client: aiohttp.ClientSession, path: str, text: str, body: dict[str, Any] | None) -> bool:
+    """One request of one text; whether it was answered 200."""
+    try:
+        async with client.post(path, json={"inputs": [text], **(body or {})}) as r:
+            await r.read()
+            return r.status == 200
+    except (aiohttp.ClientError, TimeoutError):
+        return False
+
+
 async def closed_loop(url: str, path: str | Sequence[str], texts: list[str], concurrency: int, seconds: float,
                       body: dict[str, Any] | None = None,
-                      cpu: Callable[[], dict[str, float] | None] | None = None) -> Level:
+                      cpu: Callable[[], dict[str, float] | None] | None = None, stats: Stats | None = None) -> Level:
     """``concurrency`` clients, each sending one text at a time for ``seconds`` (aiohttp: about a tenth
     of httpx's CPU per request, measured here: 0.2 vs 2.0 ms); with several ``path`` s, client ``w`` sends
     to ``path[w % len(path)]``. ``cpu``: CPU seconds used so far by the
     server's parts (see ``LocalServer.cpu``), to count where the machine's CPU went, the load generator's
-    (this process) included."""
+    (this process) included. ``stats``: the server's batch totals (default: this service's metrics)."""
+    stats = stats or metrics_stats(url)
     cpu0, own0 = (cpu() if cpu else None), time.process_time()
-    s0, c0 = _batch_stats(url)
-    b0, _ = _batch_stats(url, "routing_batch_compute_seconds")
+    s0 = stats()
     latencies: list[float] = []
     errors = 0
     end = time.monotonic() + seconds
@@ -116,13 +141,7 @@ async def closed_loop(url: str, path: str | Sequence[str], texts: list[str], con
             where = path if isinstance(path, str) else path[w % len(path)]
             while time.monotonic() < end:
                 t0 = time.perf_counter()
-                try:
-                    async with client.post(where, json={"inputs": [texts[k % len(texts)]], **(body or {})}) as r:
-                        await r.read()
-                        ok = r.status == 200
-                except (aiohttp.ClientError, TimeoutError):
-                    ok = False
-                if ok:
+                if await _post(client, where, texts[k % len(texts)], body):
                     latencies.append(time.perf_counter() - t0)
                 else:
                     errors += 1
@@ -131,18 +150,56 @@ async def closed_loop(url: str, path: str | Sequence[str], texts: list[str], con
         t_start = time.monotonic()
         await asyncio.gather(*(worker(w) for w in range(concurrency)))
         elapsed = time.monotonic() - t_start
-    s1, c1 = _batch_stats(url)
-    b1, _ = _batch_stats(url, "routing_batch_compute_seconds")
+    return _level(concurrency, elapsed, latencies, errors, s0, stats(), cpu, cpu0, own0)
+
+
+async def open_loop(url: str, path: str, texts: list[str], rate: float, seconds: float, seed: int = 0,
+                    cpu: Callable[[], dict[str, float] | None] | None = None, stats: Stats | None = None) -> Level:
+    """Poisson arrivals at ``rate`` requests per second for ``seconds`` (seeded), each one text, whatever is in
+    flight; every latency counts from the request's scheduled time (a generator that falls behind adds its
+    delay instead of hiding it). Waits for the last answers; the level's concurrency is 0."""
+    stats = stats or metrics_stats(url)
+    rng = random.Random(seed)
+    cpu0, own0 = (cpu() if cpu else None), time.process_time()
+    s0 = stats()
+    latencies: list[float] = []
+    errors = 0
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(url, connector=connector, timeout=aiohttp.ClientTimeout(total=120)) as client:
+        async def one(at: float, text: str) -> None:
+            nonlocal errors
+            if await _post(client, path, text, None):
+                latencies.append(time.perf_counter() - at)
+            else:
+                errors += 1
+
+        start = time.perf_counter()
+        sent: list[asyncio.Task[None]] = []
+        at, k = start, 0
+        while at - start < seconds:
+            await asyncio.sleep(max(0.0, at - time.perf_counter()))
+            sent.append(asyncio.ensure_future(one(at, texts[k % len(texts)])))
+            at += rng.expovariate(rate)
+            k += 1
+        await asyncio.gather(*sent)
+        elapsed = time.perf_counter() - start
+    return _level(0, elapsed, latencies, errors, s0, stats(), cpu, cpu0, own0)
+
+
+def _level(concurrency: int, elapsed: float, latencies: list[float], errors: int, s0: tuple[float, float, float],
+           s1: tuple[float, float, float], cpu: Callable[[], dict[str, float] | None] | None,
+           cpu0: dict[str, float] | None, own0: float) -> Level:
     cpu1, own1 = (cpu() if cpu else None), time.process_time()
     used = None if cpu0 is None or cpu1 is None else {
         **{part: cpu1[part] - cpu0[part] for part in cpu0}, "load_generator": own1 - own0}
-    return Level(concurrency, elapsed, latencies, errors, len(latencies), s1 - s0, c1 - c0, b1 - b0, used)
+    return Level(concurrency, elapsed, latencies, errors, len(latencies), s1[0] - s0[0], s1[1] - s0[1],
+                 s1[2] - s0[2], used)
 
 
 class Offline:
-    """The engine alone (no HTTP, no queue), loaded in this process: texts per second at a batch size,
-    in a worker thread as the server runs it (or on this thread, for reference), over whole passes of
-    the texts (at least ``seconds``)."""
+    """The engine alone (no HTTP, no queue), loaded in this process: texts per second at a batch size, on
+    this process's main thread as the model's process computes (or in a worker thread, for reference), over
+    whole passes of the texts (at least ``seconds``)."""
 
     def __init__(self, repository: Path, model: str, texts: list[str], device: str) -> None:
         from service.serving.engine import Engine
@@ -162,7 +219,7 @@ class Offline:
 
         return whole_passes(one_pass, len(self.ordered), seconds)
 
-    def throughput(self, bs: int, seconds: float, worker_thread: bool = True) -> float:
+    def throughput(self, bs: int, seconds: float, worker_thread: bool = False) -> float:
         if worker_thread:
             return in_worker_thread(lambda: self._throughput(bs, seconds))
         return self._throughput(bs, seconds)
@@ -215,9 +272,9 @@ class ReplicasOffline:
 
 
 def offline_limit(offline: Offline, batch_sizes: list[int], seconds: float, max_batch_size: int) -> dict[str, Any]:
-    """Offline throughput by batch size in a worker thread; the limit is the best of the batch sizes the
-    server may form (at most its ``max_batch_size``; larger ones are measured and reported beside it),
-    measured also on the main thread.
+    """Offline throughput by batch size on this process's main thread, as the model's process computes; the
+    limit is the best of the batch sizes the server may form (at most its ``max_batch_size``; larger ones are
+    measured and reported beside it). The same batch size in a worker thread is measured beside it.
 
     Raises:
         ValueError: no batch size is at most ``max_batch_size``.
@@ -227,12 +284,12 @@ def offline_limit(offline: Offline, batch_sizes: list[int], seconds: float, max_
     by_size = {}
     for bs in batch_sizes:
         by_size[bs] = offline.throughput(bs, seconds)
-        echo(f"  offline batch size {bs} (worker thread): {by_size[bs]:.1f} texts/s", err=True)
+        echo(f"  offline batch size {bs} (main thread): {by_size[bs]:.1f} texts/s", err=True)
     best = max((b for b in by_size if b <= max_batch_size), key=lambda b: by_size[b])
-    main_thread = offline.throughput(best, seconds, worker_thread=False)
-    echo(f"  offline batch size {best} (main thread): {main_thread:.1f} texts/s", err=True)
+    worker_thread = offline.throughput(best, seconds, worker_thread=True)
+    echo(f"  offline batch size {best} (worker thread): {worker_thread:.1f} texts/s", err=True)
     return {"by_batch_size": by_size, "best_batch_size": best, "throughput": by_size[best],
-            "main_thread_throughput": main_thread, "server_max_batch_size": max_batch_size}
+            "worker_thread_throughput": worker_thread, "server_max_batch_size": max_batch_size}
 
 
 def in_turns(measures: dict[str, Callable[[], float]], rounds: int) -> dict[str, list[float]]:
@@ -380,8 +437,11 @@ async def interference(url: str, short: list[str], long: str, n_idle: int = 20,
 def run(model: str, preset: str, levels: list[int], duration: float, n_texts: int, repository: Path, device: str,
         max_wait_ms: float, max_batch_size: int, offline_batch_sizes: list[int], url: str | None,
         out: Path, thread_configs: list[tuple[int | None, str | None]], long_chars: int,
-        model_process: bool = True, rounds: int = 3, replicas: int = 2) -> dict[str, Any]:
-    """The whole benchmark: print tables, write JSON, return the summary."""
+        model_process: bool = True, rounds: int = 3, replicas: int = 2, other_settings: bool = True,
+        peers: versus.Plan | None = None) -> dict[str, Any]:
+    """The whole benchmark: print tables, write JSON, return the summary. ``other_settings``: also the servers
+    without batching, with other thread settings, with the other ``model_process`` and with replicas;
+    ``peers``: the comparison with peer frameworks (servers this run starts only)."""
     texts = test_texts(preset, n_texts)
     echo(f"bench serve: model {model}, {len(texts)} test texts (mean {sum(map(len, texts)) / len(texts):.0f}"
          f" chars), levels {levels}, {duration:.0f} s each", err=True)
@@ -398,7 +458,7 @@ def run(model: str, preset: str, levels: list[int], duration: float, n_texts: in
     top = 32 if 32 in levels else max(levels)  # where served / offline and the thread settings are compared
     base = {"max_batch_size": max_batch_size, "max_wait_ms": max_wait_ms, "model_process": model_process}
     configs: list[tuple[str, dict[str, Any], list[int]]] = [("batching", base, levels)]
-    if url is None:
+    if url is None and other_settings:
         configs.append(("no_batching", {**base, **NO_BATCHING}, levels))
         for threads, policy in thread_configs:
             cfg: dict[str, Any] = dict(base)
@@ -428,7 +488,7 @@ def run(model: str, preset: str, levels: list[int], duration: float, n_texts: in
                 echo(f"  served at concurrency {top} and offline at batch size {limit['best_batch_size']}, "
                      f"{rounds} rounds in turns", err=True)
                 paired = paired_rounds(target, texts, top, offline, limit["best_batch_size"], duration, rounds)
-                if server is not None:  # the other settings, each up beside this server, measured in turns
+                if server is not None and other_settings:  # each up beside this server, measured in turns
                     beside = alongside(start, cfg, model_process, texts, top, duration, rounds, target, replicas)
                     if replicas > 1 and model_process:
                         replicated = replicas_paired(start, cfg, replicas, repository, model, texts, device, top,
@@ -440,10 +500,18 @@ def run(model: str, preset: str, levels: list[int], duration: float, n_texts: in
         finally:
             if server is not None:
                 server.stop()
-    return report_all(runs, limit, paired, beside, replicated, inter, top, max_wait_ms, out, {
+    peered = None
+    if peers is not None and url is None:
+        from service.bench import versus
+
+        echo("  peer frameworks serving the same model", err=True)
+        peered = versus.measure(peers, repository, model, device, max_batch_size, max_wait_ms, logs, texts, duration)
+    return report_all(runs, limit, paired, beside, replicated, inter, peered, top, max_wait_ms, out, {
         "model": model, "texts": len(texts), "levels": levels, "duration_s": duration, "device": device,
         "max_wait_ms": max_wait_ms, "max_batch_size": max_batch_size, "url": url, "long_chars": long_chars,
-        "thread_configs": thread_configs, "model_process": model_process, "rounds": rounds, "replicas": replicas})
+        "thread_configs": thread_configs, "model_process": model_process, "rounds": rounds, "replicas": replicas,
+        "other_settings": other_settings, "peers": None if peers is None else {
+            **vars(peers), "baseline": str(peers.baseline) if peers.baseline else None}})
 
 
 CPU_PARTS = ("models", "server", "load_generator")
@@ -459,8 +527,9 @@ def cpu_split(row: dict[str, Any]) -> dict[str, float]:
 
 
 def report_all(runs: dict[str, list[dict]], offline: dict[str, Any], paired: dict[str, Any] | None,
-               beside: dict[str, Any] | None, replicated: dict[str, Any] | None, inter: dict[str, Any] | None, top: int,
-               max_wait_ms: float, out: Path, settings: dict[str, Any]) -> dict[str, Any]:
+               beside: dict[str, Any] | None, replicated: dict[str, Any] | None, inter: dict[str, Any] | None,
+               peered: dict[str, Any] | None, top: int, max_wait_ms: float, out: Path,
+               settings: dict[str, Any]) -> dict[str, Any]:
     cols = ["concurrency", "throughput", "p50_ms", "p95_ms", "p99_ms", "mean_batch", "model_busy", "batch_ms",
             "errors", "requests"]
     for name, rows in runs.items():
@@ -468,19 +537,19 @@ def report_all(runs: dict[str, list[dict]], offline: dict[str, Any], paired: dic
         echo(report.table(rows, cols))
     by_size = {k: round(v, 1) for k, v in offline["by_batch_size"].items()}
     beyond = {b: v for b, v in by_size.items() if b > offline["server_max_batch_size"]}
-    echo(f"\noffline engine limit (worker thread, as the server runs it, batches of at most the server's "
+    echo(f"\noffline engine limit (main thread, as the model's process computes, batches of at most the server's "
          f"max_batch_size {offline['server_max_batch_size']}): {offline['throughput']:.1f} texts/s at batch size "
          f"{offline['best_batch_size']} (by batch size: {by_size}"
          + (f"; {beyond} beyond what the server forms" if beyond else "")
-         + f"); main thread: {offline['main_thread_throughput']:.1f} texts/s")
+         + f"); worker thread: {offline['worker_thread_throughput']:.1f} texts/s")
     at_top = {name: row for name, rows in runs.items() for row in rows if row["concurrency"] == top}
     summary: dict[str, Any] = {
         "offline_texts_per_s": offline["throughput"],
-        "offline_main_thread_texts_per_s": offline["main_thread_throughput"],
+        "offline_worker_thread_texts_per_s": offline["worker_thread_throughput"],
         f"served_over_offline_at_c{top}": {n: r["throughput"] / offline["throughput"] for n, r in at_top.items()},
     }
     if paired is not None:
-        echo(f"\nserved at concurrency {top} / offline at batch size {paired['batch_size']} (worker thread), measured "
+        echo(f"\nserved at concurrency {top} / offline at batch size {paired['batch_size']} (main thread), measured "
              f"in turns: {paired['ratio']:.3f} (served {[round(v, 1) for v in paired['served']]}, offline "
              f"{[round(v, 1) for v in paired['offline']]} texts/s)")
         summary[f"served_over_offline_at_c{top}_paired"] = paired["ratio"]
@@ -519,7 +588,7 @@ def report_all(runs: dict[str, list[dict]], offline: dict[str, Any], paired: dic
         size = min(offline["by_batch_size"], key=lambda b: abs(int(b) - mean_batch))
         return 1000 * int(size) / offline["by_batch_size"][size]
 
-    echo(f"\nat concurrency {top}, served / offline (worker thread); model busy: share of the time the model "
+    echo(f"\nat concurrency {top}, served / offline (main thread); model busy: share of the time the model "
          "computed batches; batch ms: per batch in the server, and offline at the nearest batch size; CPU ms "
          "per text of the models' processes, the server's process and the load generator, and the models' "
          "share of the three (the offline limit gives the model the whole machine):")
@@ -533,8 +602,13 @@ def report_all(runs: dict[str, list[dict]], offline: dict[str, Any], paired: dic
         echo("\nshort requests while one long text is served (target: each <= 3 x idle p50 + one batch):")
         echo(report.table([inter], list(inter)))
         summary["long_text_interference"] = inter
+    if peered is not None:
+        summary["this_over_peers"] = {kind: {level: {n: m["this_over_it"] for n, m in d["summary"].items()}
+                                             for level, d in peered[kind].items()} for kind in ("closed", "open")}
+        summary["peers_p99_ms"] = {level: {n: m["p99_ms"] for n, m in d["summary"].items()}
+                                   for level, d in peered["closed"].items()}
     path = report.write_json(out, "serve", settings, {"runs": runs, "offline": offline, "paired": paired,
                                                       "side_by_side": beside, "replicas": replicated,
-                                                      "interference": inter}, summary)
+                                                      "interference": inter, "peers": peered}, summary)
     echo(f"wrote {path}")
     return summary

@@ -1,7 +1,9 @@
-"""`routing-service serve` in a subprocess on a free loopback port, for benchmarks and tests."""
+"""`routing-service serve`, or a peer framework serving the same model (``service.bench.peers``), in a subprocess
+on a free loopback port, for benchmarks and tests."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -9,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Self
 
 import httpx
 
@@ -56,57 +59,34 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class LocalServer:
-    """Start the service with ``ROUTING_<NAME>=value`` for every keyword setting; log to ``log_dir``.
-    ``checkout``: run the service's code of another checkout of this repository (its root folder) instead of
-    this one's, to compare two versions side by side."""
+class ServerProcess:
+    """A server in a subprocess of ours: its log, readiness and stop. ``ready``: the ``GET`` path
+    that answers 200 once it serves."""
 
-    def __init__(self, log_dir: Path, checkout: Path | None = None, **settings: object) -> None:
-        self.port = free_port()
+    ready = "/readyz"
+
+    def __init__(self, log_dir: Path, command: list[str], env: dict[str, str], name: str, port: int,
+                 cwd: Path | None = None, own_session: bool = False) -> None:
+        self.port = port
         self.url = f"http://127.0.0.1:{self.port}"
-        env = {k: v for k, v in os.environ.items() if not k.startswith("ROUTING_")}
-        env.update({"ROUTING_HOST": "127.0.0.1", "ROUTING_PORT": str(self.port), "HF_HUB_OFFLINE": "1",
-                    "TOKENIZERS_PARALLELISM": "false"})
-        env.update({f"ROUTING_{k.upper()}": str(v) for k, v in settings.items()})
         log_dir.mkdir(parents=True, exist_ok=True)
-        self.log_path = log_dir / f"server-{self.port}.log"
+        self.log_path = log_dir / f"{name}-{self.port}.log"
         self._log = self.log_path.open("w")
-        if checkout is not None:  # ``-m`` finds the package in the working folder first
-            env["PYTHONPATH"] = str(checkout.resolve())
-        self.proc = subprocess.Popen([sys.executable, "-m", "service", "serve"], env=env, stdout=self._log,
-                                     stderr=subprocess.STDOUT, cwd=checkout)
+        self.proc = subprocess.Popen(command, env=env, stdout=self._log, stderr=subprocess.STDOUT, cwd=cwd,
+                                     start_new_session=own_session)
 
-    def wait_ready(self, timeout: float = 300) -> LocalServer:
+    def wait_ready(self, timeout: float = 300) -> Self:
         end = time.monotonic() + timeout
         while time.monotonic() < end:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with code {self.proc.returncode}:\n{self.log()}")
             try:
-                if httpx.get(f"{self.url}/readyz", timeout=2).status_code == 200:
+                if httpx.get(f"{self.url}{self.ready}", timeout=2).status_code == 200:
                     return self
             except httpx.TransportError:
                 pass
             time.sleep(0.1)
         raise TimeoutError(f"server not ready after {timeout} s:\n{self.log()}")
-
-    def cpu(self) -> dict[str, float] | None:
-        """CPU seconds used so far by the server's process (HTTP, tokenizer, batcher) and by its children
-        (the models' processes, running or exited); None where ``/proc`` cannot be read."""
-        server, exited = cpu_seconds(self.proc.pid), cpu_seconds(self.proc.pid, exited_children=True)
-        if server is None or exited is None:
-            return None
-        running = [cpu_seconds(k) for k in children(self.proc.pid)]
-        # a model's process that exited and was started again keeps counting through ``exited``
-        return {"server": server, "models": exited + sum(c for c in running if c is not None)}
-
-    def pss(self) -> dict[str, float] | None:
-        """Proportional set size (bytes) of the server's process and of its children (the backbones'
-        processes) now: shared pages count once over them (Linux ``smaps_rollup``; None where unreadable)."""
-        server = pss_bytes(self.proc.pid)
-        kids = [pss_bytes(k) for k in children(self.proc.pid)]
-        if server is None or None in kids:
-            return None
-        return {"server": server, "backbones": sum(k for k in kids if k is not None)}
 
     def log(self) -> str:
         """The end of the server's log."""
@@ -127,6 +107,106 @@ class LocalServer:
             return self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+            return self.proc.wait()
+        finally:
+            self._log.close()
+
+
+class LocalServer(ServerProcess):
+    """Start the service with ``ROUTING_<NAME>=value`` for every keyword setting; log to ``log_dir``.
+    ``checkout``: run the service's code of another checkout of this repository (its root folder) instead of
+    this one's, to compare two versions side by side."""
+
+    def __init__(self, log_dir: Path, checkout: Path | None = None, **settings: object) -> None:
+        port = free_port()
+        env = {k: v for k, v in os.environ.items() if not k.startswith("ROUTING_")}
+        env.update({"ROUTING_HOST": "127.0.0.1", "ROUTING_PORT": str(port), "HF_HUB_OFFLINE": "1",
+                    "TOKENIZERS_PARALLELISM": "false"})
+        env.update({f"ROUTING_{k.upper()}": str(v) for k, v in settings.items()})
+        if checkout is not None:  # ``-m`` finds the package in the working folder first
+            env["PYTHONPATH"] = str(checkout.resolve())
+        super().__init__(log_dir, [sys.executable, "-m", "service", "serve"], env, "server", port, cwd=checkout)
+
+    def cpu(self) -> dict[str, float] | None:
+        """CPU seconds used so far by the server's process (HTTP, tokenizer, batcher) and by its children
+        (the models' processes, running or exited); None where ``/proc`` cannot be read."""
+        server, exited = cpu_seconds(self.proc.pid), cpu_seconds(self.proc.pid, exited_children=True)
+        if server is None or exited is None:
+            return None
+        running = [cpu_seconds(k) for k in children(self.proc.pid)]
+        # a model's process that exited and was started again keeps counting through ``exited``
+        return {"server": server, "models": exited + sum(c for c in running if c is not None)}
+
+    def pss(self) -> dict[str, float] | None:
+        """Proportional set size (bytes) of the server's process and of its children (the backbones'
+        processes) now: shared pages count once over them (Linux ``smaps_rollup``; None where unreadable)."""
+        server = pss_bytes(self.proc.pid)
+        kids = [pss_bytes(k) for k in children(self.proc.pid)]
+        if server is None or None in kids:
+            return None
+        return {"server": server, "backbones": sum(k for k in kids if k is not None)}
+
+
+
+PEERS = {"mosec": ("service.bench.peers.mosec_server", "/inference", "/"),
+         "litserve": ("service.bench.peers.litserve_server", "/predict", "/health")}
+"""Each peer framework's script, the path it serves the model on, and its readiness path."""
+
+
+class PeerServer(ServerProcess):
+    """A peer framework (a key of :data:`PEERS`) serving ``model`` (a model's folder) with its own dynamic
+    batching, in a session of its own (the frameworks start processes of their own; all are stopped together).
+    Each batch's size is appended to a file in ``log_dir`` (:meth:`batches`)."""
+
+    def __init__(self, log_dir: Path, peer: str, model: Path, device: str, max_batch_size: int,
+                 max_wait_ms: float) -> None:
+        module, self.path, self.ready = PEERS[peer]
+        port = free_port()
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.batch_log = log_dir / f"{peer}-{port}.batches"
+        self.batch_log.write_text("")
+        env = {**os.environ, "PEER_MODEL": str(model), "PEER_DEVICE": device, "PEER_PORT": str(port),
+               "PEER_MAX_BATCH_SIZE": str(max_batch_size), "PEER_MAX_WAIT_MS": str(max_wait_ms),
+               "PEER_BATCH_LOG": str(self.batch_log), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+        super().__init__(log_dir, [sys.executable, "-m", module], env, peer, port, own_session=True)
+        self.name = peer
+
+    def wait_ready(self, timeout: float = 300) -> Self:
+        """Ready once the model answers a request (a framework's health path may answer before its worker loaded)."""
+        super().wait_ready(timeout)
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            try:
+                if httpx.post(f"{self.url}{self.path}", json={"inputs": ["ready?"]}, timeout=30).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"{self.name} did not answer after {timeout} s:\n{self.log()}")
+
+    def batches(self) -> tuple[int, int]:
+        """Texts and batches computed so far."""
+        sizes = self.batch_log.read_text().split()
+        return sum(map(int, sizes)), len(sizes)
+
+    def cpu(self) -> dict[str, float] | None:
+        """CPU seconds of every process of the framework's session so far (running ones; None if unreadable)."""
+        total = 0.0
+        for entry in Path("/proc").glob("[0-9]*"):
+            fields = _stat(entry.name)
+            if fields is not None and fields[3] == str(self.proc.pid):
+                total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return {"peer": total}
+
+    def stop(self, timeout: float = 30) -> int:
+        """SIGTERM to the framework's whole session, SIGKILL after ``timeout``."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
             return self.proc.wait()
         finally:
             self._log.close()

@@ -3,9 +3,17 @@
 Callers ``submit`` a request's items (each with a cost, e.g. its token count, and a group, e.g. the
 text it is a part of) and await their results. One worker task forms batches under
 ``max_batch_size`` items and ``max_batch_tokens`` padded cost (items of similar cost together),
-waiting at most ``max_wait_s`` for a batch to fill, and runs each batch through a synchronous
-``run_batch`` callable in a worker thread, so the event loop keeps answering (health checks,
-metrics) while the model computes.
+and runs each batch through a synchronous ``run_batch`` callable in a worker thread, so the event
+loop keeps answering (health checks, metrics) while the model computes.
+
+A free runner lets its next batch fill while items keep arriving, at most ``max_wait_s`` apart,
+counted from when it became free: the answers of the batch it just computed are on their way to
+their clients, whose next requests follow (a batch that went as soon as the runner was free would
+hold only what arrived while the last one computed: in a closed loop of c clients, about c/2). The
+fill is capped at a tenth of the last batch's compute time (or ``max_wait_s``), and a batch goes at
+once when it is full, or as large as the largest of the last few batches with an item that arrived
+after the runner became free: one request at a time is never held back, nor are clients that all
+came back.
 
 Several runners (e.g. replicas of a model, each in a process of its own) may be given instead of one
 ``run_batch``: each computes one batch at a time, and a batch goes to whichever is free. A group whose
@@ -27,6 +35,7 @@ passed while queued are dropped before compute, and reported through ``on_drop``
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import time
@@ -40,6 +49,8 @@ P = TypeVar("P")
 R = TypeVar("R")
 log = logging.getLogger(__name__)
 SIMILAR = 4  # an item joins a batch only if it costs at most this many times the batch's anchor
+FILL_SHARE = 0.1  # a free runner waits at most this share of its last batch's compute time for a batch to fill
+RECENT = 4  # batches whose sizes tell how many items a batch may expect
 
 
 class Overloaded(Exception):
@@ -119,6 +130,10 @@ class Batcher(Generic[P, R]):
         self._computing: dict[int, list[_Item[P]]] = {}  # busy runner -> its items, not yet answered
         self._pinned: dict[Hashable, int] = {}  # group with items queued -> the runner that took its first ones
         self._served: dict[Hashable, float] = {}  # group -> when its last batch finished (groups still queued)
+        self._freed = 0.0  # when a runner last became free (monotonic)
+        self._arrived = 0.0  # when the last item was queued
+        self._last_seconds = 0.0  # compute time of the last batch
+        self._recent: collections.deque[int] = collections.deque(maxlen=RECENT)
 
     @property
     def queue_depth(self) -> int:
@@ -166,6 +181,7 @@ class Batcher(Generic[P, R]):
         items = [_Item(p, max(1, int(c)), deadline, loop.create_future(), g)
                  for p, c, g in zip(payloads, costs, keys, strict=True)]
         self._pending.extend(items)
+        self._arrived = time.monotonic()
         self._queued.update(it.group for it in items)
         self.observer.on_queue_depth(len(self._pending))
         self._wakeup.set()
@@ -278,6 +294,20 @@ class Batcher(Generic[P, R]):
         self._queued = Counter(it.group for it in items)
         self._pinned = {g: r for g, r in self._pinned.items() if g in self._queued}
 
+    def _ready(self) -> bool:
+        """Whether the batch may go before its wait is over: it holds as many items as the largest of the last
+        few batches (what traffic has been bringing per batch), and one has arrived since a runner became free
+        (when the previous batch's answers went out, their clients' next requests are on their way)."""
+        return bool(self._recent) and len(self._pending) >= max(self._recent) and self._arrived > self._freed
+
+    def _fill_until(self) -> float:
+        """When the batch goes if it neither fills nor is :meth:`_ready`: once no item has arrived for
+        ``max_wait_s`` since the later of the oldest item's arrival and a runner becoming free, and at most a
+        tenth of the last batch's compute time (or ``max_wait_s``) after that."""
+        w = self.limits.max_wait_s
+        start = max(self._pending[0].enqueued, self._freed)
+        return min(max(self._arrived, start) + w, start + max(w, FILL_SHARE * self._last_seconds))
+
     def _free_runners(self) -> list[int]:
         return [r for r in range(len(self.runners)) if r not in self._computing]
 
@@ -296,10 +326,10 @@ class Batcher(Generic[P, R]):
                     self._wakeup.clear()
                     await self._wakeup.wait()
                     continue
-                # let the batch fill until it is full or the oldest item has waited max_wait_s
-                # (when flushing for shutdown, little more will come: run at once)
-                while self._pending and not self._flush and not self._full():
-                    remaining = self._pending[0].enqueued + self.limits.max_wait_s - time.monotonic()
+                # let the batch fill until it is full, ready or its wait is over (see _ready, _fill_until; when
+                # flushing for shutdown, little more will come: run at once)
+                while self._pending and not self._flush and not self._full() and not self._ready():
+                    remaining = self._fill_until() - time.monotonic()
                     if remaining <= 0:
                         break
                     self._wakeup.clear()
@@ -315,6 +345,8 @@ class Batcher(Generic[P, R]):
                     await self._wakeup.wait()
                     continue
                 self.observer.on_queue_depth(len(self._pending))
+                log.debug("fill %s: %d items, %.1f ms after the runner was free", self.name, len(batch),
+                          1000 * (time.monotonic() - self._freed))
                 self._computing[runner] = batch
                 task = loop.create_task(self._run(loop, runner, batch), name=f"batch-{self.name}-{runner}")
                 self._batches.add(task)
@@ -343,6 +375,9 @@ class Batcher(Generic[P, R]):
                     it.future.set_result(r)
         finally:
             del self._computing[runner]
+            self._freed = time.monotonic()
+            self._last_seconds = self._freed - started
+            self._recent.append(len(batch))
             self._wakeup.set()  # the runner is free
         finished = time.monotonic()
         queued = self._queued
@@ -360,3 +395,4 @@ def _fail(future: asyncio.Future[Any], exc: BaseException) -> None:
     """Answer ``future`` with ``exc`` and mark it retrieved (no 'never retrieved' warnings)."""
     future.set_exception(exc)
     future.exception()
+

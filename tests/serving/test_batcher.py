@@ -279,3 +279,65 @@ async def test_stop_answers_what_every_runner_holds() -> None:
     gate.set()
     with pytest.raises(Draining):
         await b.submit(["d"], [1], later())
+
+
+async def closed_loop_batches(clients: int, compute_s: float, think_s: float, rounds: int, **limits) -> list[int]:
+    """Batch sizes when ``clients`` each send one item, wait for its answer, pause (client ``c``: ``c * think_s``,
+    the time its answer and next request take on their way), and send the next, ``rounds`` times."""
+    b, rec = make(lambda ps: (time.sleep(compute_s), ps)[1], **limits)
+    b.start()
+
+    async def client(c: int) -> None:
+        for k in range(rounds):
+            assert await b.submit([f"{c}.{k}"], [1], later()) == [f"{c}.{k}"]
+            await asyncio.sleep(c * think_s)
+
+    await asyncio.gather(*(client(c) for c in range(clients)))
+    await b.stop(1)
+    return [len(batch) for batch in rec.batches]
+
+
+async def test_a_free_runner_waits_for_the_clients_its_last_batch_answered() -> None:
+    # 8 clients whose next requests come back 0-21 ms after their answers, 3 ms apart: a batch that went once
+    # its oldest item had waited 20 ms would hold those back by then, and the last would arrive while it
+    # computes and go in the next one at once (7, 1, 7, 1, ...); waiting while they keep coming, all 8 go together
+    sizes = await closed_loop_batches(8, compute_s=0.4, think_s=0.003, rounds=6, max_wait_s=0.02)
+    assert sizes == [8] * 6, sizes
+
+
+async def test_a_batch_as_large_as_the_last_ones_goes_without_waiting() -> None:
+    # max_wait is 1 s: each batch of the 4 returning clients goes as soon as the 4th is back (with the wait,
+    # 6 rounds would take 6 s)
+    t0 = time.monotonic()
+    sizes = await closed_loop_batches(4, compute_s=0.01, think_s=0.0005, rounds=6, max_wait_s=1.0)
+    assert sizes[1:] == [4] * (len(sizes) - 1), sizes
+    assert time.monotonic() - t0 < 2.5  # the first batch waits out the 1 s (nothing known yet), no other
+
+
+async def test_one_client_at_a_time_is_not_kept_waiting() -> None:
+    b, rec = make(lambda ps: ps, max_wait_s=1.0)
+    b.start()
+    assert await b.submit(["a"], [1], later()) == ["a"]  # the first batch waits (nothing known yet)
+    t0 = time.monotonic()
+    assert await b.submit(["b"], [1], later()) == ["b"]
+    assert time.monotonic() - t0 < 0.5  # batches of one: the next one goes at once, not after max_wait
+    await b.stop(1)
+    assert rec.batches == [["a"], ["b"]]
+
+
+async def test_a_free_runner_waits_a_bounded_time_for_a_batch_to_fill() -> None:
+    # items that arrived while the model computed, and nobody else coming: the batch goes after max_wait at most
+    gate = threading.Event()
+    b, rec = make(lambda ps: (gate.wait(5), ps)[1], max_batch_size=8, max_wait_s=0.05)
+    b.start()
+    first = asyncio.ensure_future(b.submit(["x"], [1], later()))
+    await until(lambda: len(rec.batches) == 1)
+    queued = [asyncio.ensure_future(b.submit([f"q{k}"], [1], later())) for k in range(3)]
+    await until(lambda: b.queue_depth == 3)
+    gate.set()
+    await first
+    t0 = time.monotonic()
+    await asyncio.gather(*queued)
+    assert 0.03 < time.monotonic() - t0 < 0.5  # waited about max_wait for returning clients, then went
+    assert [len(batch) for batch in rec.batches] == [1, 3]
+    await b.stop(1)

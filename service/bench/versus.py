@@ -1,0 +1,179 @@
+"""This service against peer frameworks serving the same model function (``service.bench.peers``), all up at
+once and measured in turns with the same load generator and texts: closed loops at several concurrencies,
+then open-loop Poisson arrivals at fractions of this service's capacity. A ``baseline`` checkout of this
+repository can run beside them (to compare a change of the batching policy under the same load)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any
+
+from service.bench.report import echo
+from service.bench.serve import Level, Stats, closed_loop, metrics_stats, open_loop, run_async
+from service.bench.server import LocalServer, PeerServer, ServerProcess
+
+THIS = "routing-service"
+
+
+@dataclass
+class Contender:
+    """A server under test: where to send a text, and how to read its batch totals and CPU."""
+
+    name: str
+    server: ServerProcess
+    path: str
+    stats: Stats
+    cpu: Callable[[], dict[str, float] | None]
+
+
+def peer_stats(server: PeerServer) -> Stats:
+    """A peer's batch totals from the sizes its model logs (it has no compute time: 0)."""
+    def read() -> tuple[float, float, float]:
+        texts, batches = server.batches()
+        return float(texts), float(batches), 0.0
+    return read
+
+
+def start(peers: list[str], repository: Path, model: str, device: str, max_batch_size: int, max_wait_ms: float,
+          logs: Path, baseline: Path | None) -> list[Contender]:
+    """This service (defaults but the batch settings), the baseline's and each peer, all up and answering."""
+    settings = {"model_repository": repository.resolve(), "models": model, "default_model": model,
+                "max_queue": 100000, "device": device, "max_batch_size": max_batch_size, "max_wait_ms": max_wait_ms}
+    out: list[Contender] = []
+    try:
+        for name, checkout in [(THIS, None), *([("baseline", baseline)] if baseline else [])]:
+            s = LocalServer(logs, checkout=checkout, **settings)
+            out.append(Contender(name, s, "/v1/classify", metrics_stats(s.url), s.cpu))
+        for peer in peers:
+            p = PeerServer(logs, peer, (repository / model).resolve(), device, max_batch_size, max_wait_ms)
+            out.append(Contender(peer, p, p.path, peer_stats(p), p.cpu))
+        for c in out:
+            c.server.wait_ready()
+    except BaseException:
+        stop(out)
+        raise
+    return out
+
+
+def stop(contenders: list[Contender]) -> None:
+    for c in contenders:
+        c.server.stop()
+
+
+def _total_cpu(c: Contender) -> Callable[[], dict[str, float] | None]:
+    """A contender's CPU seconds as one figure (the parts differ from framework to framework)."""
+    def read() -> dict[str, float] | None:
+        parts = c.cpu()
+        return None if parts is None else {"server": sum(parts.values())}
+    return read
+
+
+def row(level: Level, **extra: Any) -> dict[str, Any]:
+    r = level.row()
+    cpu = r.get("server_cpu_ms")
+    keep = {k: r[k] for k in ("throughput", "p50_ms", "p99_ms", "mean_batch", "errors", "requests")}
+    return {**extra, **keep, "server_cpu_ms": cpu, "load_generator_cpu_ms": r.get("load_generator_cpu_ms")}
+
+
+def rows_in_turns(contenders: list[Contender], measure: Callable[[Contender], dict[str, Any]], rounds: int,
+             label: str) -> dict[str, list[dict[str, Any]]]:
+    """``measure`` of each contender once per round, the order rotating from round to round."""
+    per: dict[str, list[dict[str, Any]]] = {c.name: [] for c in contenders}
+    for r in range(rounds):
+        for c in contenders[r % len(contenders):] + contenders[: r % len(contenders)]:
+            per[c.name].append(measure(c))
+        echo(f"  {label}, round {r + 1}: " + ", ".join(
+            f"{n} {v[-1]['throughput']:.1f}/s p99 {v[-1]['p99_ms']:.0f} ms batch {v[-1]['mean_batch']:.1f}"
+            for n, v in per.items()), err=True)
+    return per
+
+
+def mean_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Rounds of one contender at one level: throughput and batch averaged, latencies the worst round's
+    p99 and the median round's p50 (each round's percentiles are over its own requests)."""
+    n = len(rows)
+    p50 = sorted(r["p50_ms"] for r in rows)[n // 2]
+    return {"throughput": sum(r["throughput"] for r in rows) / n, "p50_ms": p50,
+            "p99_ms": max(r["p99_ms"] for r in rows), "mean_batch": sum(r["mean_batch"] for r in rows) / n,
+            "errors": sum(r["errors"] for r in rows), "rounds": [round(r["throughput"], 1) for r in rows]}
+
+
+def compare(contenders: list[Contender], texts: list[str], levels: list[int], seconds: float, rounds: int,
+            open_fractions: list[float]) -> dict[str, Any]:
+    """Closed loops at ``levels``, then open loops at ``open_fractions`` of this service's best closed-loop
+    throughput, each measured in turns; per level, each contender's mean row and its ratio to this service."""
+    for c in contenders:  # warm-up
+        run_async(closed_loop(c.server.url, c.path, texts, 4, 2.0, stats=c.stats))
+    closed: dict[int, dict[str, list[dict[str, Any]]]] = {}
+    for level in levels:
+        closed[level] = rows_in_turns(contenders, lambda c, level=level: row(run_async(closed_loop(
+            c.server.url, c.path, texts, level, seconds, cpu=_total_cpu(c), stats=c.stats)), concurrency=level),
+            rounds, f"c={level}")
+    capacity = max(mean_row(per[THIS])["throughput"] for per in closed.values())
+    opened: dict[float, dict[str, list[dict[str, Any]]]] = {}
+    for fraction in open_fractions:
+        rate = fraction * capacity
+        opened[fraction] = rows_in_turns(contenders, lambda c, rate=rate, fraction=fraction: row(run_async(open_loop(
+            c.server.url, c.path, texts, rate, seconds, cpu=_total_cpu(c), stats=c.stats)), fraction=fraction,
+            rate=rate), rounds, f"open loop at {fraction:.0%} of {capacity:.1f} texts/s")
+
+    def summary(per: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+        means = {n: mean_row(rows) for n, rows in per.items()}
+        ours = means[THIS]["throughput"]
+        return {n: {**m, "this_over_it": ours / m["throughput"] if m["throughput"] else float("nan")}
+                for n, m in means.items()}
+
+    return {"capacity_texts_per_s": capacity,
+            "closed": {lv: {"rounds": per, "summary": summary(per)} for lv, per in closed.items()},
+            "open": {f: {"rate": f * capacity, "rounds": per, "summary": summary(per)} for f, per in opened.items()}}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What ``bench serve`` compares: the peers (keys of ``service.bench.server.PEERS``), a baseline checkout,
+    the closed-loop levels, the open-loop fractions of capacity, and the rounds of turns."""
+
+    peers: list[str]
+    baseline: Path | None
+    levels: list[int]
+    open_fractions: list[float]
+    rounds: int
+
+
+def measure(plan: Plan, repository: Path, model: str, device: str, max_batch_size: int, max_wait_ms: float,
+            logs: Path, texts: list[str], seconds: float) -> dict[str, Any]:
+    """Start every contender, compare them (see :func:`compare`), stop them; print the tables."""
+    names = [THIS, *(["baseline"] if plan.baseline else []), *plan.peers]
+    echo(f"  {', '.join(names)}: all up at once, closed loops at {plan.levels} and open loops at "
+         f"{plan.open_fractions} of capacity, {plan.rounds} rounds in turns, {seconds:.0f} s each", err=True)
+    contenders = start(plan.peers, repository, model, device, max_batch_size, max_wait_ms, logs, plan.baseline)
+    try:
+        result = compare(contenders, texts, plan.levels, seconds, plan.rounds, plan.open_fractions)
+        result["versions"] = {peer: version(peer) for peer in plan.peers}
+    finally:
+        stop(contenders)
+    report(result)
+    return result
+
+
+def report(result: dict[str, Any]) -> None:
+    from service.bench.report import table
+
+    cols = ["server", "texts/s", "this / it", "p50_ms", "p99_ms", "mean_batch", "errors", "rounds"]
+
+    def rows(summary: dict[str, Any]) -> list[dict[str, Any]]:
+        return [{"server": n, "texts/s": m["throughput"], "this / it": m["this_over_it"],
+                 **{c: m[c] for c in cols[3:]}} for n, m in summary.items()]
+
+    echo("\nthe same model behind each server, closed loop (one text per request), measured in turns; texts/s and "
+         "batch averaged over the rounds, p50 the median round's, p99 the worst round's:")
+    echo(table([{"concurrency": lv, **r} for lv, d in result["closed"].items() for r in rows(d["summary"])],
+               ["concurrency", *cols]))
+    if result["open"]:
+        echo(f"\nopen loop: Poisson arrivals at fractions of this service's best closed-loop throughput "
+             f"({result['capacity_texts_per_s']:.1f} texts/s), latency from each request's scheduled time:")
+        echo(table([{"load": f, "rate": d["rate"], **r} for f, d in result["open"].items()
+                    for r in rows(d["summary"])], ["load", "rate", *cols]))
