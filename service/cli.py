@@ -40,7 +40,7 @@ def serve(
     from pydantic import ValidationError
 
     from service.config import Settings
-    from service.threads import set_wait_policy
+    from service.threads import set_openmp
 
     given = {"model_repository": model_repository, "models": models, "host": host, "port": port,
              "device": device, "dtype": dtype, "max_batch_size": max_batch_size, "max_wait_ms": max_wait_ms,
@@ -52,7 +52,7 @@ def serve(
         problems = "; ".join(": ".join([".".join(map(str, err["loc"])), err["msg"]] if err["loc"] else [err["msg"]])
                              for err in e.errors())
         raise typer.BadParameter(problems) from None
-    set_wait_policy(settings.omp_wait_policy)  # before torch loads, or it has no effect
+    set_openmp(settings.omp_wait_policy, settings.omp_spin_count)  # before torch loads, or it has no effect
 
     from service.serving.server import run_server
 

@@ -30,17 +30,21 @@ def available_cpus() -> int:
     return max(1, n)
 
 
-def set_wait_policy(policy: str | None) -> None:
-    """Set OpenMP's wait policy (``OMP_WAIT_POLICY``) for this process. It is read once, when torch's
-    OpenMP runtime loads, so this must run before torch is imported; afterwards it only warns."""
-    if policy is None:
-        return
-    if "torch" in sys.modules:
-        if os.environ.get("OMP_WAIT_POLICY", "").lower() != policy:
-            log.warning("omp_wait_policy=%s ignored: torch is already loaded (set OMP_WAIT_POLICY before start)",
-                        policy)
-        return
-    os.environ["OMP_WAIT_POLICY"] = policy.upper()
+def set_openmp(policy: str | None, spin_count: int | None) -> None:
+    """Set OpenMP's wait policy (``OMP_WAIT_POLICY``) and how long its idle threads spin before they sleep
+    (``GOMP_SPINCOUNT``, read by GNU OpenMP, which torch's Linux wheels use; left alone where the environment
+    sets it) for this process and the processes it starts. Both are read once, when torch's OpenMP runtime
+    loads, so this must run before torch is imported; afterwards it only warns."""
+    wanted = {"OMP_WAIT_POLICY": policy.upper() if policy else None,
+              "GOMP_SPINCOUNT": str(spin_count) if spin_count and "GOMP_SPINCOUNT" not in os.environ else None}
+    for name, value in wanted.items():
+        if value is None:
+            continue
+        if "torch" in sys.modules:
+            if os.environ.get(name) != value:
+                log.warning("%s=%s ignored: torch is already loaded (set it before start)", name, value)
+            continue
+        os.environ[name] = value
 
 
 def set_torch_threads(n: int | None) -> int:

@@ -39,26 +39,33 @@ def test_torch_threads_default_and_explicit(monkeypatch: pytest.MonkeyPatch) -> 
         torch.set_num_threads(before)
 
 
-def test_wait_policy_is_not_set_once_torch_is_loaded(monkeypatch: pytest.MonkeyPatch,
-                                                     caplog: pytest.LogCaptureFixture) -> None:
+def test_openmp_settings_are_not_set_once_torch_is_loaded(monkeypatch: pytest.MonkeyPatch,
+                                                          caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
     with caplog.at_level(logging.WARNING):
-        threads.set_wait_policy("passive")  # torch is loaded in this process: too late
-    assert "OMP_WAIT_POLICY" not in os.environ and "ignored" in caplog.text
-    threads.set_wait_policy(None)
+        threads.set_openmp("passive", 10000)  # torch is loaded in this process: too late
+    assert "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ
+    assert "OMP_WAIT_POLICY=PASSIVE ignored" in caplog.text and "GOMP_SPINCOUNT=10000 ignored" in caplog.text
+    threads.set_openmp(None, None)
     assert "OMP_WAIT_POLICY" not in os.environ
 
 
-def test_the_serve_command_can_still_set_the_wait_policy() -> None:
-    """`routing-service serve` builds its settings and sets the policy before anything imports torch."""
+def test_the_serve_command_can_still_set_the_openmp_settings() -> None:
+    """`routing-service serve` builds its settings and sets OpenMP's before anything imports torch; a spin count
+    the environment sets is kept."""
     import subprocess
     import sys
 
     code = ("import os, sys; import service.cli, service.config; loaded = 'torch' in sys.modules; "
-            "from service.threads import set_wait_policy; set_wait_policy('passive'); "
-            "import torch; print(loaded, os.environ['OMP_WAIT_POLICY'])")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.split() == ["False", "PASSIVE"]
+            "from service.threads import set_openmp; set_openmp('passive', service.config.Settings().omp_spin_count); "
+            "import torch; print(loaded, os.environ['OMP_WAIT_POLICY'], os.environ['GOMP_SPINCOUNT'])")
+    env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env).stdout
+    assert out.split() == ["False", "PASSIVE", "10000"]
+    env["GOMP_SPINCOUNT"] = "123"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env).stdout
+    assert out.split() == ["False", "PASSIVE", "123"]
 
 
 def test_serve_rejects_a_bad_option_with_a_message(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -65,8 +65,9 @@ class AppState:
                 from service.threads import set_torch_threads
 
                 threads = set_torch_threads(s.torch_threads)
-                log.info("torch intra-op threads: %d; OMP_WAIT_POLICY=%s", threads,
-                         os.environ.get("OMP_WAIT_POLICY", "(runtime default)"))
+                log.info("torch intra-op threads: %d; OMP_WAIT_POLICY=%s, GOMP_SPINCOUNT=%s", threads,
+                         os.environ.get("OMP_WAIT_POLICY", "(runtime default)"),
+                         os.environ.get("GOMP_SPINCOUNT", "(runtime default)"))
             names = self.model_names(s.model_repository)
             if not names:
                 raise ValueError(f"no models in {s.model_repository}")
