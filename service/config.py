@@ -55,7 +55,8 @@ class Settings(BaseSettings):
     # batching
     max_batch_size: int = Field(32, ge=1, description="Chunks per batch (a text, or max_length tokens of a longer one)")
     max_batch_tokens: int = Field(8192, ge=16, description="Padded tokens per batch")
-    max_wait_ms: float = Field(5.0, ge=0, description="How long a batch may wait to fill")
+    max_wait_ms: float = Field(5.0, ge=0, description="How long a batch waits for its next chunk while it fills (from "
+                               "when the model is free; in all at most this or a tenth of the last batch's compute)")
     max_queue: int = Field(1024, ge=1, description="Texts waiting; beyond it requests get 503")
 
     # request limits

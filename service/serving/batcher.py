@@ -13,7 +13,9 @@ hold only what arrived while the last one computed: in a closed loop of c client
 fill is capped at a tenth of the last batch's compute time (or ``max_wait_s``), and a batch goes at
 once when it is full, or as large as the largest of the last few batches with an item that arrived
 after the runner became free: one request at a time is never held back, nor are clients that all
-came back.
+came back. Where items do not follow answers (most of the last batches' ends were followed by no item
+within that cap: independent arrivals at a moderate rate), the wait counts from the oldest item's
+arrival instead, and what queued while the model computed goes as soon as it is free.
 
 Several runners (e.g. replicas of a model, each in a process of its own) may be given instead of one
 ``run_batch``: each computes one batch at a time, and a batch goes to whichever is free. A group whose
@@ -134,6 +136,7 @@ class Batcher(Generic[P, R]):
         self._arrived = 0.0  # when the last item was queued
         self._last_seconds = 0.0  # compute time of the last batch
         self._recent: collections.deque[int] = collections.deque(maxlen=RECENT)
+        self._followed: collections.deque[bool] = collections.deque(maxlen=2 * RECENT)  # see _answer_driven
 
     @property
     def queue_depth(self) -> int:
@@ -181,7 +184,10 @@ class Batcher(Generic[P, R]):
         items = [_Item(p, max(1, int(c)), deadline, loop.create_future(), g)
                  for p, c, g in zip(payloads, costs, keys, strict=True)]
         self._pending.extend(items)
-        self._arrived = time.monotonic()
+        now = time.monotonic()
+        if self._arrived <= self._freed < now <= self._freed + self._fill_cap() and self._followed:
+            self._followed[-1] = True  # the first item since the runner became free, within the fill's cap
+        self._arrived = now
         self._queued.update(it.group for it in items)
         self.observer.on_queue_depth(len(self._pending))
         self._wakeup.set()
@@ -294,6 +300,18 @@ class Batcher(Generic[P, R]):
         self._queued = Counter(it.group for it in items)
         self._pinned = {g: r for g, r in self._pinned.items() if g in self._queued}
 
+    def _fill_cap(self) -> float:
+        """The longest a free runner waits for a batch to fill: a tenth of its last batch's compute time, or
+        ``max_wait_s`` if longer."""
+        return max(self.limits.max_wait_s, FILL_SHARE * self._last_seconds)
+
+    def _answer_driven(self) -> bool:
+        """Whether new items follow answers: most of the last batches were followed by an item within
+        :meth:`_fill_cap` of their end (seen whether or not the next batch waited). Clients that send their next
+        request when answered do (a closed loop); independent arrivals at the rates where batches stay small
+        mostly do not, and a batch waiting for them would only add to their latency."""
+        return sum(self._followed) * 2 >= len(self._followed)
+
     def _ready(self) -> bool:
         """Whether the batch may go before its wait is over: it holds as many items as the largest of the last
         few batches (what traffic has been bringing per batch), and one has arrived since a runner became free
@@ -301,12 +319,15 @@ class Batcher(Generic[P, R]):
         return bool(self._recent) and len(self._pending) >= max(self._recent) and self._arrived > self._freed
 
     def _fill_until(self) -> float:
-        """When the batch goes if it neither fills nor is :meth:`_ready`: once no item has arrived for
-        ``max_wait_s`` since the later of the oldest item's arrival and a runner becoming free, and at most a
-        tenth of the last batch's compute time (or ``max_wait_s``) after that."""
+        """When the batch goes if it neither fills nor is :meth:`_ready`. Where items follow answers
+        (:meth:`_answer_driven`): once no item has arrived for ``max_wait_s`` since the later of the oldest
+        item's arrival and a runner becoming free, and at most :meth:`_fill_cap` after that. Otherwise
+        ``max_wait_s`` after the oldest item's arrival."""
         w = self.limits.max_wait_s
+        if not self._answer_driven():
+            return self._pending[0].enqueued + w
         start = max(self._pending[0].enqueued, self._freed)
-        return min(max(self._arrived, start) + w, start + max(w, FILL_SHARE * self._last_seconds))
+        return min(max(self._arrived, start) + w, start + self._fill_cap())
 
     def _free_runners(self) -> list[int]:
         return [r for r in range(len(self.runners)) if r not in self._computing]
@@ -378,6 +399,7 @@ class Batcher(Generic[P, R]):
             self._freed = time.monotonic()
             self._last_seconds = self._freed - started
             self._recent.append(len(batch))
+            self._followed.append(False)  # until an item arrives within max_wait (see submit)
             self._wakeup.set()  # the runner is free
         finished = time.monotonic()
         queued = self._queued

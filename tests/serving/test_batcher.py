@@ -1,6 +1,7 @@
 """The batcher on its own: fake models, no torch, no HTTP."""
 
 import asyncio
+import itertools
 import threading
 import time
 
@@ -325,19 +326,19 @@ async def test_one_client_at_a_time_is_not_kept_waiting() -> None:
     assert rec.batches == [["a"], ["b"]]
 
 
-async def test_a_free_runner_waits_a_bounded_time_for_a_batch_to_fill() -> None:
-    # items that arrived while the model computed, and nobody else coming: the batch goes after max_wait at most
-    gate = threading.Event()
-    b, rec = make(lambda ps: (gate.wait(5), ps)[1], max_batch_size=8, max_wait_s=0.05)
+async def test_arrivals_that_do_not_follow_answers_are_not_kept_waiting() -> None:
+    # one item arrives in the middle of each batch's compute and none right after it ends (independent
+    # arrivals, not clients answered): the next batch goes as soon as the runner is free, without waiting
+    # for followers that do not come
+    starts: list[float] = []
+    b, _ = make(lambda ps: (starts.append(time.monotonic()), time.sleep(0.2), ps)[2], max_wait_s=0.05)
     b.start()
-    first = asyncio.ensure_future(b.submit(["x"], [1], later()))
-    await until(lambda: len(rec.batches) == 1)
-    queued = [asyncio.ensure_future(b.submit([f"q{k}"], [1], later())) for k in range(3)]
-    await until(lambda: b.queue_depth == 3)
-    gate.set()
-    await first
-    t0 = time.monotonic()
-    await asyncio.gather(*queued)
-    assert 0.03 < time.monotonic() - t0 < 0.5  # waited about max_wait for returning clients, then went
-    assert [len(batch) for batch in rec.batches] == [1, 3]
+    pending = [asyncio.ensure_future(b.submit(["0"], [1], later()))]
+    for k in range(1, 6):
+        await until(lambda k=k: len(starts) == k)
+        await asyncio.sleep(0.1)  # mid-compute
+        pending.append(asyncio.ensure_future(b.submit([str(k)], [1], later())))
+    await asyncio.gather(*pending)
     await b.stop(1)
+    gaps = [nxt - (start + 0.2) for start, nxt in itertools.pairwise(starts)]
+    assert len(gaps) == 5 and all(g < 0.03 for g in gaps), gaps  # not max_wait (0.05 s) after each
