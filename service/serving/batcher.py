@@ -13,9 +13,9 @@ hold only what arrived while the last one computed: in a closed loop of c client
 fill is capped at a tenth of the last batch's compute time (or ``max_wait_s``), and a batch goes at
 once when it is full, or as large as the largest of the last few batches with an item that arrived
 after the runner became free: one request at a time is never held back, nor are clients that all
-came back. Where items do not follow answers (most of the last batches' ends were followed by no item
-within that cap: independent arrivals at a moderate rate), the wait counts from the oldest item's
-arrival instead, and what queued while the model computed goes as soon as it is free.
+came back. Where items do not follow answers (over the last few batches, requests came no faster in the
+cap after a batch's end than while it computed: independent arrivals), the wait counts from the oldest
+item's arrival instead, and what queued while the model computed goes as soon as it is free.
 
 Several runners (e.g. replicas of a model, each in a process of its own) may be given instead of one
 ``run_batch``: each computes one batch at a time, and a batch goes to whichever is free. A group whose
@@ -53,6 +53,7 @@ log = logging.getLogger(__name__)
 SIMILAR = 4  # an item joins a batch only if it costs at most this many times the batch's anchor
 FILL_SHARE = 0.1  # a free runner waits at most this share of its last batch's compute time for a batch to fill
 RECENT = 4  # batches whose sizes tell how many items a batch may expect
+BURST = 4  # requests follow answers when they come this many times faster after a batch's end than during it
 
 
 class Overloaded(Exception):
@@ -99,6 +100,16 @@ class _Item(Generic[P]):
     enqueued: float = field(default_factory=time.monotonic)
 
 
+@dataclass
+class _Pace:
+    """Requests that arrived while one batch computed, and in the fill's cap after it ended."""
+
+    during: int
+    during_s: float
+    after_s: float
+    after: int = 0
+
+
 @dataclass(frozen=True)
 class BatchLimits:
     """Items per batch, padded cost per batch, wait for a batch to fill, and groups queued (no defaults
@@ -136,7 +147,8 @@ class Batcher(Generic[P, R]):
         self._arrived = 0.0  # when the last item was queued
         self._last_seconds = 0.0  # compute time of the last batch
         self._recent: collections.deque[int] = collections.deque(maxlen=RECENT)
-        self._followed: collections.deque[bool] = collections.deque(maxlen=2 * RECENT)  # see _answer_driven
+        self._requests = 0  # requests submitted so far
+        self._paces: collections.deque[_Pace] = collections.deque(maxlen=2 * RECENT)  # see _answer_driven
 
     @property
     def queue_depth(self) -> int:
@@ -185,8 +197,9 @@ class Batcher(Generic[P, R]):
                  for p, c, g in zip(payloads, costs, keys, strict=True)]
         self._pending.extend(items)
         now = time.monotonic()
-        if self._arrived <= self._freed < now <= self._freed + self._fill_cap() and self._followed:
-            self._followed[-1] = True  # the first item since the runner became free, within the fill's cap
+        self._requests += 1
+        if self._paces and self._freed < now <= self._freed + self._paces[-1].after_s:
+            self._paces[-1].after += 1
         self._arrived = now
         self._queued.update(it.group for it in items)
         self.observer.on_queue_depth(len(self._pending))
@@ -306,11 +319,16 @@ class Batcher(Generic[P, R]):
         return max(self.limits.max_wait_s, FILL_SHARE * self._last_seconds)
 
     def _answer_driven(self) -> bool:
-        """Whether new items follow answers: most of the last batches were followed by an item within
-        :meth:`_fill_cap` of their end (seen whether or not the next batch waited). Clients that send their next
-        request when answered do (a closed loop); independent arrivals at the rates where batches stay small
-        mostly do not, and a batch waiting for them would only add to their latency."""
-        return sum(self._followed) * 2 >= len(self._followed)
+        """Whether new requests follow answers: over the last few batches, requests arrived at least ``BURST``
+        times faster within :meth:`_fill_cap` of a batch's end than while it computed (one more counted during,
+        so that a few stray arrivals decide nothing). Clients that send their next request when answered do (a
+        closed loop: they wait while the batch computes); independent arrivals come at the same rate either way,
+        and a batch that waited for them would only idle the model and add to their latency."""
+        after = sum(p.after for p in self._paces)
+        after_s = sum(p.after_s for p in self._paces)
+        during = sum(p.during for p in self._paces)
+        during_s = sum(p.during_s for p in self._paces)
+        return after * during_s >= BURST * (during + 1) * after_s
 
     def _ready(self) -> bool:
         """Whether the batch may go before its wait is over: it holds as many items as the largest of the last
@@ -379,7 +397,7 @@ class Batcher(Generic[P, R]):
 
     async def _run(self, loop: asyncio.AbstractEventLoop, runner: int, batch: list[_Item[P]]) -> None:
         """Compute ``batch`` on ``runner`` (marked busy by the caller) and answer its items."""
-        started = time.monotonic()
+        started, requests = time.monotonic(), self._requests
         ok, results = False, []  # type: ignore[var-annotated]
         try:
             results = await loop.run_in_executor(self._executor, self.runners[runner], [it.payload for it in batch])
@@ -399,7 +417,7 @@ class Batcher(Generic[P, R]):
             self._freed = time.monotonic()
             self._last_seconds = self._freed - started
             self._recent.append(len(batch))
-            self._followed.append(False)  # until an item arrives within max_wait (see submit)
+            self._paces.append(_Pace(self._requests - requests, self._last_seconds, self._fill_cap()))
             self._wakeup.set()  # the runner is free
         finished = time.monotonic()
         queued = self._queued

@@ -342,3 +342,20 @@ async def test_arrivals_that_do_not_follow_answers_are_not_kept_waiting() -> Non
     await b.stop(1)
     gaps = [nxt - (start + 0.2) for start, nxt in itertools.pairwise(starts)]
     assert len(gaps) == 5 and all(g < 0.03 for g in gaps), gaps  # not max_wait (0.05 s) after each
+
+
+async def test_steady_arrivals_that_also_follow_batch_ends_are_not_kept_waiting() -> None:
+    # a request every 20 ms, each batch 0.1 s: one arrives within the fill's cap (50 ms) after every batch's
+    # end, but no faster than while it computed, so they do not follow answers: each batch goes when the runner
+    # is free (waiting while they keep coming 20 ms apart would idle it up to 50 ms per batch)
+    starts: list[float] = []
+    b, _ = make(lambda ps: (starts.append(time.monotonic()), time.sleep(0.1), ps)[2], max_wait_s=0.05)
+    b.start()
+    pending = []
+    for k in range(60):
+        pending.append(asyncio.ensure_future(b.submit([str(k)], [1], later())))
+        await asyncio.sleep(0.02)
+    await asyncio.gather(*pending)
+    await b.stop(1)
+    gaps = [nxt - (start + 0.1) for start, nxt in itertools.pairwise(starts)][3:]
+    assert len(gaps) >= 6 and max(gaps) < 0.03, gaps
