@@ -25,6 +25,13 @@ class Settings(BaseSettings):
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$", description="auto | cpu | cuda[:n]")
     dtype: DType = Field("float32", description="Backbone precision (half: GPU)")
     warmup: bool = Field(True, description="Run one batch per model before reporting ready")
+    model_control: Literal["none", "explicit", "poll"] = Field(
+        "none", description="Models at runtime (Triton's modes): none, only those loaded at start; explicit, "
+        "loaded, reloaded and unloaded through /v2/repository with an admin key; poll, the repository folder is "
+        "watched and new, changed or removed model folders are loaded, reloaded or unloaded")
+    repository_poll_s: float = Field(10.0, gt=0, description="How often model_control=poll reads the repository")
+    admin_keys: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="Bearer keys for /v2/repository (model control), separate from api_keys")
 
     # HTTP
     host: str = "127.0.0.1"
@@ -81,7 +88,17 @@ class Settings(BaseSettings):
             raise ValueError("model_replicas > 1 needs model_process (replicas are processes)")
         return self
 
-    @field_validator("models", "api_keys", mode="before")
+    @model_validator(mode="after")
+    def _control_needs_admin_keys(self) -> Settings:
+        if self.model_control == "explicit" and not self.admin_keys:
+            raise ValueError("model_control=explicit needs admin_keys (ROUTING_ADMIN_KEYS): loading and unloading "
+                             "models is not open to every client")
+        overlap = set(self.admin_keys) & set(self.api_keys)
+        if overlap:
+            raise ValueError("admin_keys and api_keys must differ: an inference key must not control models")
+        return self
+
+    @field_validator("models", "api_keys", "admin_keys", mode="before")
     @classmethod
     def _split_commas(cls, v: object) -> object:
         if isinstance(v, str):

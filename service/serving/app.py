@@ -15,7 +15,7 @@ from service.config import Settings
 from service.serving import errors
 from service.serving.metrics import Metrics
 from service.serving.middleware import BodyGuard, Observe
-from service.serving.routes import health, inference, kserve, models, page, v2
+from service.serving.routes import health, inference, kserve, models, page, repository, v2
 from service.serving.state import AppState
 
 
@@ -51,6 +51,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(models.router)
     app.include_router(health.router)
     app.include_router(v2.router)
+    app.include_router(repository.stats)  # before /v2/models/{model}, which would take "stats" for a name
+    app.include_router(repository.repository)
     app.include_router(v2.models)
     app.include_router(page.router)
     app.mount("/static", page.static, name="static")

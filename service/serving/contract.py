@@ -50,8 +50,8 @@ class CreditSpec:
 
 @dataclass(frozen=True)
 class Ask:
-    """One head asked of a text: the model's name (None: the engine's only or first head) and its credit
-    (None: scores only)."""
+    """One head asked of a text: the head's key (see :func:`~service.serving.planner.head_key`; None: the
+    engine's only or first head) and its credit (None: scores only)."""
 
     model: str | None = None
     credit: CreditSpec | None = None
@@ -173,13 +173,38 @@ def answers_of(chunks: Sequence[ChunkWork], answers: Sequence[Answer | None]) ->
 
 @dataclass(frozen=True)
 class LoadBackbone:
-    """Load a backbone and the heads of ``folders`` on it."""
+    """Load a backbone and the heads of ``folders`` on it, each under its key in ``keys``."""
 
     folders: tuple[str, ...]
+    keys: tuple[str, ...]
     device: str
     dtype: str
     warmup: bool
     torch_threads: int | None
+
+
+@dataclass(frozen=True)
+class LoadHeads:
+    """Load the heads of ``folders`` onto the running backbone, each under its key in ``keys`` (all or none);
+    answered with :class:`HeadsLoaded` or :class:`Failed`."""
+
+    folders: tuple[str, ...]
+    keys: tuple[str, ...]
+    warmup: bool
+
+
+@dataclass(frozen=True)
+class HeadsLoaded:
+    """The heads :class:`LoadHeads` asked for are in place: each one's description."""
+
+    descriptions: dict[str, dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class UnloadHeads:
+    """Drop these heads (their work has all been answered); answered with :class:`HeadsLoaded` (empty)."""
+
+    keys: tuple[str, ...]
 
 
 @dataclass(frozen=True)

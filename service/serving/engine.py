@@ -34,7 +34,7 @@ from service.serving.contract import (
     TextJob,
     answers_of,
 )
-from service.serving.planner import Planner, backbone_key
+from service.serving.planner import Planner, backbone_key, model_of
 
 __all__ = ["Ask", "ChunkWork", "CreditSpec", "Engine", "NonFiniteScores", "Planner", "Result", "Task"]
 
@@ -73,9 +73,10 @@ class NonFiniteScores(RuntimeError):
     """The model produced NaN or Inf scores: a fault of the model, never an answer."""
 
 
-def load_backbone(folders: Sequence[Path], device: torch.device, dtype: torch.dtype
+def load_backbone(folders: Sequence[Path], device: torch.device, dtype: torch.dtype, keys: Sequence[str] | None = None
                   ) -> tuple[list[Manifest], dict[str, RoutingClassifier]]:
-    """Read every model folder, load their shared backbone once and each head onto it.
+    """Read every model folder, load their shared backbone once and each head onto it (``keys``: each head's key,
+    by default its model's name).
 
     Raises:
         ModelLoadError: a folder is damaged, its backbone cannot load, or the folders name different backbones.
@@ -90,9 +91,13 @@ def load_backbone(folders: Sequence[Path], device: torch.device, dtype: torch.dt
         backbone = Backbone(first.backbone.source, max_length=None, device=device, dtype=dtype)
     except BackboneError as e:
         raise ModelLoadError(Path(folders[0]) / MANIFEST, f"unknown or unloadable backbone: {e}") from e
-    classifiers = {m.name: load_model(Path(f), device=device, dtype=dtype, backbone=backbone)[1]
-                   for f, m in zip(folders, manifests, strict=True)}
-    return manifests, classifiers
+    return manifests, load_heads(folders, keys or [m.name for m in manifests], backbone)
+
+
+def load_heads(folders: Sequence[Path], keys: Sequence[str], backbone: Backbone) -> dict[str, RoutingClassifier]:
+    """The heads of ``folders`` on ``backbone``, by key (each folder validated; see ``load_model``)."""
+    return {k: load_model(Path(f), device=backbone.device, dtype=backbone.dtype, backbone=backbone)[1]
+            for f, k in zip(folders, keys, strict=True)}
 
 
 class Engine(Planner):
@@ -101,47 +106,81 @@ class Engine(Planner):
     def __init__(self, manifests: Sequence[Manifest], classifiers: dict[str, RoutingClassifier],
                  device: torch.device, dtype: torch.dtype, load_seconds: float) -> None:
         backbone = next(iter(classifiers.values())).backbone
-        super().__init__(manifests, backbone.chunker)
+        super().__init__(manifests, backbone.chunker, list(classifiers))
         self.backbone, self.classifiers, self.device, self.dtype = backbone, classifiers, device, dtype
         self.load_seconds = load_seconds
+        self.head_seconds = dict.fromkeys(classifiers, load_seconds)  # head key -> time to load (and warm up) it
 
     @classmethod
     def load(cls, folders: Path | Sequence[Path], device: str = "auto", dtype: str = "float32",
-             warmup: bool = True) -> Engine:
-        """Load the models of ``folders`` (one folder, or several naming the same backbone) on one backbone."""
+             warmup: bool = True, keys: Sequence[str] | None = None) -> Engine:
+        """Load the models of ``folders`` (one folder, or several naming the same backbone) on one backbone,
+        each head under its key in ``keys`` (by default its model's name)."""
         t0 = time.perf_counter()
         folders = [folders] if isinstance(folders, Path | str) else list(folders)
         dev = resolve_device(device)
         dt = resolve_dtype(dtype, dev)
-        manifests, classifiers = load_backbone(folders, dev, dt)
+        manifests, classifiers = load_backbone(folders, dev, dt, keys)
         engine = cls(manifests, classifiers, dev, dt, 0.0)
         if warmup:
-            full, shares = CreditSpec(detail="full"), CreditSpec(method="shares", detail="full")
-            tasks = [Task(text, model=m, credit=c) for m in engine.models
-                     for text, c in (("warm up the model", full), ("and its routing shares", shares))]
-            failed = [r.error for r in engine.run(tasks) if r.error]
-            if failed:
-                raise NonFiniteScores(f"a model on backbone {engine.name} failed its warm-up: {failed[0]}")
+            engine._warm_up(engine.models)
         engine.load_seconds = time.perf_counter() - t0
+        engine.head_seconds = dict.fromkeys(engine.models, engine.load_seconds)
         return engine
+
+    def _warm_up(self, keys: Sequence[str]) -> None:
+        """One batch on each head of ``keys``, with both kinds of credit.
+
+        Raises:
+            NonFiniteScores: a head's scores were not finite.
+        """
+        full, shares = CreditSpec(detail="full"), CreditSpec(method="shares", detail="full")
+        tasks = [Task(text, model=k, credit=c) for k in keys
+                 for text, c in (("warm up the model", full), ("and its routing shares", shares))]
+        failed = [r.error for r in self.run(tasks) if r.error]
+        if failed:
+            raise NonFiniteScores(f"a model on backbone {self.name} failed its warm-up: {failed[0]}")
+
+    def add_heads(self, folders: Sequence[Path], keys: Sequence[str], warmup: bool = True) -> None:
+        t0 = time.perf_counter()
+        manifests = {k: read_manifest(Path(f)) for f, k in zip(folders, keys, strict=True)}
+        for f, m in zip(folders, manifests.values(), strict=True):
+            if backbone_key(m) != self.key:
+                raise ModelLoadError(Path(f) / MANIFEST, f"backbone {backbone_key(m)} differs from this backbone's "
+                                     f"{self.key}; it loads on a backbone of its own")
+        self.classifiers = {**self.classifiers, **load_heads(folders, keys, self.backbone)}
+        self._added(manifests)
+        if warmup:
+            try:
+                self._warm_up(keys)
+            except Exception:
+                self.remove_heads(keys)
+                raise
+        self.head_seconds.update(dict.fromkeys(keys, time.perf_counter() - t0))
+
+    def remove_heads(self, keys: Sequence[str]) -> None:
+        self._removed(keys)
+        self.classifiers = {k: c for k, c in self.classifiers.items() if k not in keys}
+        self.head_seconds = {k: t for k, t in self.head_seconds.items() if k not in keys}
 
     def describe(self, model: str) -> dict[str, Any]:
         m, clf = self.manifests[model], self.classifiers[model]
         return {
-            "name": model, "task": m.task, "description": m.description,
+            "name": m.name, "task": m.task, "description": m.description,
             "labels": m.labels, "backbone": m.backbone.model_dump(),
             "head": m.head.model_dump(), "max_length": self.max_length(model),
             "parameters": {"head": sum(p.numel() for p in clf.head.parameters()),
                            "backbone": sum(p.numel() for p in self.backbone.parameters())},
             "device": str(self.device), "dtype": str(self.dtype).removeprefix("torch."),
-            "evaluation": m.evaluation, "load_seconds": round(self.load_seconds, 3),
+            "evaluation": m.evaluation, "load_seconds": round(self.head_seconds.get(model, self.load_seconds), 3),
         }
 
-    def _credit_request(self, model: str, spec: CreditSpec | None) -> CreditRequest | None:
+    @staticmethod
+    def _credit_request(n_classes: int, spec: CreditSpec | None) -> CreditRequest | None:
         """The classifier's request for ``spec``: every class when the full matrix is wanted."""
         if spec is None:
             return None
-        targets = tuple(range(len(self.labels(model)))) if spec.matrix else spec.targets
+        targets = tuple(range(n_classes)) if spec.matrix else spec.targets
         return CreditRequest(targets=targets, method=spec.method, contrast=spec.contrast)
 
     def run(self, tasks: list[Task]) -> list[Result]:
@@ -189,17 +228,21 @@ class Engine(Planner):
         return length_groups(lengths, 2 * self.backbone.call_overhead, self.backbone.chunk_batch_tokens)
 
     def _finish(self, model: str, enc: Encoded, specs: list[CreditSpec | None]) -> list[Result]:
-        """Head ``model``'s part for texts whose chunks are all encoded (``enc``: their joined hidden states)."""
-        clf = self.classifiers[model]
-        pred = clf.classify(enc, explain=[self._credit_request(model, s) for s in specs],
+        """Head ``model``'s part for texts whose chunks are all encoded (``enc``: their joined hidden states). A
+        head dropped meanwhile answers with an error (only texts whose callers have gone can still ask for it)."""
+        manifest, clf = self.manifests.get(model), self.classifiers.get(model)
+        if manifest is None or clf is None:
+            return [Result(label="", scores={}, error=f"model {model_of(model)} was unloaded") for _ in specs]
+        labels = manifest.labels
+        pred = clf.classify(enc, explain=[self._credit_request(len(labels), s) for s in specs],
                             return_phi=any(s is not None and s.phi for s in specs))
         probs = pred.probs.cpu()  # one device-to-host copy per batch, not per text
-        return [self._result(model, pred, probs, b, s) for b, s in enumerate(specs)]
+        return [self._result(manifest.name, labels, pred, probs, b, s) for b, s in enumerate(specs)]
 
-    def _result(self, model: str, pred: Prediction, probs: torch.Tensor, b: int, spec: CreditSpec | None) -> Result:
-        labels = self.labels(model)
+    def _result(self, name: str, labels: list[str], pred: Prediction, probs: torch.Tensor, b: int,
+                spec: CreditSpec | None) -> Result:
         if not bool(torch.isfinite(probs[b]).all()):
-            return Result(label="", scores={}, error=f"model {model} produced non-finite scores for this text")
+            return Result(label="", scores={}, error=f"model {name} produced non-finite scores for this text")
         k = int(probs[b].argmax())
         res = Result(label=labels[k], scores=dict(zip(labels, probs[b].tolist(), strict=True)))
         explained = pred.explained[b]

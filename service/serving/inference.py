@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -35,8 +36,9 @@ from service.serving.contract import (
 )
 from service.serving.errors import APIError
 from service.serving.lifecycle import Lifecycle
-from service.serving.planner import Planner
+from service.serving.planner import Planner, model_of
 from service.serving.schemas import ClassifyResult, ExplainResult
+from service.serving.stats import InferenceStats
 
 INLINE_CHARS = 1000
 """Texts of a request up to this many characters in all are tokenized on the event loop (a tweet takes 0.05 ms
@@ -72,17 +74,53 @@ Gone = Callable[[], Awaitable[None]]
 
 
 class Inference:
-    """Every loaded model, by name, on its backbone group; and the pipeline that serves them."""
+    """Every loaded model, by name, on its backbone group; and the pipeline that serves them.
 
-    def __init__(self, settings: Settings, lifecycle: Lifecycle) -> None:
+    A model's name leads to the key of its current head (:func:`~service.serving.planner.head_key`). A request
+    holds the heads it was planned with until it is answered, so a head that a reload or an unload retires
+    answers everything accepted before, while new requests go to the new head (or get 404)."""
+
+    def __init__(self, settings: Settings, lifecycle: Lifecycle, stats: InferenceStats | None = None) -> None:
         self.settings, self.lifecycle = settings, lifecycle
-        self.backbones: dict[str, Backbone] = {}
+        self.stats = stats or InferenceStats()
+        self.backbones: dict[str, Backbone] = {}  # by the backbone group's name (see ``group_name``)
         self.models: dict[str, Backbone] = {}  # model name -> its backbone group, in loading order
+        self.heads: dict[str, str] = {}  # model name -> the key of its current head
+        self._using: Counter[str] = Counter()  # head key -> requests in flight planned with it
+        self._released: dict[str, asyncio.Event] = {}  # retired head key -> set when its last request is answered
 
     def add(self, backbone: Backbone) -> None:
+        """A backbone group and every head on it."""
         self.backbones[backbone.engine.name] = backbone
-        for name in backbone.engine.models:
-            self.models[name] = backbone
+        for key in backbone.engine.models:
+            self.serve(model_of(key), key, backbone)
+
+    def serve(self, name: str, key: str, backbone: Backbone) -> None:
+        """Requests for model ``name`` go to head ``key`` on ``backbone`` from now on."""
+        self.models[name], self.heads[name] = backbone, key
+
+    def withdraw(self, name: str) -> None:
+        """New requests for ``name`` get 404 from now on (those accepted keep their heads)."""
+        self.models.pop(name, None)
+        self.heads.pop(name, None)
+
+    async def released(self, key: str, timeout_s: float) -> bool:
+        """Wait until no request in flight holds head ``key`` (retired: no new one takes it); False on timeout."""
+        if not self._using.get(key):
+            return True
+        event = self._released.setdefault(key, asyncio.Event())
+        try:
+            async with asyncio.timeout(timeout_s):
+                await event.wait()
+            return True
+        except TimeoutError:
+            return False
+        finally:
+            self._released.pop(key, None)
+
+    def describe(self, model: str) -> dict[str, object]:
+        """What ``/v1/models`` says of ``model`` (404 if it is not loaded)."""
+        return self.backbone_of(model).engine.describe(self.heads[model])
 
     # --- resolving what a request names ---
 
@@ -97,7 +135,7 @@ class Inference:
         return backbone
 
     def labels(self, model: str) -> list[str]:
-        return self.backbone_of(model).engine.labels(model)
+        return self.backbone_of(model).engine.labels(self.heads[model])
 
     def resolve(self, names: Sequence[str] | Literal["all"]) -> list[str]:
         """The models a request names: ``"all"`` is every loaded one; an unknown name is a 404 naming it, a
@@ -157,39 +195,62 @@ class Inference:
             ``[model][text]`` answers, in the order asked.
         """
         self.check_limits(texts)
-        by_backbone: dict[str, list[int]] = {}  # backbone -> the indices of its models in ``models``
-        for m, name in enumerate(models):
-            by_backbone.setdefault(self.backbone_of(name).engine.name, []).append(m)
+        backbones = [self.backbone_of(name) for name in models]
+        keys = [self.heads[name] for name in models]  # the heads this request holds until it is answered
+        self._using.update(keys)
+        started = time.perf_counter()
+        try:
+            out = await self._run(backbones, keys, texts, specs, deadline, gone)
+        except BaseException:
+            self.stats.answered(models, time.perf_counter() - started, ok=False)
+            raise
+        finally:
+            for key in keys:
+                self._using[key] -= 1
+                if self._using[key] <= 0:
+                    del self._using[key]
+                    if key in self._released:
+                        self._released[key].set()
+        self.stats.answered(models, time.perf_counter() - started, ok=True)
+        return out
+
+    async def _run(self, backbones: list[Backbone], keys: list[str], texts: list[str],
+                   specs: Sequence[CreditSpec | None], deadline: float, gone: Gone | None) -> list[list[Scored]]:
+        """:meth:`run` on the heads ``keys[m]`` of ``backbones[m]``."""
+        by_backbone: dict[str, list[int]] = {}  # backbone -> the indices of its heads in ``keys``
+        for m, backbone in enumerate(backbones):
+            by_backbone.setdefault(backbone.engine.name, []).append(m)
+        groups = {b.engine.name: b for b in backbones}
         for name in by_backbone:
             try:
-                self.backbones[name].batcher.check_room(len(texts))
+                groups[name].batcher.check_room(len(texts))
             except (Overloaded, Draining) as e:
                 raise _refused(e) from None
         loop = asyncio.get_running_loop()
         plans: list[tuple[Backbone, list[TextJob], list[int]]] = []  # a backbone's jobs, and each job's text
-        encodings: dict[tuple[int, int], Encoding] = {}  # (model, text) -> the encoding its head sees
+        encodings: dict[tuple[int, int], Encoding] = {}  # (head, text) -> the encoding it sees
         for name, ms in by_backbone.items():
-            backbone = self.backbones[name]
+            backbone = groups[name]
             engine = backbone.engine
-            names = [models[m] for m in ms]
+            heads = [keys[m] for m in ms]
             if sum(map(len, texts)) <= INLINE_CHARS:  # a thread hop would cost more than the tokenizing
-                per_text = engine.encode(texts, names)
+                per_text = engine.encode(texts, heads)
             else:
-                per_text = await loop.run_in_executor(None, engine.encode, texts, names)
+                per_text = await loop.run_in_executor(None, engine.encode, texts, heads)
             jobs: list[TextJob] = []
             places: list[int] = []
             for t, by_length in enumerate(per_text):
                 for m in ms:
-                    encodings[(m, t)] = by_length[engine.max_length(models[m])]
-                text_jobs = engine.jobs(by_length, [Ask(models[m], specs[m]) for m in ms])
+                    encodings[(m, t)] = by_length[engine.max_length(keys[m])]
+                text_jobs = engine.jobs(by_length, [Ask(keys[m], specs[m]) for m in ms])
                 jobs += text_jobs
                 places += [t] * len(text_jobs)
             plans.append((backbone, jobs, places))
-        self._check_tokens(models, specs, encodings)
+        self._check_tokens(backbones, keys, specs, encodings)
         answers = await self._submit([(b, [w for j in jobs for w in j.chunks()]) for b, jobs, _ in plans], deadline,
                                      gone)
-        results: dict[tuple[int, int], Result] = {}  # (model, text) -> result
-        index = {name: m for m, name in enumerate(models)}
+        results: dict[tuple[int, int], Result] = {}  # (head, text) -> result
+        index = {key: m for m, key in enumerate(keys)}
         for (_, jobs, places), got in zip(plans, answers, strict=True):
             for job, t, answer in zip(jobs, places, got, strict=True):
                 for ask, res in zip(job.asks, answer, strict=True):
@@ -198,19 +259,20 @@ class Inference:
         if failed:
             raise APIError(500, failed, reason="internal")
         explained = {key: enc for key, enc in encodings.items() if specs[key[0]] is not None}
-        tokens = await render.off_loop(lambda: self._tokens(models, explained)) if explained else {}
+        tokens = await render.off_loop(lambda: self._tokens(backbones, explained)) if explained else {}
         return [[Scored(text, results[(m, t)], encodings[(m, t)], tokens.get(id(encodings[(m, t)])))
-                 for t, text in enumerate(texts)] for m in range(len(models))]
+                 for t, text in enumerate(texts)] for m in range(len(keys))]
 
-    def _tokens(self, models: Sequence[str], encodings: dict[tuple[int, int], Encoding]) -> dict[int, list[Token]]:
+    @staticmethod
+    def _tokens(backbones: Sequence[Backbone], encodings: dict[tuple[int, int], Encoding]) -> dict[int, list[Token]]:
         """The tokens of each encoding (by identity), built once however many models share it."""
         out: dict[int, list[Token]] = {}
         for (m, _), enc in encodings.items():
             if id(enc) not in out:
-                out[id(enc)] = self.models[models[m]].engine.tokens(enc)
+                out[id(enc)] = backbones[m].engine.tokens(enc)
         return out
 
-    def _check_tokens(self, models: Sequence[str], specs: Sequence[CreditSpec | None],
+    def _check_tokens(self, backbones: Sequence[Backbone], keys: Sequence[str], specs: Sequence[CreditSpec | None],
                       encodings: dict[tuple[int, int], Encoding]) -> None:
         """413 for a text over ``max_text_tokens``, or a full matrix / phi payload over ``max_explain_elements``."""
         cap = self.settings.max_text_tokens
@@ -220,7 +282,7 @@ class Inference:
                 raise APIError(413, f"inputs.{t} has {enc.n_tokens} tokens, more than the limit of {cap}")
             spec = specs[m]
             if spec is not None and (spec.matrix or spec.phi):
-                size += self.models[models[m]].engine.explain_elements(models[m], enc.n_tokens, spec)
+                size += backbones[m].engine.explain_elements(keys[m], enc.n_tokens, spec)
         if size > self.settings.max_explain_elements:
             raise APIError(413, f"include_matrix/include_phi would return {size} numbers, more than the limit of "
                                 f"{self.settings.max_explain_elements}; send fewer or shorter texts")

@@ -15,6 +15,8 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from service.serving.contract import Answer, ChunkWork
+from service.serving.planner import model_of
+from service.serving.stats import InferenceStats
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -101,15 +103,47 @@ class Metrics:
                                 registry=r)
         self.model_info = Gauge("routing_model_info", "Loaded models (value 1)",
                                 ["model", "backbone", "device", "dtype"], registry=r)
+        self.model_loads = Counter("routing_model_loads_total", "Loads and reloads of a model at runtime, by outcome",
+                                   ["model", "outcome"], registry=r)
+        self.model_unloads = Counter("routing_model_unloads_total", "Unloads of a model at runtime", ["model"],
+                                     registry=r)
+        self.model_weight_bytes = Gauge("routing_model_weight_bytes", "Bytes of a loaded model's head weights",
+                                        ["model"], registry=r)
+        self.stats = InferenceStats()  # the same figures in Triton's statistics shape (/v2/models/stats)
+        self._info: dict[str, tuple[str, str, str, str]] = {}  # loaded model -> its routing_model_info labels
         for reason in FAILURE_REASONS:
             self.failures.labels(reason)  # export zeros so dashboards and alerts see every series
 
     def observer(self, backbone: str) -> BatchMetrics:
         return BatchMetrics(self, backbone)
 
+    def loaded(self, name: str, backbone: str, device: str, dtype: str, seconds: float, weight_bytes: int) -> None:
+        """Model ``name`` serves from now on (loaded at start, at runtime, or reloaded)."""
+        self.unloaded(name, count=False)
+        for series in (self.queue_wait, self.texts, self.tokens):  # each model's series, exported at zero
+            series.labels(name)
+        for reason in ("disconnected", "deadline"):
+            self.dropped.labels(name, reason)
+        self._info[name] = (name, backbone, device, dtype)
+        self.model_info.labels(*self._info[name]).set(1)
+        self.model_load.labels(name).set(seconds)
+        self.model_weight_bytes.labels(name).set(weight_bytes)
+        self.stats.loaded(name)
+
+    def unloaded(self, name: str, count: bool = True) -> None:
+        """Model ``name`` serves no more: its per-model gauges go (counters stay, as Prometheus expects)."""
+        labels = self._info.pop(name, None)
+        if labels is None:
+            return
+        self.model_info.remove(*labels)
+        self.model_weight_bytes.remove(name)
+        if count:
+            self.model_unloads.labels(name).inc()
+            self.stats.unloaded(name)
+
 
 def _models(work: ChunkWork) -> list[str]:
-    return [a.model or "" for a in work.job.asks]
+    return [model_of(a.model or "") for a in work.job.asks]
 
 
 class BatchMetrics:
@@ -121,15 +155,6 @@ class BatchMetrics:
         for h in (m.batch_seconds, m.batch_size, m.batch_tokens, m.padding_ratio):
             h.labels(backbone)
         m.queue_depth.labels(backbone).set(0)
-
-    def model(self, name: str) -> None:
-        """Export a model's series at zero (call when it is loaded)."""
-        m = self.m
-        m.queue_wait.labels(name)
-        m.texts.labels(name)
-        m.tokens.labels(name)
-        for reason in ("disconnected", "deadline"):
-            m.dropped.labels(name, reason)
 
     def on_queue_depth(self, depth: int) -> None:
         self.m.queue_depth.labels(self.backbone).set(depth)
@@ -147,13 +172,18 @@ class BatchMetrics:
         m.batch_tokens.labels(backbone).observe(padded_cost)
         m.padding_ratio.labels(backbone).observe(1.0 - real_cost / padded_cost if padded_cost else 0.0)
         m.batch_seconds.labels(backbone).observe(seconds)
+        chunks: Tally[str] = Tally()
+        texts: Tally[str] = Tally()
+        waited: dict[str, float] = {}
         for w, wait in zip(payloads, waits, strict=True):
             for model in _models(w):
                 m.queue_wait.labels(model).observe(wait)
                 m.tokens.labels(model).inc(w.cost)
-        if results is None:  # the batch failed: nothing was answered
-            return
-        for w, answer in zip(payloads, results, strict=True):
+                chunks[model] += 1
+                waited[model] = waited.get(model, 0.0) + wait
+        for w, answer in zip(payloads, results or [None] * len(payloads), strict=True):
             if answer is not None:
                 for model in _models(w):
                     m.texts.labels(model).inc()
+                    texts[model] += 1
+        m.stats.batch(chunks, texts, waited, len(payloads), seconds)

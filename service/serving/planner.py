@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from service.modeling.encoding import Encoding
@@ -18,6 +19,17 @@ def backbone_key(manifest: Manifest) -> tuple[str, str]:
     """What makes two models share a loaded backbone: the same source and revision (device and dtype are
     the server's, the same for every model)."""
     return manifest.backbone.source, manifest.backbone.revision
+
+
+def head_key(name: str, generation: int = 0) -> str:
+    """A loaded head's key: the model's name, and ``name#n`` for its n-th reload (the old head answers what was
+    accepted before the reload while the new one takes what comes after, both on the same backbone)."""
+    return name if generation == 0 else f"{name}#{generation}"
+
+
+def model_of(key: str) -> str:
+    """The model's name of a head's key (names never hold ``#``: see the manifest's pattern)."""
+    return key.partition("#")[0]
 
 
 def group_name(manifest: Manifest) -> str:
@@ -38,20 +50,50 @@ class Planner(abc.ABC):
     device: Any  # where the heads compute (``torch.device`` here, its name for a process of its own)
     dtype: Any
 
-    def __init__(self, manifests: Sequence[Manifest], chunker: ChunkTokenizer) -> None:
+    def __init__(self, manifests: Sequence[Manifest], chunker: ChunkTokenizer, keys: Sequence[str] | None = None
+                 ) -> None:
         if not manifests:
             raise ValueError("a backbone needs at least one model")
-        keys = {backbone_key(m) for m in manifests}
-        if len(keys) > 1:
-            raise ValueError(f"models on one backbone must name the same backbone, not {sorted(keys)}")
-        self.manifests = {m.name: m for m in manifests}
+        backbones = {backbone_key(m) for m in manifests}
+        if len(backbones) > 1:
+            raise ValueError(f"models on one backbone must name the same backbone, not {sorted(backbones)}")
+        self.key = backbone_key(manifests[0])
+        self.manifests = dict(zip(keys or [m.name for m in manifests], manifests, strict=True))  # head key -> manifest
         self.chunker = chunker
         self.name = group_name(manifests[0])
-        self.default = manifests[0].name  # the head of a task that names none
+        self.default = next(iter(self.manifests))  # the head of a task that names none
 
     @property
     def models(self) -> list[str]:
+        """The keys of the heads loaded (see :func:`head_key`)."""
         return list(self.manifests)
+
+    def _added(self, manifests: dict[str, Manifest]) -> None:
+        """Heads loaded at runtime (``manifests``: by key), after the backbone took them."""
+        other = sorted({backbone_key(m) for m in manifests.values()} - {self.key})
+        if other:
+            raise ValueError(f"backbone {self.name} cannot take heads of backbone {other}")
+        self.manifests = {**self.manifests, **manifests}  # a new dict: readers on other threads see one or the other
+
+    def _removed(self, keys: Sequence[str]) -> None:
+        """Heads dropped at runtime."""
+        self.manifests = {k: m for k, m in self.manifests.items() if k not in keys}
+        if self.default not in self.manifests and self.manifests:
+            self.default = next(iter(self.manifests))
+
+    @abc.abstractmethod
+    def add_heads(self, folders: Sequence[Path], keys: Sequence[str], warmup: bool = True) -> None:
+        """Load the heads of ``folders`` (models naming this backbone) onto it under ``keys``: all or none, while
+        batches go on.
+
+        Raises:
+            ModelLoadError: a folder is damaged or names another backbone.
+            NonFiniteScores, ModelProcessError: a head failed its warm-up, or the backbone's process failed.
+        """
+
+    @abc.abstractmethod
+    def remove_heads(self, keys: Sequence[str]) -> None:
+        """Drop these heads (the caller has answered all their work); their memory goes with them."""
 
     def labels(self, model: str) -> list[str]:
         return self.manifests[model].labels

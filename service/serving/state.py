@@ -13,15 +13,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from service.config import Settings
-from service.modeling.manifest import discover, read_manifest
+from service.modeling.manifest import WEIGHTS, discover, read_manifest
 from service.serving.batcher import Batcher, BatchLimits
+from service.serving.control import ModelControl
 from service.serving.lifecycle import Lifecycle
 from service.serving.metrics import Metrics
-from service.serving.planner import Planner, backbone_key
+from service.serving.planner import Planner, backbone_key, model_of
 from service.serving.worker import BackboneProcess, Replicas
 
 if TYPE_CHECKING:
-    from service.serving.inference import Inference
+    from service.serving.inference import Backbone, Inference
 
 log = logging.getLogger("service.state")
 
@@ -32,11 +33,13 @@ class AppState:
     metrics: Metrics
     lifecycle: Lifecycle = field(default_factory=Lifecycle)
     inference: Inference = field(init=False)
+    control: ModelControl = field(init=False)
 
     def __post_init__(self) -> None:
         from service.serving.inference import Inference
 
-        self.inference = Inference(self.settings, self.lifecycle)
+        self.inference = Inference(self.settings, self.lifecycle, self.metrics.stats)
+        self.control = ModelControl(self)
 
     def model_names(self, repository: Path) -> list[str]:
         available = discover(repository)
@@ -56,10 +59,7 @@ class AppState:
 
     async def load(self) -> None:
         """Load, warm up and start every backbone group; on failure record why (the server then exits)."""
-        from service.serving.inference import Backbone
-
         s = self.settings
-        loop = asyncio.get_running_loop()
         try:
             if not s.model_process:  # torch computes in this process (else each backbone's process sets its own)
                 from service.threads import set_torch_threads
@@ -74,40 +74,58 @@ class AppState:
             if s.default_model not in names:
                 raise ValueError(f"default model {s.default_model!r} is not among the loaded models {names}")
             for folders in self.backbone_groups(names):
-                t0 = time.perf_counter()
-                log.info("loading models %s on one backbone", [f.name for f in folders])
-                engine = await loop.run_in_executor(None, self._load_backbone, folders)
-                limits = BatchLimits(max_batch_size=s.max_batch_size, max_batch_tokens=s.max_batch_tokens,
-                                     max_wait_s=s.max_wait_ms / 1000, max_queue=s.max_queue)
-                observer = self.metrics.observer(engine.name)
-                for name in engine.models:
-                    observer.model(name)
-                batcher = Batcher(engine.runners, limits, observer, engine.name)
-                batcher.start()
-                self.inference.add(Backbone(engine, batcher))
-                seconds = time.perf_counter() - t0
-                for name in engine.models:
-                    self.metrics.model_load.labels(name).set(seconds)
-                    self.metrics.model_info.labels(name, engine.manifests[name].backbone.name, str(engine.device),
-                                                   str(engine.dtype).removeprefix("torch.")).set(1)
-                log.info("backbone %s with models %s ready on %s in %.1f s", engine.name, engine.models,
-                         engine.device, seconds)
+                await self.start_backbone(folders)
+            self.control.start()
             self.lifecycle.loaded()
         except Exception as e:
             self.lifecycle.fail(f"{type(e).__name__}: {e}")
             log.error("model loading failed: %s", self.lifecycle.error)
 
-    def _load_backbone(self, folders: list[Path]) -> Planner:
-        """The models of ``folders`` on one backbone, as the settings say: in this process, a process of its
-        own, or several."""
+    async def start_backbone(self, folders: list[Path], keys: list[str] | None = None) -> Backbone:
+        """Load the models of ``folders`` (naming one backbone) on a new backbone group, each head under its key
+        in ``keys`` (default: its model's name), start its batcher and serve them.
+
+        Raises:
+            ModelLoadError, ModelProcessError, NonFiniteScores: the models could not load (nothing is served).
+        """
+        from service.serving.inference import Backbone
+
+        s = self.settings
+        t0 = time.perf_counter()
+        log.info("loading models %s on one backbone", [f.name for f in folders])
+        engine = await asyncio.get_running_loop().run_in_executor(None, self._load_backbone, folders, keys)
+        limits = BatchLimits(max_batch_size=s.max_batch_size, max_batch_tokens=s.max_batch_tokens,
+                             max_wait_s=s.max_wait_ms / 1000, max_queue=s.max_queue)
+        batcher = Batcher(engine.runners, limits, self.metrics.observer(engine.name), engine.name)
+        batcher.start()
+        backbone = Backbone(engine, batcher)
+        self.inference.add(backbone)
+        seconds = time.perf_counter() - t0
+        for folder, key in zip(folders, engine.models, strict=True):
+            self.published(backbone, model_of(key), folder, seconds)
+        log.info("backbone %s with models %s ready on %s in %.1f s", engine.name, engine.models, engine.device,
+                 seconds)
+        return backbone
+
+    def published(self, backbone: Backbone, name: str, folder: Path, seconds: float) -> None:
+        """Metrics of model ``name`` (its folder ``folder``), now served on ``backbone``."""
+        engine = backbone.engine
+        weights = folder / WEIGHTS
+        self.metrics.loaded(name, engine.manifests[self.inference.heads[name]].backbone.name, str(engine.device),
+                            str(engine.dtype).removeprefix("torch."), seconds,
+                            weights.stat().st_size if weights.is_file() else 0)
+
+    def _load_backbone(self, folders: list[Path], keys: list[str] | None = None) -> Planner:
+        """The models of ``folders`` on one backbone (heads under ``keys``), as the settings say: in this process,
+        a process of its own, or several."""
         s = self.settings
         if not s.model_process:
             from service.serving.engine import Engine  # torch, in this process only then
 
-            return Engine.load(folders, s.device, s.dtype, s.warmup)
+            return Engine.load(folders, s.device, s.dtype, s.warmup, keys)
         if s.model_replicas > 1:
-            return Replicas(folders, s.device, s.dtype, s.warmup, s.torch_threads, s.model_replicas)
-        return BackboneProcess(folders, s.device, s.dtype, s.warmup, s.torch_threads)
+            return Replicas(folders, s.device, s.dtype, s.warmup, s.torch_threads, s.model_replicas, keys)
+        return BackboneProcess(folders, s.device, s.dtype, s.warmup, s.torch_threads, keys=keys)
 
     def start_draining(self) -> None:
         """New requests get 503 from here on; requests already being handled still reach the batchers."""
@@ -148,6 +166,7 @@ class AppState:
 
     async def close(self, timeout_s: float) -> None:
         """Stop every batcher, answering what is still queued within ``timeout_s``; close the backbones."""
+        await self.control.stop()
         backbones = list(self.inference.backbones.values())
         for backbone in backbones:
             await backbone.batcher.stop(timeout_s)

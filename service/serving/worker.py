@@ -30,12 +30,12 @@ import subprocess
 import sys
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from service.modeling.manifest import MANIFEST, ModelLoadError, read_manifest
 from service.modeling.tokenizer import BackboneError, ChunkTokenizer
@@ -44,20 +44,31 @@ from service.serving.contract import (
     ChunkWork,
     Computed,
     Failed,
+    HeadsLoaded,
     LoadBackbone,
     Loaded,
+    LoadHeads,
     Result,
     RunBatch,
     TextJob,
+    UnloadHeads,
 )
 from service.serving.planner import Planner
 from service.threads import available_cpus
+
+if TYPE_CHECKING:
+    from service.serving.engine import Engine
 
 log = logging.getLogger("service.worker")
 
 
 class ModelProcessError(RuntimeError):
     """The backbone's process failed to load, or exited while computing a batch."""
+
+
+class HeadLoadError(RuntimeError):
+    """Heads failed to load onto a running backbone's process (the message names the file and the problem); the
+    heads it had are unchanged."""
 
 
 def _serve(conn: Connection) -> None:
@@ -69,7 +80,7 @@ def _serve(conn: Connection) -> None:
     load: LoadBackbone = conn.recv()
     try:
         set_torch_threads(load.torch_threads)
-        engine = Engine.load([Path(f) for f in load.folders], load.device, load.dtype, load.warmup)
+        engine = Engine.load([Path(f) for f in load.folders], load.device, load.dtype, load.warmup, load.keys)
     except Exception as e:  # reported to the server, which fails its start with it
         conn.send(Failed(f"{type(e).__name__}: {e}"))
         return
@@ -78,11 +89,14 @@ def _serve(conn: Connection) -> None:
     held: dict[int, TextJob] = {}  # texts with chunks still to come: their states so far
     while True:
         try:
-            msg: RunBatch | None = conn.recv()
+            msg: RunBatch | LoadHeads | UnloadHeads | None = conn.recv()
         except EOFError:  # the server's process is gone
             return
         if msg is None:
             return
+        if isinstance(msg, LoadHeads | UnloadHeads):
+            conn.send(_change_heads(engine, msg))
+            continue
         for key in msg.forget:
             held.pop(key, None)
         works = [_held(w, held) for w in msg.works]
@@ -97,6 +111,18 @@ def _serve(conn: Connection) -> None:
             if w.job.left == 0:
                 held.pop(w.job.key, None)
         conn.send(Computed(answers, engine.device_memory(), len(held)))
+
+
+def _change_heads(engine: Engine, msg: LoadHeads | UnloadHeads) -> HeadsLoaded | Failed:
+    """Load or drop heads between two batches; a head that fails to load leaves the others as they were."""
+    if isinstance(msg, UnloadHeads):
+        engine.remove_heads(msg.keys)
+        return HeadsLoaded({})
+    try:
+        engine.add_heads([Path(f) for f in msg.folders], msg.keys, msg.warmup)
+    except Exception as e:
+        return Failed(f"{type(e).__name__}: {e}")
+    return HeadsLoaded({k: engine.describe(k) for k in msg.keys})
 
 
 def _held(work: ChunkWork, held: dict[int, TextJob]) -> ChunkWork:
@@ -120,7 +146,8 @@ class BackboneProcess(Planner):
     """
 
     def __init__(self, folders: Path | list[Path], device: str = "auto", dtype: str = "float32", warmup: bool = True,
-                 torch_threads: int | None = None, chunker: ChunkTokenizer | None = None) -> None:
+                 torch_threads: int | None = None, chunker: ChunkTokenizer | None = None,
+                 keys: list[str] | None = None) -> None:
         folders = [folders] if isinstance(folders, Path) else list(folders)
         manifests = [read_manifest(f) for f in folders]
         if chunker is None:
@@ -128,8 +155,10 @@ class BackboneProcess(Planner):
                 chunker = ChunkTokenizer.load(manifests[0].backbone.source)
             except BackboneError as e:
                 raise ModelLoadError(folders[0] / MANIFEST, f"unknown or unloadable backbone: {e}") from e
-        super().__init__(manifests, chunker)
-        self._load = LoadBackbone(tuple(str(f) for f in folders), device, dtype, warmup, torch_threads)
+        super().__init__(manifests, chunker, keys)
+        self._folders = dict(zip(self.models, folders, strict=True))  # head key -> its model's folder
+        self._load = LoadBackbone(tuple(str(f) for f in folders), tuple(self.models), device, dtype, warmup,
+                                  torch_threads)
         self._lock = threading.Lock()  # one batch at a time on the pipe
         self._forget: collections.deque[int] = collections.deque()  # texts given up, to tell the process
         self._watched: set[int] = set()  # texts of several chunks whose freeing is watched
@@ -217,6 +246,38 @@ class BackboneProcess(Planner):
             answers[pos] = answer
         return answers
 
+    def add_heads(self, folders: Sequence[Path], keys: Sequence[str], warmup: bool = True) -> None:
+        manifests = {k: read_manifest(Path(f)) for f, k in zip(folders, keys, strict=True)}
+        msg = self._ask(LoadHeads(tuple(str(f) for f in folders), tuple(keys), warmup))
+        if isinstance(msg, Failed):
+            raise HeadLoadError(msg.error)
+        self._added(manifests)
+        self._folders.update(zip(keys, map(Path, folders), strict=True))
+        self._descriptions = {**self._descriptions, **msg.descriptions}
+        self._restart_with()
+
+    def remove_heads(self, keys: Sequence[str]) -> None:
+        self._ask(UnloadHeads(tuple(keys)))
+        self._removed(keys)
+        self._descriptions = {k: d for k, d in self._descriptions.items() if k not in keys}
+        self._folders = {k: f for k, f in self._folders.items() if k not in keys}
+        self._restart_with()
+
+    def _ask(self, msg: LoadHeads | UnloadHeads) -> HeadsLoaded | Failed:
+        """Send a change of heads between two batches and wait for its answer."""
+        with self._lock:
+            try:
+                self._conn.send(msg)
+                return self._conn.recv()
+            except (EOFError, OSError):
+                raise ModelProcessError(f"the process of backbone {self.name} exited while changing its heads "
+                                        f"(code {self._proc.poll()})") from None
+
+    def _restart_with(self) -> None:
+        """What a restart of the backbone's process loads from now on: the heads it holds now."""
+        folders = tuple(str(self._folders[k]) for k in self.models)
+        self._load = replace(self._load, folders=folders, keys=tuple(self.models))
+
     def _given_up(self, key: int) -> None:
         self._watched.discard(key)
         self._lost.discard(key)
@@ -251,15 +312,15 @@ class Replicas(Planner):
     """
 
     def __init__(self, folders: Path | list[Path], device: str = "auto", dtype: str = "float32", warmup: bool = True,
-                 torch_threads: int | None = None, n: int = 2) -> None:
+                 torch_threads: int | None = None, n: int = 2, keys: list[str] | None = None) -> None:
         if n < 2:
             raise ValueError(f"replicas need at least 2 processes, not {n}")
         threads = torch_threads or max(1, available_cpus() // n)
-        first = BackboneProcess(folders, device, dtype, warmup, threads)
-        super().__init__(list(first.manifests.values()), first.chunker)
+        first = BackboneProcess(folders, device, dtype, warmup, threads, keys=keys)
+        super().__init__(list(first.manifests.values()), first.chunker, first.models)
         self.processes = [first]
         with ThreadPoolExecutor(n - 1) as pool:  # the others load side by side
-            started = [pool.submit(BackboneProcess, folders, device, dtype, warmup, threads, first.chunker)
+            started = [pool.submit(BackboneProcess, folders, device, dtype, warmup, threads, first.chunker, keys)
                        for _ in range(n - 1)]
         self.processes += [f.result() for f in started if f.exception() is None]
         failed = next((e for f in started if (e := f.exception()) is not None), None)
@@ -272,6 +333,23 @@ class Replicas(Planner):
     @property
     def runners(self) -> list[Callable[[list[ChunkWork]], list[Answer | None]]]:
         return [p.run_chunks for p in self.processes]
+
+    def add_heads(self, folders: Sequence[Path], keys: Sequence[str], warmup: bool = True) -> None:
+        """The heads onto every process, side by side; where one fails, the others drop them again."""
+        with ThreadPoolExecutor(len(self.processes)) as pool:
+            done = [pool.submit(p.add_heads, folders, keys, warmup) for p in self.processes]
+        failed = next((e for f in done if (e := f.exception()) is not None), None)
+        if failed is not None:
+            for p, f in zip(self.processes, done, strict=True):
+                if f.exception() is None:
+                    p.remove_heads(keys)
+            raise failed
+        self._added({k: self.processes[0].manifests[k] for k in keys})
+
+    def remove_heads(self, keys: Sequence[str]) -> None:
+        for p in self.processes:
+            p.remove_heads(keys)
+        self._removed(keys)
 
     def run_chunks(self, works: list[ChunkWork]) -> list[Answer | None]:
         """Compute a batch in the first process (the batcher spreads batches over :attr:`runners`)."""

@@ -21,18 +21,36 @@ async def get_state(request: Request) -> AppState:
 State = Annotated[AppState, Depends(get_state)]
 
 
-def check_key(state: AppState, authorization: str | None) -> None:
-    """401 unless ``Authorization: Bearer <key>`` names a configured key (constant-time comparison)."""
-    keys = state.settings.api_keys
-    if not keys:
-        return
+def _bearer_in(keys: list[str], authorization: str | None) -> bool:
+    """Whether ``Authorization: Bearer <key>`` names one of ``keys`` (constant-time comparison)."""
     scheme, _, token = (authorization or "").partition(" ")
     ok = False
     for key in keys:  # compare with every key so timing says nothing about which matched
         ok |= hmac.compare_digest(token.strip().encode(), key.encode())
-    if scheme.lower() != "bearer" or not ok:
+    return scheme.lower() == "bearer" and ok
+
+
+def check_key(state: AppState, authorization: str | None) -> None:
+    """401 unless ``Authorization: Bearer <key>`` names a configured API key (none configured: open)."""
+    keys = state.settings.api_keys
+    if keys and not _bearer_in(keys, authorization):
         raise APIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
                        headers={"WWW-Authenticate": "Bearer"})
+
+
+async def require_admin(request: Request) -> None:
+    """401 unless the request carries an admin key (``ROUTING_ADMIN_KEYS``); 403 with an inference key, or when
+    no admin key is configured (model control is then closed to every client)."""
+    settings = (await get_state(request)).settings
+    authorization = request.headers.get("authorization")
+    if not settings.admin_keys:
+        raise APIError(403, "the model repository needs an admin key, and none is configured (ROUTING_ADMIN_KEYS)")
+    if _bearer_in(settings.admin_keys, authorization):
+        return
+    if _bearer_in(settings.api_keys, authorization):
+        raise APIError(403, "an inference API key cannot control models: send an admin key")
+    raise APIError(401, "missing or invalid admin key: send 'Authorization: Bearer <admin key>'",
+                   headers={"WWW-Authenticate": "Bearer"})
 
 
 async def require_key(request: Request) -> None:

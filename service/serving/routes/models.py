@@ -15,12 +15,10 @@ router = APIRouter(prefix="/v1", tags=["models"], dependencies=[Depends(require_
 async def list_models(state: State) -> ModelList:
     default = state.settings.default_model
     inf = state.inference
-    inf.backbone_of(default)
-    return ModelList(default=default, models=[ModelInfo(**b.engine.describe(name), default=name == default)
-                                              for name, b in inf.models.items()])
+    return ModelList(default=default, models=[ModelInfo(**inf.describe(name), default=name == default)
+                                              for name in inf.resolve("all")])
 
 
 @router.get("/models/{model}", response_model=ModelInfo, summary="One model")
 async def get_model(state: State, model: str) -> ModelInfo:
-    backbone = state.inference.backbone_of(model)
-    return ModelInfo(**backbone.engine.describe(model), default=model == state.settings.default_model)
+    return ModelInfo(**state.inference.describe(model), default=model == state.settings.default_model)

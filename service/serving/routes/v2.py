@@ -96,7 +96,8 @@ def _tensor_meta(name: str, datatype: str, shape: list[int]) -> dict[str, Any]:
 
 @router.get("", summary="Server metadata")
 async def server_metadata() -> dict[str, Any]:
-    return {"name": "routing-service", "version": __version__, "extensions": ["binary_tensor_data"]}
+    return {"name": "routing-service", "version": __version__,
+            "extensions": ["binary_tensor_data", "model_repository", "statistics"]}
 
 
 @router.get("/health/live", summary="Server liveness")
@@ -114,7 +115,7 @@ async def ready(state: State) -> JSONResponse:
 @models.get("/models/{model}/versions/{version}", summary="Model metadata", include_in_schema=False)
 async def model_metadata(state: State, model: str, version: str = "1") -> dict[str, Any]:
     labels = state.inference.labels(model)
-    _check_version(version)
+    check_version(version)
     n = len(labels)
     return {
         "name": model, "versions": ["1"], "platform": "pytorch_routing_head",
@@ -131,7 +132,7 @@ async def model_metadata(state: State, model: str, version: str = "1") -> dict[s
 @models.get("/models/{model}/versions/{version}/ready", summary="Model readiness", include_in_schema=False)
 async def model_ready(state: State, model: str, version: str = "1") -> dict[str, Any]:
     state.inference.backbone_of(model)
-    _check_version(version)
+    check_version(version)
     return {"name": model, "ready": True}
 
 
@@ -146,7 +147,7 @@ _INFER_DOC = {"requestBody": {"required": True, "content": {"application/json": 
 async def infer(request: Request, state: State, model: str, version: str = "1") -> InferResponse:
     inf = state.inference
     labels = inf.labels(model)
-    _check_version(version)
+    check_version(version)
     body, binary = await _parse(request)
     texts = _texts(body.inputs[0], binary)
     inf.check_limits(texts)
@@ -172,7 +173,7 @@ async def infer(request: Request, state: State, model: str, version: str = "1") 
     return InferResponse(model_name=model, id=body.id, outputs=[outputs[n] for n in names])
 
 
-def _check_version(version: str) -> None:
+def check_version(version: str) -> None:
     if version != "1":
         raise APIError(404, f"unknown model version {version!r}; the only version is '1'")
 

@@ -1,0 +1,222 @@
+"""Models loaded, reloaded and unloaded while the server runs (Triton's model repository extension), through
+``/v2/repository`` (``model_control=explicit``) or by watching the repository folder (``poll``).
+
+A model whose backbone is already loaded loads as a head onto it (the head's folder read and checked, one
+warm-up batch); a model of another backbone starts a backbone group of its own. A reload loads the new head
+beside the old one and then points the model's name at it in one step: requests accepted before go on with
+the old head, new ones take the new one, and the old head is dropped once the last request that holds it is
+answered. An unload withdraws the name first (new requests get 404), waits for what it accepted, then drops
+the head, and with the last head of a backbone its process and memory. One change at a time; a model that
+fails to load leaves every other model serving as it was, and its reason shows in the index.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+from service.modeling.manifest import MANIFEST, WEIGHTS, ModelLoadError, discover, read_manifest
+from service.serving.errors import APIError
+from service.serving.planner import backbone_key, head_key
+
+if TYPE_CHECKING:
+    from service.serving.inference import Backbone
+    from service.serving.state import AppState
+
+log = logging.getLogger("service.control")
+NAME = re.compile(r"^[a-z0-9][a-z0-9._-]*$")  # a model folder's name, as manifests require
+ModelState = Literal["READY", "LOADING", "UNLOADING", "UNAVAILABLE"]
+
+
+@dataclass(frozen=True)
+class IndexEntry:
+    """One model folder of the repository (or a model still serving whose folder is gone)."""
+
+    name: str
+    state: ModelState
+    reason: str = ""
+
+    def json(self) -> dict[str, str]:
+        return {"name": self.name, "version": "1", "state": self.state, "reason": self.reason}
+
+
+def signature(folder: Path) -> tuple[tuple[str, int, int], ...]:
+    """What tells a changed model folder: its manifest's and weights' modification times and sizes."""
+    out = []
+    for name in (MANIFEST, WEIGHTS):
+        with contextlib.suppress(OSError):
+            st = (folder / name).stat()
+            out.append((name, st.st_mtime_ns, st.st_size))
+    return tuple(out)
+
+
+class ModelControl:
+    """Index, load, reload and unload models of the repository while the server runs."""
+
+    def __init__(self, app: AppState) -> None:
+        self.app = app
+        self._lock = asyncio.Lock()  # one change at a time
+        self._generation: dict[str, int] = {}  # model -> reloads so far (its head keys stay unique)
+        self._status: dict[str, tuple[ModelState, str]] = {}  # models not simply READY or never touched
+        self._seen: dict[str, tuple[tuple[str, int, int], ...]] = {}  # model -> its folder when last loaded or tried
+        self._poller: asyncio.Task[None] | None = None
+
+    @property
+    def repository(self) -> Path:
+        return self.app.settings.model_repository
+
+    def start(self) -> None:
+        """Note the folders of the models loaded at start; in ``poll`` mode, start watching the repository."""
+        for name in self.app.inference.models:
+            self._seen[name] = signature(self.repository / name)
+        if self.app.settings.model_control == "poll" and self._poller is None:
+            self._poller = asyncio.get_running_loop().create_task(self._poll(), name="repository-poll")
+
+    async def stop(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._poller
+            self._poller = None
+
+    def folder(self, name: str) -> Path:
+        """The repository folder of model ``name``: 400 for a name no model folder may have (a slash, ``..``),
+        404 when the repository has no such model folder. Nothing outside the repository is ever read."""
+        if not NAME.fullmatch(name) or ".." in name:
+            raise APIError(400, f"invalid model name {name!r}: a model is named by its folder in the repository "
+                                "(lowercase letters, digits, '.', '_' and '-', no '..')")
+        root = self.repository.resolve()
+        folder = root / name
+        if folder.resolve().parent != root or not (folder / MANIFEST).is_file():
+            raise APIError(404, f"no model folder {name!r} in the repository")
+        return folder
+
+    def index(self, ready_only: bool = False) -> list[IndexEntry]:
+        """Every model folder of the repository (and every model serving), with its state."""
+        try:
+            names = set(discover(self.repository))
+        except ModelLoadError:
+            names = set()
+        entries = []
+        for name in sorted(names | set(self.app.inference.models) | set(self._status)):
+            status = self._status.get(name)
+            if status is not None and status[0] in ("LOADING", "UNLOADING"):
+                entry = IndexEntry(name, *status)
+            elif name in self.app.inference.models:
+                entry = IndexEntry(name, "READY")
+            else:
+                entry = IndexEntry(name, "UNAVAILABLE", status[1] if status else "not loaded")
+            if not ready_only or entry.state == "READY":
+                entries.append(entry)
+        return entries
+
+    async def load(self, name: str) -> float:
+        """Load model ``name`` from its folder, or reload it if it serves; returns the seconds it took.
+
+        Raises:
+            APIError: 400/404 for the name (see :meth:`folder`); 400 when the model fails to load (the message
+                names the file and the problem; what served before serves on).
+        """
+        folder = self.folder(name)
+        async with self._lock:
+            self._status[name] = ("LOADING", "")
+            self._seen[name] = signature(folder)
+            t0 = time.perf_counter()
+            try:
+                await self._load(name, folder)
+            except Exception as e:
+                why = str(e) if isinstance(e, ModelLoadError) else f"{type(e).__name__}: {e}"
+                reason = f"load failed: {why}"
+                self._status[name] = ("UNAVAILABLE", reason)
+                self.app.metrics.model_loads.labels(name, "failure").inc()
+                log.error("model %s: %s", name, reason)
+                raise APIError(400, f"model {name}: {reason}") from None
+            seconds = time.perf_counter() - t0
+            self._status.pop(name, None)
+            self.app.metrics.model_loads.labels(name, "success").inc()
+            log.info("model %s loaded from %s in %.3f s", name, folder, seconds)
+            return seconds
+
+    async def _load(self, name: str, folder: Path) -> None:
+        inference = self.app.inference
+        manifest = await asyncio.to_thread(read_manifest, folder)
+        old = (inference.models[name], inference.heads[name]) if name in inference.models else None
+        target = next((b for b in inference.backbones.values() if b.engine.key == backbone_key(manifest)), None)
+        t0 = time.perf_counter()
+        self._generation[name] = self._generation.get(name, 0) + 1
+        key = head_key(name, self._generation[name])  # unique: the old head may still answer what it accepted
+        if target is None:  # a backbone not loaded yet: a group of its own (it serves the name when ready)
+            await self.app.start_backbone([folder], [key])
+        else:
+            await asyncio.to_thread(target.engine.add_heads, [folder], [key], self.app.settings.warmup)
+            inference.serve(name, key, target)
+            self.app.published(target, name, folder, time.perf_counter() - t0)
+        if old is not None:
+            await self._retire(*old)
+
+    async def unload(self, name: str) -> None:
+        """Stop serving model ``name``: new requests get 404 at once, those accepted are answered, then its head
+        (and with the last head of a backbone, the backbone's process) is released. A model not serving: nothing
+        to do. Raises APIError 400/404 for the name (see :meth:`folder`) unless the model serves."""
+        inference = self.app.inference
+        if name not in inference.models:
+            self.folder(name)
+            return
+        async with self._lock:
+            if name not in inference.models:
+                return
+            backbone, key = inference.models[name], inference.heads[name]
+            self._status[name] = ("UNLOADING", "")
+            inference.withdraw(name)
+            try:
+                await self._retire(backbone, key)
+            finally:
+                self.app.metrics.unloaded(name)
+                self._status[name] = ("UNAVAILABLE", "unloaded")
+            log.info("model %s unloaded", name)
+
+    async def _retire(self, backbone: Backbone, key: str) -> None:
+        """Drop head ``key`` of ``backbone`` once no request holds it (no new one can take it): with the backbone's
+        last head, stop its batcher and close its process."""
+        s = self.app.settings
+        if not await self.app.inference.released(key, s.max_request_timeout_s + s.drain_timeout_s):
+            log.warning("head %s still held by requests after their longest deadline; dropping it", key)
+        engine = backbone.engine
+        if set(engine.models) <= {key}:
+            await backbone.batcher.stop(s.drain_timeout_s)
+            await asyncio.to_thread(engine.close)
+            self.app.inference.backbones.pop(engine.name, None)
+            log.info("backbone %s closed: no model left on it", engine.name)
+        else:
+            await asyncio.to_thread(engine.remove_heads, [key])
+
+    async def _poll(self) -> None:
+        """Every ``repository_poll_s``: load new folders, reload changed ones, unload the removed."""
+        while True:
+            await asyncio.sleep(self.app.settings.repository_poll_s)
+            try:
+                await self.sync()
+            except Exception:  # a bad folder must not stop the watching
+                log.exception("polling the model repository failed")
+
+    async def sync(self) -> None:
+        """One pass of ``poll`` mode over the repository (a failed load is retried only once its folder changes)."""
+        try:
+            names = set(discover(self.repository))
+        except ModelLoadError as e:
+            log.error("model repository: %s", e)
+            return
+        for name in sorted(names):
+            folder = self.repository / name
+            if signature(folder) != self._seen.get(name):
+                with contextlib.suppress(APIError):  # logged, and shown in the index
+                    await self.load(name)
+        for name in sorted(set(self.app.inference.models) - names):
+            await self.unload(name)
+            self._seen.pop(name, None)
