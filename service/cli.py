@@ -167,6 +167,26 @@ def bench_sharing(
                 [int(b) for b in batch_sizes.split(",")], baseline, out)
 
 
+@bench_app.command("repository")
+def bench_repository(
+    model_repository: Path = Path("models"),
+    loads: Annotated[int, typer.Option(help="Loads (each followed by an unload) of a head onto the running backbone")
+                     ] = 10,
+    concurrency: Annotated[int, typer.Option(help="Clients while a model is reloaded and unloaded")] = 32,
+    duration: Annotated[float, typer.Option(help="Seconds of traffic around the reload and the unload")] = 9.0,
+    out: Annotated[Path, typer.Option(help="JSON result file")] = Path("bench-results/repository.json"),
+) -> None:
+    """Models at runtime: time to load a bundled-size head onto a running backbone, memory before, loaded and after
+    unloading, and a reload and an unload during traffic (every request answered, no 5xx)."""
+    try:
+        from service.bench import repository
+    except ImportError as e:
+        typer.echo(f"bench repository needs the bench and train extras (pip install -e '.[bench,train]'): {e}",
+                   err=True)
+        raise typer.Exit(2) from None
+    repository.run(model_repository, loads, concurrency, duration, out)
+
+
 @bench_app.command("serve")
 def bench_serve(
     model: Annotated[str, typer.Option(help="Bundled model to load")] = "tweet-sentiment",

@@ -192,6 +192,7 @@ class ModelControl:
             await backbone.batcher.stop(s.drain_timeout_s)
             await asyncio.to_thread(engine.close)
             self.app.inference.backbones.pop(engine.name, None)
+            self.app.metrics.closed(engine.name)
             log.info("backbone %s closed: no model left on it", engine.name)
         else:
             await asyncio.to_thread(engine.remove_heads, [key])

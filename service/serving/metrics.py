@@ -7,6 +7,7 @@ Buckets cover both CPU (tens of ms to seconds) and GPU (milliseconds) serving.
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter as Tally
 from collections.abc import Callable, Iterable, Sequence
 
@@ -116,6 +117,11 @@ class Metrics:
 
     def observer(self, backbone: str) -> BatchMetrics:
         return BatchMetrics(self, backbone)
+
+    def closed(self, backbone: str) -> None:
+        """Backbone group ``backbone`` has gone (its last model was unloaded): its gauge goes."""
+        with contextlib.suppress(KeyError):
+            self.queue_depth.remove(backbone)
 
     def loaded(self, name: str, backbone: str, device: str, dtype: str, seconds: float, weight_bytes: int) -> None:
         """Model ``name`` serves from now on (loaded at start, at runtime, or reloaded)."""

@@ -19,6 +19,7 @@ import tritonclient.http as triton
 from safetensors.torch import load_file, save_file
 from tritonclient.utils import InferenceServerException
 
+from service.bench.server import children
 from service.config import Settings
 from service.serving.contract import Result, Task
 from service.serving.engine import Engine
@@ -265,3 +266,25 @@ def test_poll_mode_follows_the_repository(tmp_path: Path, tiny_backbone_dir: Pat
         assert ready("tiny")
     finally:
         s.stop()
+
+
+def test_a_model_of_another_backbone_gets_its_own_process_and_frees_it_on_unload(
+        client: triton.InferenceServerClient, server: Server, repo: Path, tiny_backbone_dir: Path) -> None:
+    folder = write_tiny_model(repo, tiny_backbone_dir, name="tiny-other", seed=9)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["backbone"]["revision"] = "other"  # another backbone group (the same weights, loaded again)
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    before = set(children(server.proc.pid))
+    client.load_model("tiny-other", headers=AS_ADMIN)
+    started = set(children(server.proc.pid)) - before
+    assert len(started) == 1 and client.is_model_ready("tiny-other", headers=AS_USER)
+    assert all(close(g, w) for g, w in zip(scores(server, "tiny-other"), alone(folder), strict=True))
+    page = httpx.get(f"{server.url}/metrics").text
+    assert metric(page, "routing_backbone_process_resident_memory_bytes", backbone="tiny-bert@other") > 0
+    client.unload_model("tiny-other", headers=AS_ADMIN)
+    time.sleep(0.5)
+    assert not set(children(server.proc.pid)) & started  # its process has exited
+    page = httpx.get(f"{server.url}/metrics").text
+    assert metric(page, "routing_backbone_process_resident_memory_bytes", backbone="tiny-bert@other") == 0
+    assert 'routing_queue_depth{backbone="tiny-bert@other"}' not in page
+    assert scores(server, "tiny")
