@@ -288,3 +288,25 @@ def test_a_model_of_another_backbone_gets_its_own_process_and_frees_it_on_unload
     assert metric(page, "routing_backbone_process_resident_memory_bytes", backbone="tiny-bert@other") == 0
     assert 'routing_queue_depth{backbone="tiny-bert@other"}' not in page
     assert scores(server, "tiny")
+
+
+def test_replicas_load_and_drop_a_head_in_every_process(repo: Path, logs: Path) -> None:
+    s = Server(logs, model_repository=repo, models="tiny", default_model="tiny", model_control="explicit",
+               admin_keys=ADMIN, model_replicas=2, max_batch_size=1).wait_ready()
+    try:
+        client = triton.InferenceServerClient(url=f"127.0.0.1:{s.port}")
+        client.load_model("tiny-b", headers=AS_ADMIN)
+        want = alone(repo / "tiny-b")
+
+        async def together() -> list[list[dict[str, float]]]:  # batches of one text keep both processes busy
+            async with httpx.AsyncClient(base_url=s.url, timeout=60) as http:
+                rs = await asyncio.gather(*(http.post("/v1/models/tiny-b/classify", json={"inputs": TEXTS})
+                                            for _ in range(8)))
+            return [[res["scores"] for res in r.json()["results"]] for r in rs]
+
+        for got in asyncio.run(together()):
+            assert all(close(g, w) for g, w in zip(got, want, strict=True))
+        client.unload_model("tiny-b", headers=AS_ADMIN)
+        assert not client.is_model_ready("tiny-b") and scores(s, "tiny")
+    finally:
+        s.stop()
