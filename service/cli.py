@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 
 from service.config import DTYPES, Settings
+from service.training.config import TrainConfig
 from service.training.data import PRESETS
 
 app = typer.Typer(help="Serve routing classification heads with end-to-end credit assignment.",
@@ -74,7 +75,16 @@ def train(
     n_hid: int = 64,
     d_hid: Annotated[int | None, typer.Option(help="Default: the backbone's d_emb")] = None,
     n_iters: int = 2,
-    epochs: int = 5,
+    steps: Annotated[int, typer.Option(min=1, help="Optimizer steps, whatever the dataset's size")] = TrainConfig.steps,
+    epochs: Annotated[int | None, typer.Option(min=1, help="Whole epochs instead of --steps")] = None,
+    warmup_steps: Annotated[int, typer.Option(min=0, help="One-cycle warm-up steps (at most 30%)")] = (
+        TrainConfig.warmup_steps),
+    eval_every: Annotated[int, typer.Option(min=1, help="Validate every epoch, or every this many steps if an "
+                                                        "epoch is longer")] = TrainConfig.eval_every,
+    patience: Annotated[int, typer.Option(min=0, help="Stop after this many validations without a lower "
+                                                      "validation loss (0: never early)")] = TrainConfig.patience,
+    select: Annotated[str, typer.Option(help="The checkpoint kept: 'loss' (lowest validation loss) or 'accuracy' "
+                                             "(best validation accuracy, the earlier rule)")] = TrainConfig.select,
     batch_size: int = 32,
     max_batch_positions: Annotated[int, typer.Option(help="Padded token positions per batch (memory)")] = 8192,
     max_lr: float = 1e-3,
@@ -87,13 +97,15 @@ def train(
 ) -> None:
     """Train a routing head on a frozen backbone, evaluate it against the baseline, write a model folder."""
     from service.training.pipeline import DataSpec, train_model
-    from service.training.trainer import TrainConfig
 
     if (preset is None) == (data is None):
         raise typer.BadParameter("give exactly one of --preset or --data")
     spec = DataSpec(preset=preset, path=data, text_column=text_column, label_column=label_column, encoding=encoding)
-    cfg = TrainConfig(epochs=epochs, batch_size=batch_size, max_batch_positions=max_batch_positions, max_lr=max_lr,
-                      crop=crop, seed=seed)
+    if select not in ("loss", "accuracy"):
+        raise typer.BadParameter("--select is 'loss' or 'accuracy'")
+    cfg = TrainConfig(steps=steps, epochs=epochs, warmup_steps=warmup_steps, eval_every=eval_every, patience=patience,
+                      select="accuracy" if select == "accuracy" else "loss", batch_size=batch_size,
+                      max_batch_positions=max_batch_positions, max_lr=max_lr, crop=crop, seed=seed)
     folder = train_model(name, spec, out, backbone_source=backbone, max_length=max_length, n_hid=n_hid,
                          d_hid=d_hid, n_iters=n_iters, cfg=cfg, max_train=max_train, cache=cache,
                          description=PRESETS[preset].description if preset in PRESETS else "")

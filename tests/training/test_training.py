@@ -109,13 +109,30 @@ def test_batches_respect_size_and_position_budget() -> None:
     assert sorted(k for b in shuffled for k in b) == list(range(10))
 
 
-def test_checkpoint_rule_accuracy_then_validation_loss() -> None:
+def test_checkpoint_rule_validation_loss_then_accuracy() -> None:
     probs = np.array([[0.9, 0.1], [0.4, 0.6], [0.7, 0.3]])
     acc, loss = validation_scores(probs, [0, 1, 1])
     assert acc == pytest.approx(2 / 3) and loss == pytest.approx(-np.log([0.9, 0.6, 0.3]).mean())
     assert improves(0.5, 9.0, None)
-    assert improves(0.8, 9.0, (0.7, 0.1)) and not improves(0.6, 0.01, (0.7, 0.1))
-    assert improves(0.7, 0.09, (0.7, 0.1)) and not improves(0.7, 0.1, (0.7, 0.1))
+    assert improves(0.6, 0.09, (0.7, 0.1)) and not improves(0.8, 0.11, (0.7, 0.1))
+    assert improves(0.8, 0.1, (0.7, 0.1)) and not improves(0.7, 0.1, (0.7, 0.1))
+    assert improves(0.8, 9.0, (0.7, 0.1), "accuracy") and not improves(0.6, 0.01, (0.7, 0.1), "accuracy")
+    assert improves(0.7, 0.09, (0.7, 0.1), "accuracy") and not improves(0.7, 0.1, (0.7, 0.1), "accuracy")
+
+
+def test_a_step_budget_whatever_the_dataset_size() -> None:
+    import random
+
+    from service.training.trainer import TrainConfig, step_plan
+
+    for n in (10, 100, 1000):
+        plan = step_plan(torch.full((n,), 8), TrainConfig(steps=50, batch_size=4), random.Random(0))
+        assert sum(map(len, plan)) == 50  # small data: as many epochs as it takes; large: part of one
+        assert len(plan) == -(-50 // -(-n // 4))
+        for epoch in plan[:-1]:
+            assert sorted(k for b in epoch for k in b) == list(range(n))  # each whole epoch sees every text once
+    plan = step_plan(torch.full((10,), 8), TrainConfig(steps=50, epochs=2, batch_size=4), random.Random(0))
+    assert len(plan) == 2 and sum(map(len, plan)) == 6  # --epochs instead of the budget
 
 
 def test_random_crops_are_windows_of_the_texts() -> None:
@@ -135,3 +152,31 @@ def test_random_crops_are_windows_of_the_texts() -> None:
     hidden, pad = pad_batch(feats, [1, 0], [(1, 3), (0, 1)])
     assert torch.equal(hidden[0], flat[3:5]) and torch.equal(hidden[1, :1], flat[:1])
     assert pad.tolist() == [[False, False], [False, True]]
+
+
+def test_training_stops_when_validation_loss_stops_improving_and_keeps_the_best() -> None:
+    # random features whose labels cannot be learned: the validation loss soon stops falling, so training stops
+    # after `patience` validations without a lower one, and the head is the checkpoint of the lowest
+    from service.modeling.head import RoutingHead
+    from service.training.features import Features
+    from service.training.trainer import TrainConfig, train_head
+
+    g = torch.Generator().manual_seed(0)
+
+    def feats(n: int) -> Features:
+        lengths = torch.randint(2, 6, (n,), generator=g)
+        offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+        return Features(torch.randn(int(offsets[-1]), 3, 8, generator=g).half(), offsets)
+
+    train, val = feats(64), feats(32)
+    y_train, y_val = torch.randint(0, 2, (64,), generator=g).tolist(), torch.randint(0, 2, (32,), generator=g).tolist()
+    cfg = TrainConfig(steps=400, batch_size=8, eval_every=4, patience=3, max_lr=3e-2)
+    head, summary = train_head(RoutingHead(3, 8, 2, n_hid=4, d_hid=8), train, y_train, val, y_val, cfg)
+    history = summary["history"]
+    assert summary["stopped_early"] and summary["steps_run"] < 400 and len(history) == summary["steps_run"] // 4
+    best = min(history, key=lambda h: h["val_loss"])
+    assert summary["best_step"] == best["step"] and summary["best_val_loss"] == best["val_loss"]
+    assert [h["step"] for h in history][-1] - best["step"] == 3 * 4  # three validations without a lower loss
+    from service.training.trainer import predict_features, validation_scores
+
+    assert validation_scores(predict_features(head, val), y_val)[1] == pytest.approx(best["val_loss"], abs=1e-5)

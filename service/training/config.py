@@ -1,0 +1,26 @@
+"""Training settings, without torch (the CLI reads their defaults before any model code loads)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+@dataclass
+class TrainConfig:
+    """How a head is trained (see ``service.training.trainer``); ``history`` collects each validation."""
+
+    steps: int = 1200  # optimizer steps, whatever the dataset's size (``epochs`` instead, when given)
+    epochs: int | None = None
+    warmup_steps: int = 60  # one-cycle warm-up (at most 30% of the steps)
+    eval_every: int = 200  # validate every epoch, or every this many steps if an epoch is longer
+    patience: int = 5  # stop after this many validations without a better checkpoint (0: never stop early)
+    select: Literal["loss", "accuracy"] = "loss"  # the checkpoint kept: lowest validation loss, or best accuracy
+    batch_size: int = 32
+    max_batch_positions: int = 8192  # padded token positions per batch: bounds memory for long texts
+    max_lr: float = 1e-3
+    mixup_alpha: float = 0.65
+    crop: float = 1.0  # train on a random window of at least this fraction of each text (1: whole texts)
+    seed: int = 0
+    threads: int | None = None
+    history: list[dict[str, float]] = field(default_factory=list)
