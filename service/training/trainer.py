@@ -117,6 +117,8 @@ def improves(acc: float, loss: float, best: tuple[float, float] | None, select: 
 def step_plan(lengths: torch.Tensor, cfg: TrainConfig, rng: random.Random) -> list[list[list[int]]]:
     """The batches of each epoch: ``cfg.epochs`` whole epochs, or epochs until ``cfg.steps`` batches (the last
     one cut short)."""
+    if not len(lengths):
+        raise ValueError("no training texts")
     plan: list[list[list[int]]] = []
     total = 0
     while (len(plan) < cfg.epochs) if cfg.epochs else (total < cfg.steps):
