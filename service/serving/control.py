@@ -220,4 +220,7 @@ class ModelControl:
                     await self.load(name)
         for name in sorted(set(self.app.inference.models) - names):
             await self.unload(name)
-            self._seen.pop(name, None)
+        for name in set(self._seen) - names:  # a folder gone: the index forgets it once it no longer serves
+            if name not in self.app.inference.models:
+                self._seen.pop(name, None)
+                self._status.pop(name, None)

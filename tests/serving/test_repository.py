@@ -264,6 +264,8 @@ def test_poll_mode_follows_the_repository(tmp_path: Path, tiny_backbone_dir: Pat
         shutil.rmtree(repo / "tiny-p")
         until(lambda: not ready("tiny-p"))
         assert ready("tiny")
+        until(lambda: [e["name"] for e in httpx.post(f"{s.url}/v2/repository/index", headers=AS_ADMIN).json()]
+              == ["tiny"])  # the folder gone, the index forgets it
     finally:
         s.stop()
 
