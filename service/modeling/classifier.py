@@ -110,32 +110,43 @@ class RoutingClassifier(torch.nn.Module):
     def classify(self, enc: Encoded, explain: Sequence[CreditRequest | None] | None = None,
                  return_phi: bool = False) -> Prediction:
         """The head's part of :meth:`predict`, on hidden states the backbone has computed already."""
-        texts = enc.token_ids
-        hidden = enc.hidden.to(dtype=next(self.head.parameters()).dtype)  # [b n e d]
-        out = self.head(hidden, enc.pad)
-        probs = out.scores.float().softmax(dim=-1)  # [b k]
-        explained: list[Explained | None] = [None] * len(texts)
-        requests = list(explain or [None] * len(texts))
-        predicted = probs.argmax(dim=-1).tolist()
-        groups: dict[tuple[Method, bool], list[int]] = {}
-        for b, req in enumerate(requests):
-            if req is not None:
-                groups.setdefault((req.method, req.method == "contribution" and req.contrast), []).append(b)
-        for (method, contrast), rows in groups.items():
-            wanted = [list(requests[b].targets or (predicted[b],)) for b in rows]  # type: ignore[union-attr]
-            sub = out.rows(torch.tensor(rows, device=hidden.device))
-            lengths = [enc.lengths[b] for b in rows]
-            if method == "shares":
-                e2e = end_to_end_credit(sub, hidden.shape[1], self.head.d_depth).float().cpu()  # [b' n e k]
-                for r, (b, w) in enumerate(zip(rows, wanted, strict=True)):
-                    explained[b] = Explained(w, e2e[r, : lengths[r]][..., w])  # [n e t]
-                continue
-            t_max = max(map(len, wanted))
-            targets = torch.tensor([w + w[:1] * (t_max - len(w)) for w in wanted], device=hidden.device)  # [b' t]
-            c = self.head.contributions(sub, targets, contrast)
-            values, baseline, logit = c.credit.float().cpu(), c.baseline.float().cpu(), c.logit.float().cpu()
+        return classify(self.head, enc, explain, return_phi)
+
+
+@torch.inference_mode()
+def classify(head: RoutingHead, enc: Encoded, explain: Sequence[CreditRequest | None] | None = None,
+             return_phi: bool = False) -> Prediction:
+    """Scores and the credit ``explain[b]`` asks of each text ``b`` (None: none) from ``head`` (a stacked head: row
+    ``b`` on its head ``b``) on hidden states ``enc`` the backbone has computed. Credit is computed only for the
+    texts that ask for it, one batched pass per method."""
+    texts = enc.token_ids
+    hidden = enc.hidden.to(dtype=next(head.parameters()).dtype)  # [b n e d]
+    out = head(hidden, enc.pad)
+    probs = out.scores.float().softmax(dim=-1)  # [b k]
+    explained: list[Explained | None] = [None] * len(texts)
+    requests = list(explain or [None] * len(texts))
+    predicted = probs.argmax(dim=-1).tolist()
+    groups: dict[tuple[Method, bool], list[int]] = {}
+    for b, req in enumerate(requests):
+        if req is not None:
+            groups.setdefault((req.method, req.method == "contribution" and req.contrast), []).append(b)
+    for (method, contrast), rows in groups.items():
+        wanted = [list(requests[b].targets or (predicted[b],)) for b in rows]  # type: ignore[union-attr]
+        idx = torch.tensor(rows, device=hidden.device)  # [b']
+        rows_head = head.rows(idx)
+        sub = out.rows(idx, rows_head)
+        lengths = [enc.lengths[b] for b in rows]
+        if method == "shares":
+            e2e = end_to_end_credit(sub, hidden.shape[1], head.d_depth).float().cpu()  # [b' n e k]
             for r, (b, w) in enumerate(zip(rows, wanted, strict=True)):
-                t = len(w)
-                explained[b] = Explained(w, values[r, :t, : lengths[r]].permute(1, 2, 0), baseline[r, :t],
-                                         logit[r, :t])  # [n e t], [t], [t]
-        return Prediction(probs=probs, encoded=enc, explained=explained, phi=out.phi if return_phi else None)
+                explained[b] = Explained(w, e2e[r, : lengths[r]][..., w])  # [n e t]
+            continue
+        t_max = max(map(len, wanted))
+        targets = torch.tensor([w + w[:1] * (t_max - len(w)) for w in wanted], device=hidden.device)  # [b' t]
+        c = rows_head.contributions(sub, targets, contrast)
+        values, baseline, logit = c.credit.float().cpu(), c.baseline.float().cpu(), c.logit.float().cpu()
+        for r, (b, w) in enumerate(zip(rows, wanted, strict=True)):
+            t = len(w)
+            explained[b] = Explained(w, values[r, :t, : lengths[r]].permute(1, 2, 0), baseline[r, :t],
+                                     logit[r, :t])  # [n e t], [t], [t]
+    return Prediction(probs=probs, encoded=enc, explained=explained, phi=out.phi if return_phi else None)

@@ -130,12 +130,13 @@ class Routed:
     n: torch.Tensor
     x_out_raw: torch.Tensor
 
-    def rows(self, idx: torch.Tensor) -> Routed:
-        """The same routing for the batch rows ``idx [b']`` only."""
+    def rows(self, idx: torch.Tensor, routing: EfficientVectorRouting | None = None) -> Routed:
+        """The same routing for the batch rows ``idx [b']`` only (``routing``: the module of those rows, when
+        its parameters are per sample; None: this one)."""
         def pick(t: torch.Tensor) -> torch.Tensor:
             return t[idx] if t.dim() > 0 else t
 
-        return Routed(self.routing, pick(self.x_inp), pick(self.phi), pick(self.n), pick(self.x_out_raw))
+        return Routed(routing or self.routing, pick(self.x_inp), pick(self.phi), pick(self.n), pick(self.x_out_raw))
 
 
 def _norm_scale(r: Routed) -> torch.Tensor | None:
@@ -193,8 +194,8 @@ def value_path(stack: Sequence[Routed], x_lin: torch.Tensor, readout: torch.Tens
     for depth, r in enumerate(reversed(stack)):
         R = r.routing
         g = _pull_back_norm(g, _norm_scale(r))  # [...tjh] read-outs of the pre-norm output
-        baseline = baseline + torch.einsum("...tjh,...j,jh->...t", g, r.phi.sum(dim=-2), R.B_F2)  # [...t]
-        u = torch.einsum("...tjh,dh->...tjd", g, R.W_F2) * R.W_F1 * r.n.rsqrt()[..., None]  # [...tjd]
+        baseline = baseline + torch.einsum("...tjh,...j,...jh->...t", g, r.phi.sum(dim=-2), R.B_F2)  # [...t]
+        u = torch.einsum("...tjh,...dh->...tjd", g, R.W_F2) * R.W_F1.unsqueeze(-3) * r.n.rsqrt()[..., None]  # [...tjd]
         if depth + 1 < len(stack):  # read-outs of the previous routing's output, through phi
             g = torch.einsum("...ij,...tjd->...tid", r.phi, u)  # [...tid]
     first = stack[0]

@@ -18,7 +18,9 @@ class EfficientVectorRouting(nn.Module):
     """Route ``[..., n_inp, d_inp]`` input vectors to ``[..., n_out, d_out]`` output vectors.
 
     Parameter names, shapes and initialisation match the reference library, so its state dicts
-    load with ``strict=True``.
+    load with ``strict=True``. Every parameter may also carry the batch's leading axes (``[..., i, d]`` for
+    ``W_A [i, d]``, and so on; see ``service.modeling.head.stack_heads``): then each sample routes with its
+    own parameters.
 
     Args:
         n_inp: number of input vectors, or -1 for variable length (then ``beta_use`` and
@@ -75,8 +77,12 @@ class EfficientVectorRouting(nn.Module):
     def _betas(self, x_inp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``beta_use, beta_ign``: parameters ``[i, j]``, or computed ``[..., i, j]`` for variable n."""
         if self.n_inp > 0:
-            return self.beta_use, self.beta_ign  # [ij], [ij]
-        return self.compute_beta_use(x_inp), self.compute_beta_ign(x_inp)  # [...ij], [...ij]
+            return self.beta_use, self.beta_ign  # [ij] or stacked [...ij]
+        use, ign = self.compute_beta_use, self.compute_beta_ign
+        if use.weight.dim() == 2:  # one routing's parameters
+            return use(x_inp), ign(x_inp)  # [...ij], [...ij]
+        return (torch.einsum("...id,...jd->...ij", x_inp, use.weight) + use.bias[..., None, :],  # [...ij]
+                torch.einsum("...id,...jd->...ij", x_inp, ign.weight) + ign.bias[..., None, :])  # [...ij]
 
     def _check(self, x_inp: torch.Tensor) -> None:
         if x_inp.dim() < 2 or x_inp.shape[-1] != self.d_inp:
@@ -108,7 +114,8 @@ class EfficientVectorRouting(nn.Module):
         f_a = torch.sigmoid(a_inp)[..., None]  # [...i1]
         V = None
         if not self.memory_efficient:
-            V = torch.einsum("...id,jd,dh->...ijh", xs, self.W_F1, self.W_F2) + self.B_F2  # [...ijh]
+            V = torch.einsum("...id,...jd,...dh->...ijh", xs, self.W_F1, self.W_F2)  # [...ijh]
+            V = V + self.B_F2.unsqueeze(-3)  # [...ijh]
 
         pred_x_inp = S = None
         R = flat_prior(self.CONST_ones_over_n_out, m)  # [j] or [...ij] E-step of iteration 1: flat prior
@@ -120,14 +127,14 @@ class EfficientVectorRouting(nn.Module):
             phi = beta_use * D_use - beta_ign * D_ign  # [...ij]
             if V is None:
                 phi_x = torch.einsum("...ij,...id->...jd", phi, xs)  # [...jd] contract over i first
-                x_out = torch.einsum("...jd,jd,dh->...jh", phi_x, self.W_F1, self.W_F2)  # [...jh]
+                x_out = torch.einsum("...jd,...jd,...dh->...jh", phi_x, self.W_F1, self.W_F2)  # [...jh]
                 x_out = x_out + phi.sum(dim=-2)[..., None] * self.B_F2  # [...jh]
             else:
                 x_out = torch.einsum("...ij,...ijh->...jh", phi, V)  # [...jh]
 
             # E-step of the next iteration: score how well each output predicts each input.
             if iteration + 1 < self.n_iters:
-                x_hat = torch.einsum("...jh,hd->...jd", self.N(x_out), self.W_G1)  # [...jd]
+                x_hat = torch.einsum("...jh,...hd->...jd", self.N(x_out), self.W_G1)  # [...jd]
                 pred_x_inp = x_hat * self.W_G2 + self.B_G2  # [...jd]
                 dots = torch.einsum("...id,...jd->...ij", x_inp, pred_x_inp)  # [...ij]
                 S = nn.functional.logsigmoid(dots * self.W_S + self.B_S)  # [...ij]

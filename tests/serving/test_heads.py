@@ -82,11 +82,15 @@ def test_heads_cut_a_text_alike_share_its_encoder_pass(shared: Engine) -> None:
     assert [len(j.encoding.chunks) for j in jobs] == [len(long[16].chunks), len(long[24].chunks)]
 
 
+@pytest.mark.parametrize("gather", [False, True], ids=["by-head", "gathered"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_each_head_answers_as_alone_whatever_shares_its_batch(shared: Engine, alone: dict[str, Engine],
-                                                              seed: int) -> None:
+                                                              seed: int, gather: bool,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """Texts ask random subsets of the heads with random credit; the jobs' chunks are shuffled and cut into
-    random batches (a long text spans several, next to other texts' chunks for other heads)."""
+    random batches (a long text spans several, next to other texts' chunks for other heads). Gathered: the
+    texts of heads of one shape (tiny, tiny-c) run in one call on their stacked parameters."""
+    monkeypatch.setattr(shared, "gather_heads", gather)
     rng = random.Random(seed)
     names = list(HEADS)
     jobs: list[tuple[int, TextJob]] = []  # each job with its text
