@@ -30,6 +30,11 @@ class Settings(BaseSettings):
         "loaded, reloaded and unloaded through /v2/repository with an admin key; poll, the repository folder is "
         "watched and new, changed or removed model folders are loaded, reloaded or unloaded")
     repository_poll_s: float = Field(10.0, gt=0, description="How often model_control=poll reads the repository")
+    head_cache_bytes: int | None = Field(
+        None, ge=0, description="Memory budget for head weights. Unset: the models of `models` (or the whole "
+        "repository) load at start and stay. Set: every model folder of the repository serves, its head loaded on the "
+        "first request that names it; beyond the budget the least recently used heads leave memory (and come back on "
+        "demand); the models of `models` (default: default_model) load at start and are never evicted")
     admin_keys: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="Bearer keys for /v2/repository (model control), separate from api_keys")
 

@@ -139,6 +139,8 @@ class ModelControl:
                 raise APIError(400, f"model {name}: {reason}") from None
             seconds = time.perf_counter() - t0
             self._status.pop(name, None)
+            if self.app.cache is not None:
+                self.app.cache.loaded(name)
             self.app.metrics.model_loads.labels(name, "success").inc()
             log.info("model %s loaded from %s in %.3f s", name, folder, seconds)
             return seconds
@@ -179,7 +181,25 @@ class ModelControl:
             finally:
                 self.app.metrics.unloaded(name)
                 self._status[name] = ("UNAVAILABLE", "unloaded")
+                if self.app.cache is not None:
+                    self.app.cache.forget(name)
             log.info("model %s unloaded", name)
+
+    async def evict(self, name: str) -> None:
+        """Drop the head of model ``name`` from memory, its name still servable (the head cache brings it back on
+        the next request that names it). The cache evicts only heads no request holds."""
+        inference = self.app.inference
+        async with self._lock:
+            if name not in inference.models:
+                return
+            backbone, key = inference.models[name], inference.heads[name]
+            inference.withdraw(name)
+            try:
+                await self._retire(backbone, key)
+            finally:
+                self.app.metrics.unloaded(name, count=False)
+                self._status[name] = ("UNAVAILABLE", "evicted from the head cache: loads on the next request")
+            log.debug("head of model %s evicted", name)
 
     async def _retire(self, backbone: Backbone, key: str) -> None:
         """Drop head ``key`` of ``backbone`` once no request holds it (no new one can take it): with the backbone's
@@ -215,6 +235,8 @@ class ModelControl:
             return
         for name in sorted(names):
             folder = self.repository / name
+            if self.app.cache is not None and name not in self.app.inference.models:
+                continue  # with a head cache, a model not in memory loads when a request names it
             if signature(folder) != self._seen.get(name):
                 with contextlib.suppress(APIError):  # logged, and shown in the index
                     await self.load(name)

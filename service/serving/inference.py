@@ -88,6 +88,10 @@ class Inference:
         self.heads: dict[str, str] = {}  # model name -> the key of its current head
         self._using: Counter[str] = Counter()  # head key -> requests in flight planned with it
         self._released: dict[str, asyncio.Event] = {}  # retired head key -> set when its last request is answered
+        self.bring: Callable[[Sequence[str], bool], Awaitable[None]] | None = None
+        """With a head cache: loads the named models' heads that are not in memory (see ``serving.cache``)."""
+        self.check: Callable[[str], object] | None = None
+        """With a head cache: 400/404 for a name that is no model folder of the repository."""
 
     def add(self, backbone: Backbone) -> None:
         """A backbone group and every head on it."""
@@ -117,6 +121,29 @@ class Inference:
             return False
         finally:
             self._released.pop(key, None)
+
+    def holds(self, name: str) -> bool:
+        """Whether a request in flight holds the current head of model ``name``."""
+        return bool(self._using.get(self.heads.get(name, "")))
+
+    async def require(self, names: Sequence[str], count: bool = True) -> None:
+        """Check that every model of ``names`` can serve (503 while loading, 404 for no such model); with a head
+        cache, bring their heads into memory (so the synchronous lookups that follow, up to the next await, find
+        them), counting hits and misses when ``count`` (once per request)."""
+        if self.bring is None:
+            for name in names:
+                self.backbone_of(name)
+            return
+        if not self.lifecycle.serving:
+            raise errors.unavailable(f"models are {self.lifecycle.describe()}", "loading")
+        await self.bring(names, count)
+
+    def check_name(self, name: str) -> None:
+        """404 (or 503 while loading) now for a model that cannot serve, before its head is brought in."""
+        if self.bring is None or name in self.models:
+            self.backbone_of(name)
+        elif self.check is not None:
+            self.check(name)
 
     def describe(self, model: str) -> dict[str, object]:
         """What ``/v1/models`` says of ``model`` (404 if it is not loaded)."""
@@ -149,6 +176,8 @@ class Inference:
             raise APIError(422, f"models: {repeated} named more than once",
                            details=[{"field": "models", "message": f"repeated: {repeated}", "type": "value_error"}])
         unknown = [n for n in names if n not in self.models]
+        if unknown and self.bring is not None:  # with a head cache, any model folder of the repository
+            return list(names)  # (checked as it is brought in)
         if unknown:
             raise APIError(404, f"unknown model(s) {unknown}; available: {sorted(self.models)}")
         return list(names)
@@ -195,6 +224,8 @@ class Inference:
             ``[model][text]`` answers, in the order asked.
         """
         self.check_limits(texts)
+        if self.bring is not None:
+            await self.bring(models, False)  # again: a head may have left memory since the route brought it in
         backbones = [self.backbone_of(name) for name in models]
         keys = [self.heads[name] for name in models]  # the heads this request holds until it is answered
         self._using.update(keys)
@@ -328,6 +359,7 @@ class Inference:
                        gone: Gone | None = None) -> list[list[ClassifyResult]]:
         """Label and probabilities of each text on each model; with ``explain``, token credit of the predicted
         label. Returns ``[model][text]``."""
+        await self.require(models, count=False)  # the route has brought them in (and counted)
         until = self.deadline(timeout_s)
         specs = [self.credit_spec(m, method=method, contrast=contrast) if explain else None for m in models]
         scored = await self.run(models, texts, specs, until, gone)
@@ -343,6 +375,7 @@ class Inference:
             raise APIError(422, "target: with several models only 'all' or none (the predicted label) applies to "
                                 "each; name labels with one model",
                            details=[{"field": "target", "message": "labels need one model", "type": "value_error"}])
+        await self.require(models, count=False)  # the route has brought them in (and counted)
         until = self.deadline(timeout_s)
         specs = [self.credit_spec(m, target, method, contrast, "full", matrix, phi) for m in models]
         scored = await self.run(models, texts, specs, until, gone)

@@ -110,6 +110,17 @@ class Metrics:
                                      registry=r)
         self.model_weight_bytes = Gauge("routing_model_weight_bytes", "Bytes of a loaded model's head weights",
                                         ["model"], registry=r)
+        self.head_cache_heads = Gauge("routing_head_cache_resident_heads", "Heads in memory (head cache)", registry=r)
+        self.head_cache_bytes = Gauge("routing_head_cache_resident_bytes", "Bytes of head weights in memory (head "
+                                      "cache)", registry=r)
+        self.head_cache_hits = Counter("routing_head_cache_hits_total", "Models a request named that were in memory",
+                                       registry=r)
+        self.head_cache_misses = Counter("routing_head_cache_misses_total", "Models a request named that had to be "
+                                         "loaded", registry=r)
+        self.head_cache_evictions = Counter("routing_head_cache_evictions_total", "Heads that left memory for the "
+                                            "budget", registry=r)
+        self.head_cache_load = Histogram("routing_head_cache_load_seconds", "Time to bring a missing head in",
+                                         buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10), registry=r)
         self.stats = InferenceStats()  # the same figures in Triton's statistics shape (/v2/models/stats)
         self._info: dict[str, tuple[str, str, str, str]] = {}  # loaded model -> its routing_model_info labels
         for reason in FAILURE_REASONS:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from service.config import Settings
 from service.modeling.manifest import WEIGHTS, discover, read_manifest
 from service.serving.batcher import Batcher, BatchLimits
+from service.serving.cache import HeadCache
 from service.serving.control import ModelControl
 from service.serving.lifecycle import Lifecycle
 from service.serving.metrics import Metrics
@@ -34,16 +35,24 @@ class AppState:
     lifecycle: Lifecycle = field(default_factory=Lifecycle)
     inference: Inference = field(init=False)
     control: ModelControl = field(init=False)
+    cache: HeadCache | None = field(init=False)
 
     def __post_init__(self) -> None:
         from service.serving.inference import Inference
 
         self.inference = Inference(self.settings, self.lifecycle, self.metrics.stats)
         self.control = ModelControl(self)
+        budget = self.settings.head_cache_bytes
+        self.cache = None if budget is None else HeadCache(self, budget, self.settings.models or
+                                                           [self.settings.default_model])
+        if self.cache is not None:
+            self.inference.bring, self.inference.check = self.cache.bring, self.cache.known
 
     def model_names(self, repository: Path) -> list[str]:
+        """The models to load at start: ``models``, or every folder of the repository (with a head cache, only the
+        pinned ones: the others load on demand)."""
         available = discover(repository)
-        wanted = self.settings.models or available
+        wanted = sorted(self.cache.pinned) if self.cache is not None else self.settings.models or available
         unknown = sorted(set(wanted) - set(available))
         if unknown:
             raise ValueError(f"models {unknown} not found in {repository} (available: {available})")
@@ -76,6 +85,8 @@ class AppState:
             for folders in self.backbone_groups(names):
                 await self.start_backbone(folders)
             self.control.start()
+            if self.cache is not None:
+                self.cache.start()
             self.lifecycle.loaded()
         except Exception as e:
             self.lifecycle.fail(f"{type(e).__name__}: {e}")
@@ -167,6 +178,8 @@ class AppState:
     async def close(self, timeout_s: float) -> None:
         """Stop every batcher, answering what is still queued within ``timeout_s``; close the backbones."""
         await self.control.stop()
+        if self.cache is not None:
+            await self.cache.stop()
         backbones = list(self.inference.backbones.values())
         for backbone in backbones:
             await backbone.batcher.stop(timeout_s)

@@ -42,6 +42,7 @@ def _one_model(body: ClassifyRequest | ExplainRequest) -> None:
 async def classify(request: Request, state: AppState, models: list[str], body: ClassifyRequest
                    ) -> list[ClassifyResponse]:
     """Each model's classify response for ``body``."""
+    await state.inference.require(models)
     results = await state.inference.classify(models, body.inputs, body.explain, body.method, body.contrast,
                                              body.timeout_s, client_gone(request))
     return [ClassifyResponse(model=m, results=r) for m, r in zip(models, results, strict=True)]
@@ -50,16 +51,17 @@ async def classify(request: Request, state: AppState, models: list[str], body: C
 async def explain(request: Request, state: AppState, models: list[str], body: ExplainRequest) -> list[ExplainResponse]:
     """Each model's explain response for ``body``."""
     inf = state.inference
+    await inf.require(models)
+    labels = [inf.labels(m) for m in models]
     results = await inf.explain(models, body.inputs, body.target, body.method, body.contrast, body.include_matrix,
                                 body.include_phi, body.timeout_s, client_gone(request))
-    return [ExplainResponse(model=m, labels=inf.labels(m), results=r) for m, r in zip(models, results, strict=True)]
+    return [ExplainResponse(model=m, labels=ls, results=r) for m, ls, r in zip(models, labels, results, strict=True)]
 
 
 @router.post("/models/{model}/classify", response_model=ClassifyResponse, summary="Classify texts")
 async def classify_model(request: Request, state: State, model: str, body: ClassifyRequest) -> ClassifyResponse:
     """Predicted label and probabilities per text; with `explain`, token credit for the predicted label."""
     _one_model(body)
-    state.inference.backbone_of(model)
     return (await classify(request, state, [model], body))[0]
 
 
@@ -68,7 +70,6 @@ async def explain_model(request: Request, state: State, model: str, body: Explai
     """Credit per token, word, sentence and depth for the target label(s): by default each token's exact
     contribution to the (contrast) logit through the head, with the baseline it sums to the logit with."""
     _one_model(body)
-    state.inference.backbone_of(model)
     return (await explain(request, state, [model], body))[0]
 
 

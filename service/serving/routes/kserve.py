@@ -55,7 +55,6 @@ class ExplainInstancesResponse(BaseModel):
 @router.post("/models/{model}:predict", response_model=PredictResponse, summary="KServe V1 predict")
 async def predict(request: Request, state: State, model: str, body: PredictRequest) -> PredictResponse:
     """The same as `/v1/models/{model}/classify` (without credit), in KServe V1's envelope."""
-    state.inference.backbone_of(model)
     (res,) = await inference.classify(request, state, [model], ClassifyRequest(inputs=body.texts(),
                                                                               timeout_s=body.timeout_s))
     return PredictResponse(predictions=[Prediction(label=r.label, score=r.score, scores=r.scores)
@@ -68,6 +67,5 @@ async def explain(request: Request, state: State, model: str, body: ExplainInsta
     """The same as `/v1/models/{model}/explain`, in KServe V1's envelope."""
     req = ExplainRequest(inputs=body.texts(), timeout_s=body.timeout_s, target=body.target, method=body.method,
                          contrast=body.contrast)
-    state.inference.backbone_of(model)
     (res,) = await inference.explain(request, state, [model], req)
     return ExplainInstancesResponse(explanations=res.results)

@@ -21,4 +21,5 @@ async def list_models(state: State) -> ModelList:
 
 @router.get("/models/{model}", response_model=ModelInfo, summary="One model")
 async def get_model(state: State, model: str) -> ModelInfo:
+    await state.inference.require([model])  # with a head cache, a model not in memory is loaded to describe it
     return ModelInfo(**state.inference.describe(model), default=model == state.settings.default_model)

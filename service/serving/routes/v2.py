@@ -114,6 +114,7 @@ async def ready(state: State) -> JSONResponse:
 @models.get("/models/{model}", summary="Model metadata")
 @models.get("/models/{model}/versions/{version}", summary="Model metadata", include_in_schema=False)
 async def model_metadata(state: State, model: str, version: str = "1") -> dict[str, Any]:
+    await state.inference.require([model])
     labels = state.inference.labels(model)
     check_version(version)
     n = len(labels)
@@ -131,7 +132,7 @@ async def model_metadata(state: State, model: str, version: str = "1") -> dict[s
 @models.get("/models/{model}/ready", summary="Model readiness")
 @models.get("/models/{model}/versions/{version}/ready", summary="Model readiness", include_in_schema=False)
 async def model_ready(state: State, model: str, version: str = "1") -> dict[str, Any]:
-    state.inference.backbone_of(model)
+    await state.inference.require([model])
     check_version(version)
     return {"name": model, "ready": True}
 
@@ -146,9 +147,11 @@ _INFER_DOC = {"requestBody": {"required": True, "content": {"application/json": 
              include_in_schema=False)
 async def infer(request: Request, state: State, model: str, version: str = "1") -> InferResponse:
     inf = state.inference
-    labels = inf.labels(model)
+    inf.check_name(model)
     check_version(version)
     body, binary = await _parse(request)
+    await inf.require([model])  # no await from here to the run: its head stays in memory
+    labels = inf.labels(model)
     texts = _texts(body.inputs[0], binary)
     inf.check_limits(texts)
     params = body.parameters or {}

@@ -1,0 +1,146 @@
+"""A memory budget for heads (``head_cache_bytes``): every model folder of the repository can be asked for, and
+a head is loaded onto its backbone on the first request that names it. When the heads in memory weigh more than
+the budget, the least recently used ones leave (their names stay servable: the next request brings them back),
+except the pinned ones (``models``, loaded at start) and any head a request in flight holds or is bringing in.
+
+Loads and evictions go through :class:`~service.serving.control.ModelControl`, one change at a time; requests
+for a model being loaded wait for that one load.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from service.modeling.manifest import WEIGHTS
+from service.serving.errors import APIError
+
+if TYPE_CHECKING:
+    from service.serving.state import AppState
+
+log = logging.getLogger("service.cache")
+ROUNDS = 3
+"""How many times a request brings its heads in before giving up (only a budget smaller than the heads that
+requests in flight hold at once can keep evicting them)."""
+
+
+class HeadCache:
+    """Heads in memory within ``budget`` bytes of head weights, least recently used out first."""
+
+    def __init__(self, app: AppState, budget: int, pinned: Sequence[str]) -> None:
+        self.app, self.budget, self.pinned = app, budget, set(pinned)
+        self._recent: OrderedDict[str, int] = OrderedDict()  # resident model -> its weight bytes, oldest use first
+        self._loading: dict[str, asyncio.Task[None]] = {}  # model -> its load in progress
+        self._bringing: dict[str, int] = {}  # model -> requests bringing it in now (never evicted meanwhile)
+        self._evicting: asyncio.Task[None] | None = None
+
+    @property
+    def resident_bytes(self) -> int:
+        return sum(self._recent.values())
+
+    def start(self) -> None:
+        """Count the heads loaded at start (the pinned ones)."""
+        for name in self.app.inference.models:
+            self._recent[name] = self._weight_bytes(name)
+        self._export()
+
+    def known(self, name: str) -> bool:
+        """Whether ``name`` is a model the server can serve: loaded, or a folder of the repository (400/404 as in
+        :meth:`ModelControl.folder` otherwise)."""
+        if name not in self.app.inference.models:
+            self.app.control.folder(name)
+        return True
+
+    async def bring(self, names: Sequence[str], count: bool = True) -> None:
+        """Have every model of ``names`` in memory, loading the missing ones (each once, however many requests
+        ask for it); returns with all of them resident (nothing can evict them until the caller awaits again).
+        ``count``: record hits and misses (once per request).
+
+        Raises:
+            APIError: 400/404 for a name with no model folder; 400 when a model fails to load; 503 when the
+                budget keeps evicting what this request needs.
+        """
+        for name in names:
+            self._bringing[name] = self._bringing.get(name, 0) + 1
+        try:
+            for round_ in range(ROUNDS):
+                missing = [n for n in names if n not in self.app.inference.models]
+                if round_ == 0 and count:
+                    self._count(names, missing)
+                if not missing:
+                    break
+                for name in missing:
+                    self.known(name)
+                    task = self._loading.get(name)
+                    if task is None:
+                        task = self._loading[name] = asyncio.ensure_future(self._load(name))
+                        task.add_done_callback(lambda _, n=name: self._loading.pop(n, None))
+                    await asyncio.shield(task)
+            else:
+                raise APIError(503, f"head cache: {self.budget} bytes cannot hold the heads of the requests in flight; "
+                                    "retry later or raise ROUTING_HEAD_CACHE_BYTES", reason="overloaded")
+            for name in names:
+                self._recent[name] = self._recent.pop(name, None) or self._weight_bytes(name)  # now the newest
+        finally:
+            for name in names:
+                self._bringing[name] -= 1
+                if not self._bringing[name]:
+                    del self._bringing[name]
+
+    def _count(self, names: Sequence[str], missing: Sequence[str]) -> None:
+        m = self.app.metrics
+        m.head_cache_hits.inc(len(names) - len(missing))
+        m.head_cache_misses.inc(len(missing))
+
+    async def _load(self, name: str) -> None:
+        t0 = time.perf_counter()
+        await self.app.control.load(name)
+        self.app.metrics.head_cache_load.observe(time.perf_counter() - t0)
+
+    def loaded(self, name: str) -> None:
+        """Model ``name``'s head is in memory now (brought in, or loaded through the repository API): the newest;
+        evict beyond the budget (off the request's path)."""
+        self._recent.pop(name, None)
+        self._recent[name] = self._weight_bytes(name)
+        self._export()
+        if self.resident_bytes > self.budget and (self._evicting is None or self._evicting.done()):
+            self._evicting = asyncio.ensure_future(self._evict())
+
+    async def stop(self) -> None:
+        if self._evicting is not None:
+            await asyncio.gather(self._evicting, return_exceptions=True)
+
+    async def _evict(self) -> None:
+        """Evict least recently used heads while the resident ones weigh more than the budget."""
+        inference = self.app.inference
+        while self.resident_bytes > self.budget:
+            victim = next((n for n in self._recent if n not in self.pinned and n not in self._bringing
+                           and n not in self._loading and not inference.holds(n)), None)
+            if victim is None:  # everything resident is pinned or in use: over budget until some is released
+                break
+            del self._recent[victim]
+            try:
+                await self.app.control.evict(victim)
+            except Exception:
+                log.exception("evicting head %s failed", victim)
+                return
+            self.app.metrics.head_cache_evictions.inc()
+            self._export()
+
+    def forget(self, name: str) -> None:
+        """Model ``name`` left memory another way (unloaded through the repository API)."""
+        self._recent.pop(name, None)
+        self._export()
+
+    def _export(self) -> None:
+        m = self.app.metrics
+        m.head_cache_heads.set(len(self._recent))
+        m.head_cache_bytes.set(self.resident_bytes)
+
+    def _weight_bytes(self, name: str) -> int:
+        weights = self.app.settings.model_repository / name / WEIGHTS
+        return weights.stat().st_size if weights.is_file() else 0
