@@ -199,6 +199,29 @@ def bench_repository(
     repository.run(model_repository, loads, concurrency, duration, out)
 
 
+@bench_app.command("heads")
+def bench_heads(
+    model_repository: Path = Path("models"),
+    heads: Annotated[str, typer.Option(help="Comma-separated numbers of heads drawn from (K)")] = "1,10,100,1000",
+    concurrency: Annotated[int, typer.Option(help="Closed-loop clients")] = 32,
+    duration: Annotated[float, typer.Option(help="Seconds per measure")] = 10.0,
+    rounds: Annotated[int, typer.Option(help="Turns of each comparison")] = 2,
+    budget_heads: Annotated[int, typer.Option(help="Head cache budget, in heads, of the second server")] = 100,
+    open_share: Annotated[float, typer.Option(help="Open-loop rate, as a share of the single-head texts/s")] = 0.7,
+    out: Annotated[Path, typer.Option(help="JSON result file")] = Path("bench-results/heads.json"),
+) -> None:
+    """Many heads on one backbone: K perturbed copies of the bundled head served from one backbone, requests naming a
+    head drawn uniformly, against the single-head workload in turns; the head step offline (by head and gathered);
+    memory; and a head cache budget below the heads in use (hit rate, p99, answers compared)."""
+    try:
+        from service.bench import heads as bench
+    except ImportError as e:
+        typer.echo(f"bench heads needs the bench and train extras (pip install -e '.[bench,train]'): {e}", err=True)
+        raise typer.Exit(2) from None
+    bench.run(model_repository, [int(k) for k in heads.split(",")], concurrency, duration, rounds, budget_heads,
+              open_share, out)
+
+
 @bench_app.command("serve")
 def bench_serve(
     model: Annotated[str, typer.Option(help="Bundled model to load")] = "tweet-sentiment",

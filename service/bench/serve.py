@@ -118,13 +118,14 @@ async def _post(client: aiohttp.ClientSession, path: str, text: str, body: dict[
         return False
 
 
-async def closed_loop(url: str, path: str | Sequence[str], texts: list[str], concurrency: int, seconds: float,
+async def closed_loop(url: str, path: str | Sequence[str] | Callable[[int], str], texts: list[str], concurrency: int,
+                      seconds: float,
                       body: dict[str, Any] | None = None,
                       cpu: Callable[[], dict[str, float] | None] | None = None, stats: Stats | None = None) -> Level:
     """``concurrency`` clients, each sending one text at a time for ``seconds`` (aiohttp: about a tenth
     of httpx's CPU per request, measured here: 0.2 vs 2.0 ms); with several ``path`` s, client ``w`` sends
-    to ``path[w % len(path)]``. ``cpu``: CPU seconds used so far by the
-    server's parts (see ``LocalServer.cpu``), to count where the machine's CPU went, the load generator's
+    to ``path[w % len(path)]``; with a function, request ``k`` goes to ``path(k)``. ``cpu``: CPU seconds used so
+    far by the server's parts (see ``LocalServer.cpu``), to count where the machine's CPU went, the load generator's
     (this process) included. ``stats``: the server's batch totals (default: this service's metrics)."""
     stats = stats or metrics_stats(url)
     cpu0, own0 = (cpu() if cpu else None), time.process_time()
@@ -138,10 +139,10 @@ async def closed_loop(url: str, path: str | Sequence[str], texts: list[str], con
         async def worker(w: int) -> None:
             nonlocal errors
             k = w
-            where = path if isinstance(path, str) else path[w % len(path)]
+            where = path if isinstance(path, str) or callable(path) else path[w % len(path)]
             while time.monotonic() < end:
                 t0 = time.perf_counter()
-                if await _post(client, where, texts[k % len(texts)], body):
+                if await _post(client, where(k) if callable(where) else where, texts[k % len(texts)], body):
                     latencies.append(time.perf_counter() - t0)
                 else:
                     errors += 1
@@ -153,11 +154,13 @@ async def closed_loop(url: str, path: str | Sequence[str], texts: list[str], con
     return _level(concurrency, elapsed, latencies, errors, s0, stats(), cpu, cpu0, own0)
 
 
-async def open_loop(url: str, path: str, texts: list[str], rate: float, seconds: float, seed: int = 0,
+async def open_loop(url: str, path: str | Callable[[int], str], texts: list[str], rate: float, seconds: float,
+                    seed: int = 0,
                     cpu: Callable[[], dict[str, float] | None] | None = None, stats: Stats | None = None) -> Level:
     """Poisson arrivals at ``rate`` requests per second for ``seconds`` (seeded), each one text, whatever is in
     flight; every latency counts from the request's scheduled time (a generator that falls behind adds its
-    delay instead of hiding it). Waits for the last answers; the level's concurrency is 0."""
+    delay instead of hiding it); request ``k`` goes to ``path(k)`` when ``path`` is a function. Waits for the last
+    answers; the level's concurrency is 0."""
     stats = stats or metrics_stats(url)
     rng = random.Random(seed)
     cpu0, own0 = (cpu() if cpu else None), time.process_time()
@@ -166,9 +169,9 @@ async def open_loop(url: str, path: str, texts: list[str], rate: float, seconds:
     errors = 0
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(url, connector=connector, timeout=aiohttp.ClientTimeout(total=120)) as client:
-        async def one(at: float, text: str) -> None:
+        async def one(at: float, text: str, where: str) -> None:
             nonlocal errors
-            if await _post(client, path, text, None):
+            if await _post(client, where, text, None):
                 latencies.append(time.perf_counter() - at)
             else:
                 errors += 1
@@ -178,7 +181,7 @@ async def open_loop(url: str, path: str, texts: list[str], rate: float, seconds:
         at, k = start, 0
         while at - start < seconds:
             await asyncio.sleep(max(0.0, at - time.perf_counter()))
-            sent.append(asyncio.ensure_future(one(at, texts[k % len(texts)])))
+            sent.append(asyncio.ensure_future(one(at, texts[k % len(texts)], path(k) if callable(path) else path)))
             at += rng.expovariate(rate)
             k += 1
         await asyncio.gather(*sent)
@@ -292,15 +295,15 @@ def offline_limit(offline: Offline, batch_sizes: list[int], seconds: float, max_
             "worker_thread_throughput": worker_thread, "server_max_batch_size": max_batch_size}
 
 
-def in_turns(measures: dict[str, Callable[[], float]], rounds: int) -> dict[str, list[float]]:
-    """Each of ``measures`` (a throughput in texts/s) once per round, the order rotating from round to
-    round, so that a noisy machine's drift hits them alike; every round's value of each."""
+def in_turns(measures: dict[str, Callable[[], float]], rounds: int, unit: str = "texts/s") -> dict[str, list[float]]:
+    """Each of ``measures`` (a throughput in texts/s, or another ``unit``) once per round, the order rotating from
+    round to round, so that a noisy machine's drift hits them alike; every round's value of each."""
     names = list(measures)
     per: dict[str, list[float]] = {n: [] for n in names}
     for r in range(rounds):
         for n in names[r % len(names) :] + names[: r % len(names)]:
             per[n].append(measures[n]())
-        echo(f"  round {r + 1}: " + ", ".join(f"{n} {per[n][-1]:.1f}" for n in names) + " texts/s", err=True)
+        echo(f"  round {r + 1}: " + ", ".join(f"{n} {per[n][-1]:.1f}" for n in names) + f" {unit}", err=True)
     return per
 
 
