@@ -34,7 +34,8 @@ class HeadCache:
     def __init__(self, app: AppState, budget: int, pinned: Sequence[str]) -> None:
         self.app, self.budget, self.pinned = app, budget, set(pinned)
         self._recent: OrderedDict[str, int] = OrderedDict()  # resident model -> its weight bytes, oldest use first
-        self._loading: dict[str, asyncio.Task[None]] = {}  # model -> its load in progress
+        self._wanted: dict[str, asyncio.Future[None]] = {}  # model -> done when loaded (or failed), for the waiters
+        self._loader: asyncio.Task[None] | None = None
         self._bringing: dict[str, int] = {}  # model -> requests bringing it in now (never evicted meanwhile)
         self._evicting: asyncio.Task[None] | None = None
 
@@ -75,11 +76,9 @@ class HeadCache:
                     break
                 for name in missing:
                     self.known(name)
-                    task = self._loading.get(name)
-                    if task is None:
-                        task = self._loading[name] = asyncio.ensure_future(self._load(name))
-                        task.add_done_callback(lambda _, n=name: self._loading.pop(n, None))
-                    await asyncio.shield(task)
+                waits = [self._want(name) for name in missing]
+                for wait in waits:
+                    await asyncio.shield(wait)
             else:
                 raise APIError(503, f"head cache: {self.budget} bytes cannot hold the heads of the requests in flight; "
                                     "retry later or raise ROUTING_HEAD_CACHE_BYTES", reason="overloaded")
@@ -96,10 +95,33 @@ class HeadCache:
         m.head_cache_hits.inc(len(names) - len(missing))
         m.head_cache_misses.inc(len(missing))
 
-    async def _load(self, name: str) -> None:
-        t0 = time.perf_counter()
-        await self.app.control.load(name)
-        self.app.metrics.head_cache_load.observe(time.perf_counter() - t0)
+    def _want(self, name: str) -> asyncio.Future[None]:
+        """Done once model ``name`` is loaded (raises its failure); the loader takes every model wanted meanwhile in
+        one change (one wait for the batch in progress, not one per model)."""
+        future = self._wanted.get(name)
+        if future is None:
+            future = self._wanted[name] = asyncio.get_running_loop().create_future()
+            if self._loader is None or self._loader.done():
+                self._loader = asyncio.ensure_future(self._load())
+        return future
+
+    async def _load(self) -> None:
+        while wanted := [n for n, f in self._wanted.items() if not f.done()]:
+            t0 = time.perf_counter()
+            control = self.app.control
+            try:
+                failed = await control.load_many({name: control.repository / name for name in wanted})
+            except Exception as e:  # a process that died, say: every waiter gets it
+                failed = {name: e for name in wanted}
+            for name in wanted:
+                self.app.metrics.head_cache_load.observe(time.perf_counter() - t0)
+                future = self._wanted.pop(name)
+                error = failed.get(name)
+                if error is None:
+                    future.set_result(None)
+                else:
+                    future.set_exception(error)
+                    future.exception()  # retrieved here: a waiter that left must not log it as never retrieved
 
     def loaded(self, name: str) -> None:
         """Model ``name``'s head is in memory now (brought in, or loaded through the repository API): the newest;
@@ -107,6 +129,10 @@ class HeadCache:
         self._recent.pop(name, None)
         self._recent[name] = self._weight_bytes(name)
         self._export()
+        self.released()
+
+    def released(self) -> None:
+        """Evict beyond the budget, off the request's path (after a load, and when requests let heads go)."""
         if self.resident_bytes > self.budget and (self._evicting is None or self._evicting.done()):
             self._evicting = asyncio.ensure_future(self._evict())
 
@@ -118,17 +144,23 @@ class HeadCache:
         """Evict least recently used heads while the resident ones weigh more than the budget."""
         inference = self.app.inference
         while self.resident_bytes > self.budget:
-            victim = next((n for n in self._recent if n not in self.pinned and n not in self._bringing
-                           and n not in self._loading and not inference.holds(n)), None)
-            if victim is None:  # everything resident is pinned or in use: over budget until some is released
+            victims, over = [], self.resident_bytes - self.budget
+            for name, size in self._recent.items():  # oldest first
+                if over <= 0:
+                    break
+                if name not in self.pinned and name not in self._bringing and not inference.holds(name):
+                    victims.append(name)
+                    over -= size
+            if not victims:  # everything resident is pinned or in use: over budget until a request lets go
                 break
-            del self._recent[victim]
+            for name in victims:
+                del self._recent[name]
             try:
-                await self.app.control.evict(victim)
+                await self.app.control.evict(victims)
             except Exception:
-                log.exception("evicting head %s failed", victim)
+                log.exception("evicting heads %s failed", victims)
                 return
-            self.app.metrics.head_cache_evictions.inc()
+            self.app.metrics.head_cache_evictions.inc(len(victims))
             self._export()
 
     def forget(self, name: str) -> None:

@@ -17,6 +17,7 @@ import contextlib
 import logging
 import re
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
@@ -124,43 +125,95 @@ class ModelControl:
                 names the file and the problem; what served before serves on).
         """
         folder = self.folder(name)
-        async with self._lock:
-            self._status[name] = ("LOADING", "")
-            self._seen[name] = signature(folder)
-            t0 = time.perf_counter()
-            try:
-                await self._load(name, folder)
-            except Exception as e:
-                why = str(e) if isinstance(e, ModelLoadError) else f"{type(e).__name__}: {e}"
-                reason = f"load failed: {why}"
-                self._status[name] = ("UNAVAILABLE", reason)
-                self.app.metrics.model_loads.labels(name, "failure").inc()
-                log.error("model %s: %s", name, reason)
-                raise APIError(400, f"model {name}: {reason}") from None
-            seconds = time.perf_counter() - t0
-            self._status.pop(name, None)
-            if self.app.cache is not None:
-                self.app.cache.loaded(name)
-            self.app.metrics.model_loads.labels(name, "success").inc()
-            log.info("model %s loaded from %s in %.3f s", name, folder, seconds)
-            return seconds
-
-    async def _load(self, name: str, folder: Path) -> None:
-        inference = self.app.inference
-        manifest = await asyncio.to_thread(read_manifest, folder)
-        old = (inference.models[name], inference.heads[name]) if name in inference.models else None
-        target = next((b for b in inference.backbones.values() if b.engine.key == backbone_key(manifest)), None)
         t0 = time.perf_counter()
+        failed = (await self.load_many({name: folder}))[name]
+        if failed is not None:
+            raise failed
+        return time.perf_counter() - t0
+
+    async def load_many(self, folders: dict[str, Path]) -> dict[str, APIError | None]:
+        """Load (or reload) the models of ``folders`` (by name; checked with :meth:`folder`), the heads of one loaded
+        backbone in one change of its process. Each name's failure, None for those loaded; a failure leaves what
+        served before serving."""
+        async with self._lock:
+            for name, folder in folders.items():
+                self._status[name] = ("LOADING", "")
+                self._seen[name] = signature(folder)
+            t0 = time.perf_counter()
+            errors = await self._load(folders)
+            seconds = time.perf_counter() - t0
+            out: dict[str, APIError | None] = {}
+            for name, folder in folders.items():
+                e = errors.get(name)
+                out[name] = None if e is None else self._failed(name, e)
+                if e is None:
+                    self._status.pop(name, None)
+                    if self.app.cache is not None:
+                        self.app.cache.loaded(name)
+                    self.app.metrics.model_loads.labels(name, "success").inc()
+                    log.info("model %s loaded from %s in %.3f s", name, folder, seconds)
+            return out
+
+    def _failed(self, name: str, e: Exception) -> APIError:
+        why = str(e) if isinstance(e, ModelLoadError) else f"{type(e).__name__}: {e}"
+        reason = f"load failed: {why}"
+        self._status[name] = ("UNAVAILABLE", reason)
+        self.app.metrics.model_loads.labels(name, "failure").inc()
+        log.error("model %s: %s", name, reason)
+        return APIError(400, f"model {name}: {reason}")
+
+    def _next_key(self, name: str) -> str:
+        """A new head key for model ``name`` (unique: its old head may still answer what it accepted)."""
         self._generation[name] = self._generation.get(name, 0) + 1
-        key = head_key(name, self._generation[name])  # unique: the old head may still answer what it accepted
-        if target is None:  # a backbone not loaded yet: a group of its own (it serves the name when ready)
-            await self.app.start_backbone([folder], [key])
-        else:
-            await asyncio.to_thread(target.engine.add_heads, [folder], [key], self.app.settings.warmup)
-            inference.serve(name, key, target)
-            self.app.published(target, name, folder, time.perf_counter() - t0)
-        if old is not None:
-            await self._retire(*old)
+        return head_key(name, self._generation[name])
+
+    async def _load(self, folders: dict[str, Path]) -> dict[str, Exception]:
+        """Load the models of ``folders``; what failed, by name."""
+        inference = self.app.inference
+        errors: dict[str, Exception] = {}
+        by_backbone: dict[str, list[str]] = {}  # a loaded backbone's name -> the models to load onto it
+        for name, folder in folders.items():
+            try:
+                manifest = await asyncio.to_thread(read_manifest, folder)
+                target = next((b for b in inference.backbones.values() if b.engine.key == backbone_key(manifest)),
+                              None)
+                if target is None:  # a backbone not loaded yet: a group of its own (it serves the name when ready)
+                    old = (inference.models[name], inference.heads[name]) if name in inference.models else None
+                    await self.app.start_backbone([folder], [self._next_key(name)])
+                    if old is not None:
+                        await self._retire(*old)
+                else:
+                    by_backbone.setdefault(target.engine.name, []).append(name)
+            except Exception as e:
+                errors[name] = e
+        for backbone_name, names in by_backbone.items():
+            target = inference.backbones[backbone_name]
+            t0 = time.perf_counter()
+            keys = {name: self._next_key(name) for name in names}
+            try:
+                await asyncio.to_thread(target.engine.add_heads, [folders[n] for n in names], list(keys.values()),
+                                        self.app.settings.warmup)
+                loaded = names
+            except Exception as e:  # one damaged folder fails the change: each alone tells which
+                if len(names) == 1:
+                    errors[names[0]] = e
+                    continue
+                loaded = []
+                for name in names:
+                    keys[name] = self._next_key(name)
+                    try:
+                        await asyncio.to_thread(target.engine.add_heads, [folders[name]], [keys[name]],
+                                                self.app.settings.warmup)
+                        loaded.append(name)
+                    except Exception as e1:
+                        errors[name] = e1
+            for name in loaded:
+                old = (inference.models[name], inference.heads[name]) if name in inference.models else None
+                inference.serve(name, keys[name], target)
+                self.app.published(target, name, folders[name], time.perf_counter() - t0)
+                if old is not None:
+                    await self._retire(*old)
+        return errors
 
     async def unload(self, name: str) -> None:
         """Stop serving model ``name``: new requests get 404 at once, those accepted are answered, then its head
@@ -185,21 +238,32 @@ class ModelControl:
                     self.app.cache.forget(name)
             log.info("model %s unloaded", name)
 
-    async def evict(self, name: str) -> None:
-        """Drop the head of model ``name`` from memory, its name still servable (the head cache brings it back on
-        the next request that names it). The cache evicts only heads no request holds."""
+    async def evict(self, names: Sequence[str]) -> None:
+        """Drop the heads of models ``names`` from memory, their names still servable (the head cache brings them
+        back on the next request that names them), the heads of one backbone in one change of its process. The
+        cache evicts only heads no request holds."""
         inference = self.app.inference
         async with self._lock:
-            if name not in inference.models:
-                return
-            backbone, key = inference.models[name], inference.heads[name]
-            inference.withdraw(name)
-            try:
-                await self._retire(backbone, key)
-            finally:
+            by_backbone: dict[str, list[str]] = {}  # backbone -> the head keys to drop
+            for name in names:
+                if name not in inference.models:
+                    continue
+                backbone, key = inference.models[name], inference.heads[name]
+                inference.withdraw(name)
                 self.app.metrics.unloaded(name, count=False)
                 self._status[name] = ("UNAVAILABLE", "evicted from the head cache: loads on the next request")
-            log.debug("head of model %s evicted", name)
+                by_backbone.setdefault(backbone.engine.name, []).append(key)
+            for backbone_name, keys in by_backbone.items():
+                backbone = inference.backbones[backbone_name]
+                if set(backbone.engine.models) <= set(keys):  # its last heads: the backbone goes with them
+                    for key in keys:
+                        await self._retire(backbone, key)
+                    continue
+                s = self.app.settings
+                for key in keys:
+                    await self.app.inference.released(key, s.max_request_timeout_s + s.drain_timeout_s)
+                await asyncio.to_thread(backbone.engine.remove_heads, keys)
+            log.debug("heads of models %s evicted", list(names))
 
     async def _retire(self, backbone: Backbone, key: str) -> None:
         """Drop head ``key`` of ``backbone`` once no request holds it (no new one can take it): with the backbone's

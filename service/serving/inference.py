@@ -90,6 +90,8 @@ class Inference:
         self._released: dict[str, asyncio.Event] = {}  # retired head key -> set when its last request is answered
         self.bring: Callable[[Sequence[str], bool], Awaitable[None]] | None = None
         """With a head cache: loads the named models' heads that are not in memory (see ``serving.cache``)."""
+        self.let_go: Callable[[], None] | None = None
+        """With a head cache: called when a request no longer holds its heads (they may be evicted now)."""
         self.check: Callable[[str], object] | None = None
         """With a head cache: 400/404 for a name that is no model folder of the repository."""
 
@@ -242,6 +244,8 @@ class Inference:
                     del self._using[key]
                     if key in self._released:
                         self._released[key].set()
+            if self.let_go is not None:
+                self.let_go()
         self.stats.answered(models, time.perf_counter() - started, ok=True)
         return out
 

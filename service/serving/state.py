@@ -47,6 +47,7 @@ class AppState:
                                                            [self.settings.default_model])
         if self.cache is not None:
             self.inference.bring, self.inference.check = self.cache.bring, self.cache.known
+            self.inference.let_go = self.cache.released
 
     def model_names(self, repository: Path) -> list[str]:
         """The models to load at start: ``models``, or every folder of the repository (with a head cache, only the
