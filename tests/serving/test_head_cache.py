@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import shutil
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -155,3 +156,32 @@ def test_over_http_a_model_not_in_memory_answers_on_every_protocol(repo: Path, h
         assert r.status_code == 200 and [m["labels"] for m in r.json()["responses"]] == [["alpha", "beta", "gamma"]] * 2
         r = client.post("/v1/models/nope/classify", json={"inputs": ["x"]})
         assert r.status_code == 404 and "nope" in r.json()["error"]["message"]
+
+
+async def test_a_damaged_head_loaded_together_with_others_fails_alone(repo: Path, head_bytes: int, tmp_path: Path,
+                                                                      alone: dict[str, list]) -> None:
+    """Three heads wanted at once load in one change; one has truncated weights: its request gets 400 naming
+    the file, the other two answer."""
+    damaged = tmp_path / "models"
+    shutil.copytree(repo, damaged)
+    weights = damaged / NAMES[5] / WEIGHTS
+    weights.write_bytes(weights.read_bytes()[: head_bytes // 2])
+    st = AppState(settings=Settings(model_repository=damaged, default_model=NAMES[0], model_process=False,
+                                    max_wait_ms=1, head_cache_bytes=5 * head_bytes), metrics=Metrics())
+    await st.load()
+    try:
+        inf = st.inference
+
+        async def ask(name: str) -> str | APIError:
+            try:
+                await inf.require([name])
+                return (await inf.classify([name], TEXTS[:1]))[0][0].label
+            except APIError as e:
+                return e
+
+        got = await asyncio.gather(*(ask(n) for n in (NAMES[3], NAMES[5], NAMES[7])))
+        assert got[0] == alone[NAMES[3]][0][0] and got[2] == alone[NAMES[7]][0][0]
+        assert isinstance(got[1], APIError) and got[1].status == 400 and WEIGHTS in got[1].message
+        assert NAMES[5] not in inf.models and {NAMES[3], NAMES[7]} <= set(inf.models)
+    finally:
+        await st.close(1.0)
