@@ -26,8 +26,8 @@ from service.training.data import Dataset, make_dataset, preset_path, read_examp
 from service.training.features import Features, extract
 from service.training.trainer import (
     TrainConfig,
-    classification_metrics,
-    logistic_baseline,
+    compare,
+    logistic_probe,
     predict_features,
     train_head,
 )
@@ -125,14 +125,13 @@ def train_model(name: str, data: DataSpec, out_dir: Path, backbone_source: str =
 
 def evaluate_features(head: RoutingHead, ds: Dataset, f_train: Features, y_train: list[int], f_val: Features,
                       f_test: Features) -> dict[str, Any]:
-    """Head metrics and the baseline's on the test split, and the head's margin over it."""
+    """Head metrics on the test split beside two linear probes' (mean-pooled last layer: ``baseline``; every layer:
+    ``probe_all_layers``), the margins, and McNemar's test of the head against the all-layer probe."""
     n = len(ds.labels)
-    probs = predict_features(head, f_test)
-    metrics = classification_metrics(ds.test.labels, probs.argmax(1), n)
-    baseline = logistic_baseline(f_train, y_train, f_val, ds.validation.labels, f_test, ds.test.labels, n)
-    return {"split": "test", "head": metrics, "baseline": baseline,
-            "margin_accuracy": metrics["accuracy"] - baseline["test"]["accuracy"],
-            "margin_macro_f1": metrics["macro_f1"] - baseline["test"]["macro_f1"]}
+    head_pred = predict_features(head, f_test).argmax(1).tolist()
+    probes = {layers: logistic_probe(f_train, y_train, f_val, ds.validation.labels, f_test, ds.test.labels, n, layers)
+              for layers in ("last", "all")}
+    return compare(ds.test.labels, head_pred, probes, n)
 
 
 def evaluate_model(folder: Path, cache: Path | None = None, max_train: int | None = None) -> dict[str, Any]:
@@ -158,8 +157,10 @@ def evaluate_model(folder: Path, cache: Path | None = None, max_train: int | Non
 
 
 def _print_evaluation(name: str, ev: dict[str, Any]) -> None:
-    h, b = ev["head"], ev["baseline"]["test"]
+    h, b, a, c = ev["head"], ev["baseline"]["test"], ev["probe_all_layers"]["test"], ev["comparison"]
     print(f"{name} (test, n={h['n']}): routing head accuracy {h['accuracy']:.4f} macro-F1 {h['macro_f1']:.4f} | "
-          f"logistic baseline accuracy {b['accuracy']:.4f} macro-F1 {b['macro_f1']:.4f} | "
-          f"margin {ev['margin_accuracy']:+.4f}", flush=True)
+          f"last-layer probe {b['accuracy']:.4f} / {b['macro_f1']:.4f} | all-layer probe {a['accuracy']:.4f} / "
+          f"{a['macro_f1']:.4f}: margin {c['margin_accuracy']:+.4f}, McNemar p = {c['p_value']:.3g} "
+          f"({c['only_head_right']} texts only the head got right, {c['only_probe_right']} only the probe)",
+          flush=True)
     print("confusion matrix (rows true, columns predicted):", np.array(h["confusion_matrix"]).tolist(), flush=True)

@@ -13,7 +13,7 @@ import copy
 import math
 import random
 import time
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -212,19 +212,30 @@ def classification_metrics(y_true: list[int], y_pred: np.ndarray, n_classes: int
             "confusion_matrix": cm.tolist()}
 
 
-def mean_pooled_last_layer(feats: Features) -> np.ndarray:
-    """``[T, d_emb]``: each text's last-layer states averaged over its real positions."""
-    return np.stack([feats.get(t)[:, -1].float().mean(0).numpy() for t in range(len(feats))])
+def mean_pooled(feats: Features, layers: Literal["last", "all"] = "last") -> np.ndarray:
+    """Each text's states averaged over its real positions: the last layer's ``[T, d_emb]``, or every depth's
+    concatenated ``[T, d_depth * d_emb]``."""
+    rows = []
+    for t in range(len(feats)):
+        h = feats.get(t).float()  # [n e d]
+        rows.append((h[:, -1] if layers == "last" else h.flatten(1)).mean(0).numpy())  # [d] or [e*d]
+    return np.stack(rows)
 
 
-def logistic_baseline(train: Features, y_train: list[int], val: Features, y_val: list[int], test: Features,
-                      y_test: list[int], n_classes: int) -> dict[str, Any]:
-    """Logistic-regression probe on mean-pooled last-layer features, C chosen on validation."""
+PROBES = {"last": "logistic regression on the mean-pooled last layer (standardised), C tuned on validation",
+          "all": "logistic regression on every depth mean-pooled and concatenated (standardised), C tuned on "
+                 "validation"}
+
+
+def logistic_probe(train: Features, y_train: list[int], val: Features, y_val: list[int], test: Features,
+                   y_test: list[int], n_classes: int, layers: Literal["last", "all"] = "last") -> dict[str, Any]:
+    """A logistic-regression probe on mean-pooled features (see :func:`mean_pooled`), C chosen on validation; its
+    test metrics and test predictions."""
     from sklearn.linear_model import LogisticRegression
     from sklearn.preprocessing import StandardScaler
 
-    scaler = StandardScaler().fit(mean_pooled_last_layer(train))
-    Xtr, Xva, Xte = (scaler.transform(mean_pooled_last_layer(f)) for f in (train, val, test))
+    scaler = StandardScaler().fit(mean_pooled(train, layers))
+    Xtr, Xva, Xte = (scaler.transform(mean_pooled(f, layers)) for f in (train, val, test))
     best = None
     for C in (0.01, 0.1, 1.0, 10.0):
         clf = LogisticRegression(C=C, max_iter=3000).fit(Xtr, y_train)
@@ -232,6 +243,35 @@ def logistic_baseline(train: Features, y_train: list[int], val: Features, y_val:
         if best is None or acc > best[0]:
             best = (acc, C, clf)
     assert best is not None
-    metrics = classification_metrics(y_test, best[2].predict(Xte), n_classes)
-    return {"method": "logistic regression on mean-pooled last layer (standardised), C tuned on validation",
-            "C": best[1], "val_accuracy": best[0], "test": metrics}
+    predicted = best[2].predict(Xte)
+    return {"method": PROBES[layers], "C": best[1], "val_accuracy": best[0],
+            "test": classification_metrics(y_test, predicted, n_classes), "predicted": predicted.tolist()}
+
+
+def mcnemar(y_true: list[int], a: list[int], b: list[int]) -> dict[str, Any]:
+    """McNemar's exact test of two classifiers' errors on the same texts: the texts only ``a`` got right against
+    those only ``b`` got right, two-sided binomial at 1/2 (scipy)."""
+    from scipy.stats import binomtest
+
+    only_a = sum(1 for y, p, q in zip(y_true, a, b, strict=True) if p == y != q)
+    only_b = sum(1 for y, p, q in zip(y_true, a, b, strict=True) if q == y != p)
+    p_value = 1.0 if only_a + only_b == 0 else float(binomtest(only_a, only_a + only_b, 0.5).pvalue)
+    return {"test": "McNemar exact (two-sided binomial on the discordant texts)", "only_head_right": only_a,
+            "only_probe_right": only_b, "p_value": p_value}
+
+
+def compare(y_test: list[int], head: list[int], probes: dict[str, dict[str, Any]], n_classes: int) -> dict[str, Any]:
+    """The head's test metrics beside the probes' (``last`` and ``all``, each from :func:`logistic_probe`, its
+    ``predicted`` dropped here), the margins over each, and McNemar's test against the all-layer probe."""
+    metrics = classification_metrics(y_test, np.asarray(head), n_classes)
+    kept = {}
+    for name, probe in probes.items():  # metrics recomputed: ``y_test`` may pool several folds' predictions
+        kept[name] = {key: v for key, v in probe.items() if key != "predicted"}
+        kept[name]["test"] = classification_metrics(y_test, np.asarray(probe["predicted"]), n_classes)
+    last, every = kept["last"]["test"], kept["all"]["test"]
+    return {"split": "test", "head": metrics, "baseline": kept["last"], "probe_all_layers": kept["all"],
+            "margin_accuracy": metrics["accuracy"] - last["accuracy"],
+            "margin_macro_f1": metrics["macro_f1"] - last["macro_f1"],
+            "comparison": {"probe": "all layers", "margin_accuracy": metrics["accuracy"] - every["accuracy"],
+                           "margin_macro_f1": metrics["macro_f1"] - every["macro_f1"],
+                           **mcnemar(y_test, head, probes["all"]["predicted"])}}

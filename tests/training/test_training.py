@@ -83,13 +83,18 @@ def test_train_and_evaluate_commands(tmp_path: Path, tiny_backbone_dir: Path) ->
     assert ev["head"]["n"] == len(make_dataset(read_examples(tmp_path / "data.csv"), "x").test.texts)
     assert {"accuracy", "macro_f1", "confusion_matrix"} <= set(ev["head"])
     assert "accuracy" in ev["baseline"]["test"] and "margin_accuracy" in ev
+    assert ev["probe_all_layers"]["test"]["n"] == ev["head"]["n"] and "predicted" not in ev["probe_all_layers"]
+    cmp = ev["comparison"]
+    assert cmp["probe"] == "all layers" and 0 <= cmp["p_value"] <= 1
+    assert cmp["margin_accuracy"] == ev["head"]["accuracy"] - ev["probe_all_layers"]["test"]["accuracy"]
     assert len(manifest["training"]["history"]) == 2 and manifest["training"]["data"]["n_train_used"] > 0
     assert list((tmp_path / "cache").glob("*.pt"))
     _, clf = load_model(folder)
     assert clf.labels == ["neg", "pos"]
     res = runner.invoke(app, ["evaluate", str(folder), "--cache", str(tmp_path / "cache")])
     assert res.exit_code == 0, res.output
-    assert json.loads((folder / "manifest.json").read_text())["evaluation"]["head"] == ev["head"]
+    again = json.loads((folder / "manifest.json").read_text())["evaluation"]
+    assert again["head"] == ev["head"] and again["comparison"] == ev["comparison"]  # evaluate recomputes it
     bad = runner.invoke(app, ["train", "toy2", "--out", str(tmp_path / "repo")])
     assert bad.exit_code != 0 and "exactly one of --preset or --data" in bad.output
 
@@ -180,3 +185,17 @@ def test_training_stops_when_validation_loss_stops_improving_and_keeps_the_best(
     from service.training.trainer import predict_features, validation_scores
 
     assert validation_scores(predict_features(head, val), y_val)[1] == pytest.approx(best["val_loss"], abs=1e-5)
+
+
+def test_mcnemar_counts_the_discordant_texts_and_tests_them_exactly() -> None:
+    from service.training.trainer import mcnemar
+
+    y = [0] * 12
+    head = [0] * 10 + [1, 0]  # right on 11
+    probe = [1] * 10 + [1, 1]  # right on none: 10 + 1 texts only the head got right, 0 only the probe
+    got = mcnemar(y, head, probe)
+    assert (got["only_head_right"], got["only_probe_right"]) == (11, 0)
+    assert got["p_value"] == pytest.approx(2 * 0.5**11)
+    assert mcnemar(y, head, head)["p_value"] == 1.0  # no discordant text: no evidence either way
+    even = mcnemar([0, 0, 1, 1], [0, 1, 1, 0], [1, 0, 0, 1])  # 2 against 2
+    assert (even["only_head_right"], even["only_probe_right"], even["p_value"]) == (2, 2, 1.0)
