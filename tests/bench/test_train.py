@@ -1,0 +1,40 @@
+"""`bench train` on the tiny backbone: k folds test every text exactly once, the validation texts never train,
+and the head is compared with both probes on the pooled test predictions with McNemar's test."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from service.bench import train
+from service.modeling.backbone import Backbone
+from service.training.config import TrainConfig
+
+PAIRS = [(f"{word} text number {k}", label) for k in range(40)
+         for word, label in (("good great", "pos"), ("bad awful", "neg"))]
+
+
+def test_folds_test_each_text_once_and_never_train_on_it() -> None:
+    texts, parts, labels, names = train.splits(PAIRS, folds=4)
+    assert names == ["neg", "pos"] and len(texts) == len(labels) == 80
+    tested = sorted(k for _, _, test in parts for k in test)
+    assert tested == list(range(80))
+    for tr, val, test in parts:
+        assert not (set(tr) & set(test)) and not (set(val) & set(test)) and not (set(tr) & set(val))
+        assert len(tr) + len(val) + len(test) == 80 and val
+    (one,) = train.splits(PAIRS, folds=None)[1]  # the sha1 split
+    assert sum(map(len, one)) == 80
+
+
+def test_measure_compares_the_head_with_both_probes(tiny_backbone_dir: Path, tmp_path: Path) -> None:
+    backbone = Backbone(str(tiny_backbone_dir), max_length=16)
+    cfg = TrainConfig(steps=20, eval_every=10, batch_size=8)
+    got = train.measure(PAIRS, 3, backbone, str(tiny_backbone_dir), cfg, tmp_path / "cache",
+                        head_kwargs={"n_hid": 4, "d_hid": 8})
+    assert got["head"]["n"] == got["baseline"]["test"]["n"] == got["probe_all_layers"]["test"]["n"] == 80
+    assert len(got["parts"]) == 3 and len(got["steps"]) == 3 and got["train_seconds"] > 0
+    c = got["comparison"]
+    assert c["probe"] == "all layers" and 0 <= c["p_value"] <= 1
+    assert c["only_head_right"] + c["only_probe_right"] <= 80
+    assert list((tmp_path / "cache").glob("*.pt"))  # features cached
+    row = train._row("toy", {**got, "description": "toy"})
+    assert row["margin"] == got["head"]["accuracy"] - got["probe_all_layers"]["test"]["accuracy"]
