@@ -254,32 +254,25 @@ class ModelControl:
                 self._status[name] = ("UNAVAILABLE", "evicted from the head cache: loads on the next request")
                 by_backbone.setdefault(backbone.engine.name, []).append(key)
             for backbone_name, keys in by_backbone.items():
-                backbone = inference.backbones[backbone_name]
-                if set(backbone.engine.models) <= set(keys):  # its last heads: the backbone goes with them
-                    for key in keys:
-                        await self._retire(backbone, key)
-                    continue
-                s = self.app.settings
-                for key in keys:
-                    await self.app.inference.released(key, s.max_request_timeout_s + s.drain_timeout_s)
-                await asyncio.to_thread(backbone.engine.remove_heads, keys)
+                await self._retire(inference.backbones[backbone_name], *keys)
             log.debug("heads of models %s evicted", list(names))
 
-    async def _retire(self, backbone: Backbone, key: str) -> None:
-        """Drop head ``key`` of ``backbone`` once no request holds it (no new one can take it): with the backbone's
-        last head, stop its batcher and close its process."""
+    async def _retire(self, backbone: Backbone, *keys: str) -> None:
+        """Drop heads ``keys`` of ``backbone`` (in one change of its process) once no request holds them (no new one
+        can take them): with the backbone's last heads, stop its batcher and close its process."""
         s = self.app.settings
-        if not await self.app.inference.released(key, s.max_request_timeout_s + s.drain_timeout_s):
-            log.warning("head %s still held by requests after their longest deadline; dropping it", key)
+        for key in keys:
+            if not await self.app.inference.released(key, s.max_request_timeout_s + s.drain_timeout_s):
+                log.warning("head %s still held by requests after their longest deadline; dropping it", key)
         engine = backbone.engine
-        if set(engine.models) <= {key}:
+        if set(engine.models) <= set(keys):
             await backbone.batcher.stop(s.drain_timeout_s)
             await asyncio.to_thread(engine.close)
             self.app.inference.backbones.pop(engine.name, None)
             self.app.metrics.closed(engine.name)
             log.info("backbone %s closed: no model left on it", engine.name)
         else:
-            await asyncio.to_thread(engine.remove_heads, [key])
+            await asyncio.to_thread(engine.remove_heads, list(keys))
 
     async def _poll(self) -> None:
         """Every ``repository_poll_s``: load new folders, reload changed ones, unload the removed."""
