@@ -49,12 +49,11 @@ class HeadCache:
             self._recent[name] = self._weight_bytes(name)
         self._export()
 
-    def known(self, name: str) -> bool:
-        """Whether ``name`` is a model the server can serve: loaded, or a folder of the repository (400/404 as in
-        :meth:`ModelControl.folder` otherwise)."""
+    def known(self, name: str) -> None:
+        """Check that ``name`` is a model the server can serve: loaded, or a folder of the repository (400/404 as
+        in :meth:`ModelControl.folder` otherwise)."""
         if name not in self.app.inference.models:
             self.app.control.folder(name)
-        return True
 
     async def bring(self, names: Sequence[str], count: bool = True) -> None:
         """Have every model of ``names`` in memory, loading the missing ones (each once, however many requests

@@ -16,7 +16,7 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from service.config import Settings
 from service.modeling.encoding import Encoding
@@ -39,6 +39,9 @@ from service.serving.lifecycle import Lifecycle
 from service.serving.planner import Planner, model_of
 from service.serving.schemas import ClassifyResult, ExplainResult
 from service.serving.stats import InferenceStats
+
+if TYPE_CHECKING:
+    from service.serving.cache import HeadCache
 
 INLINE_CHARS = 1000
 """Texts of a request up to this many characters in all are tokenized on the event loop (a tweet takes 0.05 ms
@@ -88,12 +91,8 @@ class Inference:
         self.heads: dict[str, str] = {}  # model name -> the key of its current head
         self._using: Counter[str] = Counter()  # head key -> requests in flight planned with it
         self._released: dict[str, asyncio.Event] = {}  # retired head key -> set when its last request is answered
-        self.bring: Callable[[Sequence[str], bool], Awaitable[None]] | None = None
-        """With a head cache: loads the named models' heads that are not in memory (see ``serving.cache``)."""
-        self.let_go: Callable[[], None] | None = None
-        """With a head cache: called when a request no longer holds its heads (they may be evicted now)."""
-        self.check: Callable[[str], object] | None = None
-        """With a head cache: 400/404 for a name that is no model folder of the repository."""
+        self.cache: HeadCache | None = None
+        """The head cache, when there is one: heads not in memory are brought in as requests name them."""
 
     def add(self, backbone: Backbone) -> None:
         """A backbone group and every head on it."""
@@ -132,20 +131,20 @@ class Inference:
         """Check that every model of ``names`` can serve (503 while loading, 404 for no such model); with a head
         cache, bring their heads into memory (so the synchronous lookups that follow, up to the next await, find
         them), counting hits and misses when ``count`` (once per request)."""
-        if self.bring is None:
+        if self.cache is None:
             for name in names:
                 self.backbone_of(name)
             return
         if not self.lifecycle.serving:
             raise errors.unavailable(f"models are {self.lifecycle.describe()}", "loading")
-        await self.bring(names, count)
+        await self.cache.bring(names, count)
 
     def check_name(self, name: str) -> None:
         """404 (or 503 while loading) now for a model that cannot serve, before its head is brought in."""
-        if self.bring is None or name in self.models:
+        if self.cache is None or name in self.models:
             self.backbone_of(name)
-        elif self.check is not None:
-            self.check(name)
+        else:
+            self.cache.known(name)
 
     def describe(self, model: str) -> dict[str, object]:
         """What ``/v1/models`` says of ``model`` (404 if it is not loaded)."""
@@ -178,7 +177,7 @@ class Inference:
             raise APIError(422, f"models: {repeated} named more than once",
                            details=[{"field": "models", "message": f"repeated: {repeated}", "type": "value_error"}])
         unknown = [n for n in names if n not in self.models]
-        if unknown and self.bring is not None:  # with a head cache, any model folder of the repository
+        if unknown and self.cache is not None:  # with a head cache, any model folder of the repository
             return list(names)  # (checked as it is brought in)
         if unknown:
             raise APIError(404, f"unknown model(s) {unknown}; available: {sorted(self.models)}")
@@ -226,8 +225,8 @@ class Inference:
             ``[model][text]`` answers, in the order asked.
         """
         self.check_limits(texts)
-        if self.bring is not None:
-            await self.bring(models, False)  # again: a head may have left memory since the route brought it in
+        if self.cache is not None:
+            await self.cache.bring(models, False)  # again: a head may have left memory since the route brought it in
         backbones = [self.backbone_of(name) for name in models]
         keys = [self.heads[name] for name in models]  # the heads this request holds until it is answered
         self._using.update(keys)
@@ -244,8 +243,8 @@ class Inference:
                     del self._using[key]
                     if key in self._released:
                         self._released[key].set()
-            if self.let_go is not None:
-                self.let_go()
+            if self.cache is not None:
+                self.cache.released()
         self.stats.answered(models, time.perf_counter() - started, ok=True)
         return out
 

@@ -45,9 +45,7 @@ class AppState:
         budget = self.settings.head_cache_bytes
         self.cache = None if budget is None else HeadCache(self, budget, self.settings.models or
                                                            [self.settings.default_model])
-        if self.cache is not None:
-            self.inference.bring, self.inference.check = self.cache.bring, self.cache.known
-            self.inference.let_go = self.cache.released
+        self.inference.cache = self.cache
 
     def model_names(self, repository: Path) -> list[str]:
         """The models to load at start: ``models``, or every folder of the repository (with a head cache, only the
