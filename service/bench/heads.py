@@ -102,9 +102,18 @@ def _pss_mib(server: LocalServer) -> float:
     return sum(pss.values()) / MIB
 
 
-def _counter(url: str, name: str) -> float:
+CACHE_SERIES = ("hits_total", "misses_total", "evictions_total", "resident_heads")
+
+
+def _cache_metrics(url: str) -> dict[str, float]:
+    """The head cache's counters and resident heads now, from one scrape of the server's metrics."""
     page = httpx.get(f"{url}/metrics", timeout=30).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in page.splitlines() if line.startswith(name))
+    values = dict.fromkeys(CACHE_SERIES, 0.0)
+    for line in page.splitlines():
+        for series in CACHE_SERIES:
+            if line.startswith(f"routing_head_cache_{series} "):
+                values[series] = float(line.rsplit(" ", 1)[1])
+    return values
 
 
 async def _answers(url: str, pairs: list[tuple[str, str]], concurrency: int) -> list[dict[str, float] | int]:
@@ -187,15 +196,12 @@ def budgeted(repo: Path, model: str, names: list[str], budget_heads: int, texts:
     server = LocalServer(logs, model_repository=repo, models=model, default_model=model, max_queue=100000,
                          head_cache_bytes=budget_heads * head_bytes).wait_ready()
     try:
-        h0, m0 = _counter(server.url, "routing_head_cache_hits_total"), _counter(server.url,
-                                                                                "routing_head_cache_misses_total")
-        e0 = _counter(server.url, "routing_head_cache_evictions_total")
+        before = _cache_metrics(server.url)
         row = run_async(closed_loop(server.url, uniform(names, seed=2), texts, concurrency, seconds)).row()
-        hits = _counter(server.url, "routing_head_cache_hits_total") - h0
-        misses = _counter(server.url, "routing_head_cache_misses_total") - m0
-        evictions = _counter(server.url, "routing_head_cache_evictions_total") - e0
+        after = _cache_metrics(server.url)
+        hits, misses, evictions = (after[k] - before[k] for k in ("hits_total", "misses_total", "evictions_total"))
         got = run_async(_answers(server.url, pairs, concurrency))
-        resident = _counter(server.url, "routing_head_cache_resident_heads")
+        resident = _cache_metrics(server.url)["resident_heads"]
     finally:
         server.stop()
     wrong = 0

@@ -145,7 +145,6 @@ def run(names: list[str], folds: int | None, cache: Path, out: Path) -> dict[str
         echo(f"{name}: {data.description}" + (f"; {k} folds" if k else "; sha1 split"), err=True)
         results[name] = {"description": data.description, **measure(data.pairs(), k, backbone, DEFAULT_BACKBONE, cfg,
                                                                      cache)}
-        _row(name, results[name])
     return report(results, out, {"datasets": names, "folds": folds, "train_config": asdict(cfg)})
 
 
