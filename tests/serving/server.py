@@ -1,18 +1,34 @@
-"""The real server for API tests (uvicorn in a subprocess, free port), reading /metrics, and
-holding concurrent requests in flight."""
+"""The real server for API tests (uvicorn in a subprocess, free port), the app state alone in this process,
+reading /metrics, and holding concurrent requests in flight."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
 import httpx
 
 from service.bench.server import LocalServer as Server
 from service.bench.server import free_port
+from service.config import Settings
+from service.serving.metrics import Metrics
+from service.serving.state import AppState
 
-__all__ = ["Server", "free_port", "in_flight", "metric"]
+__all__ = ["Server", "free_port", "in_flight", "loaded", "metric"]
+
+
+@contextlib.asynccontextmanager
+async def loaded(settings: Settings) -> AsyncIterator[AppState]:
+    """The app's state with ``settings``, its models loaded (asserted ready), without HTTP; closed on exit."""
+    st = AppState(settings=settings, metrics=Metrics())
+    await st.load()
+    assert st.lifecycle.ready, st.lifecycle.error
+    try:
+        yield st
+    finally:
+        await st.close(1.0)
 
 
 def metric(text: str, name: str, **labels: str) -> float:

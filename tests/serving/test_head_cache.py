@@ -21,10 +21,9 @@ from service.serving.app import create_app
 from service.serving.contract import CreditSpec, Task
 from service.serving.engine import Engine
 from service.serving.errors import APIError
-from service.serving.metrics import Metrics
 from service.serving.state import AppState
 from tests.conftest import write_tiny_model
-from tests.serving.server import metric
+from tests.serving.server import loaded, metric
 
 NAMES = [f"head-{k:02d}" for k in range(10)]
 TEXTS = ["a short text", "and a somewhat longer one, with a comma", "third"]
@@ -56,14 +55,9 @@ def alone(repo: Path) -> dict[str, list[tuple[str, list[float]]]]:
 @pytest.fixture
 async def state(repo: Path, head_bytes: int) -> AsyncIterator[AppState]:
     """A budget of three heads; head-00 pinned (and the default)."""
-    st = AppState(settings=Settings(model_repository=repo, default_model=NAMES[0], model_process=False,
-                                    max_wait_ms=1, head_cache_bytes=3 * head_bytes), metrics=Metrics())
-    await st.load()
-    assert st.lifecycle.ready, st.lifecycle.error
-    try:
+    async with loaded(Settings(model_repository=repo, default_model=NAMES[0], model_process=False, max_wait_ms=1,
+                               head_cache_bytes=3 * head_bytes)) as st:
         yield st
-    finally:
-        await st.close(1.0)
 
 
 def page(st: AppState) -> str:
@@ -166,10 +160,8 @@ async def test_a_damaged_head_loaded_together_with_others_fails_alone(repo: Path
     shutil.copytree(repo, damaged)
     weights = damaged / NAMES[5] / WEIGHTS
     weights.write_bytes(weights.read_bytes()[: head_bytes // 2])
-    st = AppState(settings=Settings(model_repository=damaged, default_model=NAMES[0], model_process=False,
-                                    max_wait_ms=1, head_cache_bytes=5 * head_bytes), metrics=Metrics())
-    await st.load()
-    try:
+    async with loaded(Settings(model_repository=damaged, default_model=NAMES[0], model_process=False, max_wait_ms=1,
+                               head_cache_bytes=5 * head_bytes)) as st:
         inf = st.inference
 
         async def ask(name: str) -> str | APIError:
@@ -183,5 +175,3 @@ async def test_a_damaged_head_loaded_together_with_others_fails_alone(repo: Path
         assert got[0] == alone[NAMES[3]][0][0] and got[2] == alone[NAMES[7]][0][0]
         assert isinstance(got[1], APIError) and got[1].status == 400 and WEIGHTS in got[1].message
         assert NAMES[5] not in inf.models and {NAMES[3], NAMES[7]} <= set(inf.models)
-    finally:
-        await st.close(1.0)

@@ -19,10 +19,9 @@ from service.serving.app import create_app
 from service.serving.contract import Ask, ChunkWork, CreditSpec, Result, Task, TextJob
 from service.serving.engine import Engine
 from service.serving.errors import APIError
-from service.serving.metrics import Metrics
 from service.serving.state import AppState
 from tests.conftest import write_tiny_model
-from tests.serving.server import metric
+from tests.serving.server import loaded, metric
 
 HEADS = {"tiny": 16, "tiny-b": 24, "tiny-c": 16}  # name -> max_length (tiny-b cuts long texts otherwise)
 TEXTS = ["a short text", "Long one, with many words in it. " * 6, "and a third, somewhat longer text than the first",
@@ -124,14 +123,9 @@ def test_a_batch_of_heads_answers_each_text_in_one_engine_call(shared: Engine, a
 
 @pytest.fixture
 async def state(heads_repo: Path) -> AsyncIterator[AppState]:
-    st = AppState(settings=Settings(model_repository=heads_repo, default_model="tiny", model_process=False,
-                                    max_wait_ms=2), metrics=Metrics())
-    await st.load()
-    assert st.lifecycle.ready, st.lifecycle.error
-    try:
+    async with loaded(Settings(model_repository=heads_repo, default_model="tiny", model_process=False,
+                               max_wait_ms=2)) as st:
         yield st
-    finally:
-        await st.close(1.0)
 
 
 async def test_the_pipeline_serves_several_models_as_each_alone(state: AppState) -> None:
@@ -173,16 +167,12 @@ async def test_the_pipeline_says_what_is_wrong(state: AppState) -> None:
 
 async def test_a_timeout_above_the_maximum_is_capped(heads_repo: Path) -> None:
     """A batch waits 3 s to fill; the request asks for 3,000 s, the server's maximum is 0.3 s: 504 at the cap."""
-    st = AppState(settings=Settings(model_repository=heads_repo, default_model="tiny", model_process=False,
-                                    max_wait_ms=3000, max_request_timeout_s=0.3), metrics=Metrics())
-    await st.load()
-    try:
+    async with loaded(Settings(model_repository=heads_repo, default_model="tiny", model_process=False,
+                               max_wait_ms=3000, max_request_timeout_s=0.3)) as st:
         t0 = time.monotonic()
         with pytest.raises(APIError) as e:
             await st.inference.classify(["tiny"], ["ok"], timeout_s=3000)
         assert e.value.status == 504 and time.monotonic() - t0 < 2.0
-    finally:
-        await st.close(1.0)
 
 
 async def test_a_client_that_leaves_is_dropped_and_answered_499(state: AppState) -> None:
