@@ -75,7 +75,10 @@ def train(
     n_hid: int = 64,
     d_hid: Annotated[int | None, typer.Option(help="Default: the backbone's d_emb")] = None,
     n_iters: int = 2,
-    steps: Annotated[int, typer.Option(min=1, help="Optimizer steps, whatever the dataset's size")] = TrainConfig.steps,
+    steps: Annotated[int, typer.Option(min=1, help="Optimizer steps at least, whatever the dataset's size")] = (
+        TrainConfig.steps),
+    min_epochs: Annotated[int, typer.Option(min=0, help="And at least this many epochs' worth of steps (a large "
+                                                        "dataset's budget grows with it)")] = TrainConfig.min_epochs,
     epochs: Annotated[int | None, typer.Option(min=1, help="Whole epochs instead of --steps")] = None,
     warmup_steps: Annotated[int, typer.Option(min=0, help="One-cycle warm-up steps (at most 30%)")] = (
         TrainConfig.warmup_steps),
@@ -88,12 +91,18 @@ def train(
     batch_size: int = 32,
     max_batch_positions: Annotated[int, typer.Option(help="Padded token positions per batch (memory)")] = 8192,
     max_lr: float = 1e-3,
+    ema: Annotated[float, typer.Option(min=0.0, max=0.9999, help=(
+        "Validate and keep an exponential moving average of the weights with this decay (0: the weights as "
+        "trained)"))] = TrainConfig.ema,
     crop: Annotated[float, typer.Option(min=0.01, max=1.0, help=(
         "Augmentation: each epoch, train on a random window of at least this fraction of each text's "
         "positions (1 = whole texts)"))] = 1.0,
     seed: int = 0,
     max_train: Annotated[int | None, typer.Option(help="Train on a seeded sample of this many texts")] = None,
     cache: Annotated[Path | None, typer.Option(help="Feature cache folder")] = Path(".cache/features"),
+    search: Annotated[bool, typer.Option(help=(
+        "Train twelve heads (learning rate x0.5/x1/x2, step budget x1/x3, crop 1/0.6) and keep the best on "
+        "validation; every point's scores go into the manifest"))] = False,
 ) -> None:
     """Train a routing head on a frozen backbone, evaluate it against the baseline, write a model folder."""
     from service.training.pipeline import DataSpec, train_model
@@ -103,12 +112,13 @@ def train(
     spec = DataSpec(preset=preset, path=data, text_column=text_column, label_column=label_column, encoding=encoding)
     if select not in ("loss", "accuracy"):
         raise typer.BadParameter("--select is 'loss' or 'accuracy'")
-    cfg = TrainConfig(steps=steps, epochs=epochs, warmup_steps=warmup_steps, eval_every=eval_every, patience=patience,
+    cfg = TrainConfig(steps=steps, min_epochs=min_epochs, epochs=epochs, warmup_steps=warmup_steps,
+                      eval_every=eval_every, patience=patience,
                       select="accuracy" if select == "accuracy" else "loss", batch_size=batch_size,
-                      max_batch_positions=max_batch_positions, max_lr=max_lr, crop=crop, seed=seed)
+                      max_batch_positions=max_batch_positions, max_lr=max_lr, ema=ema, crop=crop, seed=seed)
     folder = train_model(name, spec, out, backbone_source=backbone, max_length=max_length, n_hid=n_hid,
                          d_hid=d_hid, n_iters=n_iters, cfg=cfg, max_train=max_train, cache=cache,
-                         description=PRESETS[preset].description if preset in PRESETS else "")
+                         description=PRESETS[preset].description if preset in PRESETS else "", search=search)
     typer.echo(f"wrote {folder}")
 
 

@@ -10,7 +10,8 @@ from typing import Literal
 class TrainConfig:
     """How a head is trained (see ``service.training.trainer``); ``history`` collects each validation."""
 
-    steps: int = 1200  # optimizer steps, whatever the dataset's size (``epochs`` instead, when given)
+    steps: int = 1200  # optimizer steps at least, whatever the dataset's size (``epochs`` instead, when given)
+    min_epochs: int = 5  # and at least this many epochs' worth of steps: a large dataset's budget grows with it
     epochs: int | None = None
     warmup_steps: int = 60  # one-cycle warm-up (at most 30% of the steps)
     eval_every: int = 200  # validate every epoch, or every this many steps if an epoch is longer
@@ -20,6 +21,7 @@ class TrainConfig:
     max_batch_positions: int = 8192  # padded token positions per batch: bounds memory for long texts
     max_lr: float = 1e-3
     mixup_alpha: float = 0.65
+    ema: float = 0.995  # validate and keep an exponential moving average of the weights with this decay (0: off)
     crop: float = 1.0  # train on a random window of at least this fraction of each text (1: whole texts)
     seed: int = 0
     threads: int | None = None

@@ -24,6 +24,7 @@ from service.modeling.repository import (
 )
 from service.training.data import Dataset, make_dataset, preset_path, read_examples
 from service.training.features import Features, extract
+from service.training.search import search as search_grid
 from service.training.trainer import (
     TrainConfig,
     compare,
@@ -81,8 +82,9 @@ def split_features(backbone: Backbone, source: str, ds: Dataset, train_idx: list
 def train_model(name: str, data: DataSpec, out_dir: Path, backbone_source: str = DEFAULT_BACKBONE,
                 max_length: int | None = None, n_hid: int = 64, d_hid: int | None = None, n_iters: int = 2,
                 cfg: TrainConfig | None = None, max_train: int | None = None, cache: Path | None = None,
-                description: str = "") -> Path:
-    """Train a head, evaluate it and its baseline on the test split, and write ``out_dir/name``."""
+                description: str = "", search: bool = False) -> Path:
+    """Train a head (with ``search``, the best of :mod:`service.training.search`'s grid on validation), evaluate it
+    and its baseline on the test split, and write ``out_dir/name``."""
     cfg = cfg or TrainConfig()
     t_start = time.time()
     if cfg.threads:
@@ -98,9 +100,15 @@ def train_model(name: str, data: DataSpec, out_dir: Path, backbone_source: str =
     f_train, f_val, f_test = split_features(backbone, backbone_source, ds, train_idx, cache)
     feature_seconds = time.time() - t_feat
 
-    torch.manual_seed(cfg.seed)  # the head's initial weights are part of the seeded recipe
-    head = RoutingHead(backbone.d_depth, backbone.d_emb, len(ds.labels), n_hid=n_hid, d_hid=d_hid, n_iters=n_iters)
-    head, summary = train_head(head, f_train, y_train, f_val, ds.validation.labels, cfg)
+    def make_head() -> RoutingHead:
+        torch.manual_seed(cfg.seed)  # the head's initial weights are part of the seeded recipe
+        return RoutingHead(backbone.d_depth, backbone.d_emb, len(ds.labels), n_hid=n_hid, d_hid=d_hid,
+                           n_iters=n_iters)
+
+    if search:
+        head, summary = search_grid(make_head, f_train, y_train, f_val, ds.validation.labels, cfg)
+    else:
+        head, summary = train_head(make_head(), f_train, y_train, f_val, ds.validation.labels, cfg)
 
     label, package = BACKBONE_NAMES.get(backbone_source, (backbone_source, "local"))
     manifest = Manifest(

@@ -1,11 +1,14 @@
 """Training a routing head on frozen-backbone features with the paper's recipe (RAdam, one-cycle
 learning rate with max 1e-3, mixup of hidden states with Beta(0.65, 0.65)), and evaluating it
-against a logistic-regression probe on the mean-pooled last layer.
+against logistic-regression probes on the same features.
 
-The defaults train to a budget of optimizer steps, not epochs, so a small dataset is seen as many times as
-it takes (five epochs of 2,400 texts were 380 steps, too few to fit); the one-cycle warm-up is short and
-fixed in steps; validation runs every epoch (at most every ``eval_every`` steps) and training stops once the
-validation loss has not improved for ``patience`` validations, keeping the checkpoint of the lowest."""
+The defaults train to a budget of optimizer steps, not epochs: at least ``steps``, so a small dataset is seen
+as many times as it takes (five epochs of 2,400 texts were 380 steps, too few to fit), and at least
+``min_epochs`` epochs' worth, so a large one is seen more than once. The one-cycle warm-up is short and fixed in
+steps. What validates, and what is kept, is an exponential moving average of the weights (``ema``: its
+validation loss is smoother than the weights' own, so early stopping is not set off by one noisy validation).
+Validation runs every epoch (at most every ``eval_every`` steps), and training stops once the validation loss
+has not improved for ``patience`` validations, keeping the checkpoint of the lowest."""
 
 from __future__ import annotations
 
@@ -13,11 +16,12 @@ import copy
 import math
 import random
 import time
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import numpy as np
 import torch
 from torch import nn
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from tqdm import tqdm
 
 from service.modeling.head import RoutingHead
@@ -115,16 +119,18 @@ def improves(acc: float, loss: float, best: tuple[float, float] | None, select: 
 
 
 def step_plan(lengths: torch.Tensor, cfg: TrainConfig, rng: random.Random) -> list[list[list[int]]]:
-    """The batches of each epoch: ``cfg.epochs`` whole epochs, or epochs until ``cfg.steps`` batches (the last
-    one cut short)."""
+    """The batches of each epoch: ``cfg.epochs`` whole epochs, or epochs until a budget of ``cfg.steps`` batches
+    or ``cfg.min_epochs`` epochs' worth, whichever is more (the last epoch cut short)."""
     if not len(lengths):
         raise ValueError("no training texts")
     plan: list[list[list[int]]] = []
-    total = 0
-    while (len(plan) < cfg.epochs) if cfg.epochs else (total < cfg.steps):
+    total, budget = 0, cfg.steps
+    while (len(plan) < cfg.epochs) if cfg.epochs else (total < budget):
         batches = length_batches(lengths, cfg.batch_size, cfg.max_batch_positions, rng)
         if not cfg.epochs:
-            batches = batches[: cfg.steps - total]
+            if not plan:  # a large dataset's budget grows with it
+                budget = max(cfg.steps, cfg.min_epochs * len(batches))
+            batches = batches[: budget - total]
         plan.append(batches)
         total += len(batches)
     return plan
@@ -145,6 +151,10 @@ def train_head(head: RoutingHead, train: Features, y_train: list[int], val: Feat
     opt = torch.optim.RAdam(head.parameters(), lr=cfg.max_lr)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=cfg.max_lr, total_steps=steps + 1,
                                                 pct_start=min(0.3, cfg.warmup_steps / steps))
+    # the weights validated and kept: the trained ones, or their exponential moving average
+    averaged = (AveragedModel(head, multi_avg_fn=get_ema_multi_avg_fn(cfg.ema), use_buffers=True) if cfg.ema
+                else None)
+    validated = cast(RoutingHead, averaged.module) if averaged is not None else head
     best: tuple[float, float] | None = None
     best_state, best_step, best_epoch, since_best, step = None, 0, 0, 0, 0
     stopped = False
@@ -165,17 +175,20 @@ def train_head(head: RoutingHead, train: Features, y_train: list[int], val: Feat
                 loss.backward()
                 opt.step()
                 sched.step()
+                if averaged is not None:
+                    averaged.update_parameters(head)
                 total += loss.item()
                 bar.set_postfix(loss=f"{total / n:.4f}", lr=f"{sched.get_last_lr()[0]:.2e}")
             step += len(part)
-            acc, val_loss = validation_scores(predict_features(head, val), y_val)
+            acc, val_loss = validation_scores(predict_features(validated, val), y_val)
             head.train()
             cfg.history.append({"epoch": epoch, "step": step, "train_loss": total / len(part), "val_accuracy": acc,
                                 "val_loss": val_loss})
             print(f"step {step}/{steps} (epoch {epoch}): train loss {total / len(part):.4f}, validation accuracy "
                   f"{acc:.4f}, validation loss {val_loss:.4f}", flush=True)
             if improves(acc, val_loss, best, cfg.select):
-                best, best_state, best_step, best_epoch = (acc, val_loss), copy.deepcopy(head.state_dict()), step, epoch
+                best, best_step, best_epoch = (acc, val_loss), step, epoch
+                best_state = copy.deepcopy(validated.state_dict())
                 since_best = 0
             else:
                 since_best += 1
@@ -191,11 +204,12 @@ def train_head(head: RoutingHead, train: Features, y_train: list[int], val: Feat
     summary = {"best_step": best_step, "best_epoch": best_epoch, "best_val_accuracy": best[0],
                "best_val_loss": best[1], "steps_run": step, "stopped_early": stopped,
                "train_seconds": round(time.time() - t0, 1), "history": cfg.history, "steps": steps,
-               "epochs": cfg.epochs, "warmup_steps": cfg.warmup_steps, "eval_every": cfg.eval_every,
+               "min_epochs": cfg.min_epochs, "epochs": cfg.epochs, "warmup_steps": cfg.warmup_steps,
+               "eval_every": cfg.eval_every,
                "patience": cfg.patience, "checkpoint": f"best validation {cfg.select}", "batch_size": cfg.batch_size,
                "max_batch_positions": cfg.max_batch_positions, "max_lr": cfg.max_lr, "crop": cfg.crop,
-               "optimizer": "RAdam", "schedule": "one-cycle", "mixup": f"Beta({cfg.mixup_alpha}, {cfg.mixup_alpha})",
-               "seed": cfg.seed}
+               "optimizer": "RAdam", "schedule": "one-cycle", "ema": cfg.ema,
+               "mixup": f"Beta({cfg.mixup_alpha}, {cfg.mixup_alpha})", "seed": cfg.seed}
     return head.eval(), summary
 
 

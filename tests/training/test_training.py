@@ -56,7 +56,8 @@ def test_metrics_and_mixup() -> None:
     assert not mp[1:].any()
 
 
-def test_train_and_evaluate_commands(tmp_path: Path, tiny_backbone_dir: Path) -> None:
+def toy_args(tmp_path: Path, backbone: Path) -> list[str]:
+    """Options of ``train`` for 120 two-label texts written to ``tmp_path`` and the tiny backbone."""
     rows = [("good great fine lovely", "pos"), ("bad awful terrible poor", "neg")]
     with (tmp_path / "data.csv").open("w", newline="") as fh:
         w = csv.writer(fh)
@@ -64,9 +65,13 @@ def test_train_and_evaluate_commands(tmp_path: Path, tiny_backbone_dir: Path) ->
         for k in range(120):
             text, label = rows[k % 2]
             w.writerow([f"{text} number {k}", label])
-    runner = CliRunner()
-    args = ["--data", str(tmp_path / "data.csv"), "--backbone", str(tiny_backbone_dir), "--max-length", "16",
+    return ["--data", str(tmp_path / "data.csv"), "--backbone", str(backbone), "--max-length", "16",
             "--n-hid", "4", "--d-hid", "8", "--epochs", "2", "--batch-size", "16", "--cache", str(tmp_path / "cache")]
+
+
+def test_train_and_evaluate_commands(tmp_path: Path, tiny_backbone_dir: Path) -> None:
+    runner = CliRunner()
+    args = toy_args(tmp_path, tiny_backbone_dir)
     for repo in ("repo", "again"):
         res = runner.invoke(app, ["train", "toy", "--out", str(tmp_path / repo), *args])
         assert res.exit_code == 0, res.output
@@ -99,6 +104,21 @@ def test_train_and_evaluate_commands(tmp_path: Path, tiny_backbone_dir: Path) ->
     assert bad.exit_code != 0 and "exactly one of --preset or --data" in bad.output
 
 
+def test_search_trains_the_grid_and_keeps_the_best_on_validation(tmp_path: Path, tiny_backbone_dir: Path) -> None:
+    res = CliRunner().invoke(app, ["train", "toy", "--out", str(tmp_path / "repo"),
+                                   *toy_args(tmp_path, tiny_backbone_dir), "--search"])
+    assert res.exit_code == 0, res.output
+    training = json.loads((tmp_path / "repo" / "toy" / "manifest.json").read_text())["training"]
+    tried = training["search"]["tried"]
+    assert {(t["max_lr"], t["epochs"], t["crop"]) for t in tried} == {
+        (lr, epochs, crop) for lr in (5e-4, 1e-3, 2e-3) for epochs in (2, 6) for crop in (1.0, 0.6)}
+    assert (tried[0]["max_lr"], tried[0]["epochs"], tried[0]["crop"]) == (1e-3, 2, 1.0)  # the given settings first
+    kept = tried[training["search"]["kept"]]
+    assert kept["best_val_loss"] == min(t["best_val_loss"] for t in tried) == training["best_val_loss"]
+    assert (training["max_lr"], training["crop"]) == (kept["max_lr"], kept["crop"])
+    assert "search 12/12" in res.output and training["search"]["rule"] == "lowest validation loss"
+
+
 def test_batches_respect_size_and_position_budget() -> None:
     import random
 
@@ -125,17 +145,21 @@ def test_checkpoint_rule_validation_loss_then_accuracy() -> None:
     assert improves(0.7, 0.09, (0.7, 0.1), "accuracy") and not improves(0.7, 0.1, (0.7, 0.1), "accuracy")
 
 
-def test_a_step_budget_whatever_the_dataset_size() -> None:
+def test_a_step_budget_that_grows_with_a_large_dataset() -> None:
     import random
 
     from service.training.trainer import TrainConfig, step_plan
 
     for n in (10, 100, 1000):
-        plan = step_plan(torch.full((n,), 8), TrainConfig(steps=50, batch_size=4), random.Random(0))
+        plan = step_plan(torch.full((n,), 8), TrainConfig(steps=50, min_epochs=0, batch_size=4), random.Random(0))
         assert sum(map(len, plan)) == 50  # small data: as many epochs as it takes; large: part of one
         assert len(plan) == -(-50 // -(-n // 4))
         for epoch in plan[:-1]:
             assert sorted(k for b in epoch for k in b) == list(range(n))  # each whole epoch sees every text once
+    for n, steps in ((10, 50), (100, 50), (1000, 2 * 250)):  # at least two epochs' worth of steps
+        plan = step_plan(torch.full((n,), 8), TrainConfig(steps=50, min_epochs=2, batch_size=4), random.Random(0))
+        assert sum(map(len, plan)) == steps
+    assert [len(e) for e in plan] == [250, 250]
     plan = step_plan(torch.full((10,), 8), TrainConfig(steps=50, epochs=2, batch_size=4), random.Random(0))
     assert len(plan) == 2 and sum(map(len, plan)) == 6  # --epochs instead of the budget
 
@@ -185,6 +209,29 @@ def test_training_stops_when_validation_loss_stops_improving_and_keeps_the_best(
     from service.training.trainer import predict_features, validation_scores
 
     assert validation_scores(predict_features(head, val), y_val)[1] == pytest.approx(best["val_loss"], abs=1e-5)
+
+
+def test_a_moving_average_of_the_weights_is_what_validates_and_is_kept() -> None:
+    from service.modeling.head import RoutingHead
+    from service.training.features import Features
+    from service.training.trainer import TrainConfig, predict_features, train_head
+
+    g = torch.Generator().manual_seed(1)
+    lengths = torch.randint(2, 6, (48,), generator=g)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+    feats = Features(torch.randn(int(offsets[-1]), 3, 8, generator=g).half(), offsets)
+    train, val = feats.subset(list(range(32))), feats.subset(list(range(32, 48)))
+    y = torch.randint(0, 2, (48,), generator=g).tolist()
+    heads = {}
+    for ema in (0.0, 0.9):
+        torch.manual_seed(0)
+        cfg = TrainConfig(steps=12, min_epochs=0, batch_size=8, eval_every=4, patience=0, max_lr=3e-2, ema=ema)
+        heads[ema], summary = train_head(RoutingHead(3, 8, 2, n_hid=4, d_hid=8), train, y[:32], val, y[32:], cfg)
+        assert summary["ema"] == ema
+        loss = validation_scores(predict_features(heads[ema], val), y[32:])[1]
+        assert loss == pytest.approx(summary["best_val_loss"], abs=1e-5)  # the kept weights are those validated
+    plain, averaged = (dict(heads[e].named_parameters()) for e in (0.0, 0.9))
+    assert any(not torch.allclose(plain[n], averaged[n]) for n in plain)
 
 
 def test_mcnemar_counts_the_discordant_texts_and_tests_them_exactly() -> None:
