@@ -1,9 +1,10 @@
 """``train --search``: a small grid of training settings around the given ones, every point trained from the same
 seeded initial weights and judged on the validation split alone (the test split is never read), the best kept.
 
-The grid multiplies the learning rate (x0.5, x1, x2) and the step budget (x1, x3: epochs instead, when training
-by epochs), and tries whole texts against random windows of at least 60% of each (crop): twelve trainings. The
-point kept is the one whose checkpoint scored best by the training's own rule (lowest validation loss by default).
+The grid multiplies the learning rate (x0.5, x1, x2) and the step budget (x1, x3: both its floors, ``steps`` and
+``min_epochs``, or ``epochs`` when training by epochs), and tries whole texts against random windows of at least
+60% of each (crop): twelve trainings. The point kept is the one whose checkpoint scored best by the training's own
+rule (lowest validation loss by default).
 """
 
 from __future__ import annotations
@@ -27,10 +28,10 @@ def grid(cfg: TrainConfig) -> list[TrainConfig]:
     """The settings tried, ``cfg`` itself first (its crop replaced by each of :data:`CROPS`)."""
     points = []
     for budget, lr, crop in itertools.product(BUDGET_FACTORS, LR_FACTORS, CROPS):
-        scaled = {"epochs": cfg.epochs * budget} if cfg.epochs else {"steps": cfg.steps * budget}
+        scaled = ({"epochs": cfg.epochs * budget} if cfg.epochs else  # both floors, or a large dataset's x1 = x3
+                  {"steps": cfg.steps * budget, "min_epochs": cfg.min_epochs * budget})
         points.append(replace(cfg, max_lr=cfg.max_lr * lr, crop=crop, history=[], **scaled))
-    points.sort(key=lambda c: c.max_lr != cfg.max_lr or c.steps != cfg.steps or c.epochs != cfg.epochs
-                or c.crop != cfg.crop)
+    points.sort(key=lambda c: (c.max_lr, c.steps, c.epochs, c.crop) != (cfg.max_lr, cfg.steps, cfg.epochs, cfg.crop))
     return points
 
 
@@ -45,7 +46,7 @@ def search(make_head: Callable[[], RoutingHead], train: Features, y_train: list[
         budget = f"{point.epochs} epochs" if point.epochs else f"{point.steps} steps"
         print(f"search {k}/{len(points)}: max_lr {point.max_lr:g}, {budget}, crop {point.crop:g}", flush=True)
         head, summary = train_head(make_head(), train, y_train, val, y_val, point)
-        tried.append({"max_lr": point.max_lr, "steps": point.steps, "epochs": point.epochs, "crop": point.crop,
+        tried.append({"max_lr": point.max_lr, "steps": summary["steps"], "epochs": point.epochs, "crop": point.crop,
                       "best_val_loss": summary["best_val_loss"], "best_val_accuracy": summary["best_val_accuracy"],
                       "best_step": summary["best_step"], "train_seconds": summary["train_seconds"]})
         if best is None or improves(summary["best_val_accuracy"], summary["best_val_loss"],

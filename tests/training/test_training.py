@@ -119,6 +119,17 @@ def test_search_trains_the_grid_and_keeps_the_best_on_validation(tmp_path: Path,
     assert "search 12/12" in res.output and training["search"]["rule"] == "lowest validation loss"
 
 
+def test_the_search_triples_the_budget_of_a_large_dataset_too() -> None:
+    import random
+
+    from service.training.search import grid
+    from service.training.trainer import TrainConfig, step_plan
+
+    budgets = {sum(map(len, step_plan(torch.full((1000,), 8), point, random.Random(0))))
+               for point in grid(TrainConfig(steps=50, min_epochs=2, batch_size=4))}
+    assert budgets == {2 * 250, 3 * 2 * 250}  # min_epochs sets both budgets here: it is scaled with steps
+
+
 def test_batches_respect_size_and_position_budget() -> None:
     import random
 
