@@ -156,7 +156,7 @@ def train_head(head: RoutingHead, train: Features, y_train: list[int], val: Feat
                 else None)
     validated = cast(RoutingHead, averaged.module) if averaged is not None else head
     best: tuple[float, float] | None = None
-    best_state, best_step, best_epoch, since_best, step = None, 0, 0, 0, 0
+    best_state, best_step, best_epoch, since_best, step, validations = None, 0, 0, 0, 0, 0
     stopped = False
     t0 = time.time()
     for epoch, batches in enumerate(plan, 1):
@@ -181,6 +181,7 @@ def train_head(head: RoutingHead, train: Features, y_train: list[int], val: Feat
                 bar.set_postfix(loss=f"{total / n:.4f}", lr=f"{sched.get_last_lr()[0]:.2e}")
             step += len(part)
             acc, val_loss = validation_scores(predict_features(validated, val), y_val)
+            validations += 1
             head.train()
             cfg.history.append({"epoch": epoch, "step": step, "train_loss": total / len(part), "val_accuracy": acc,
                                 "val_loss": val_loss})
@@ -201,8 +202,15 @@ def train_head(head: RoutingHead, train: Features, y_train: list[int], val: Feat
             break
     assert best is not None and best_state is not None
     head.load_state_dict(best_state)
+    # the last validation was the best of several: the budget ended before validation stopped improving
+    still_improving = not stopped and best_step == step and validations > 1
+    if still_improving:
+        longer = f"--epochs {2 * cfg.epochs}" if cfg.epochs else f"--steps {2 * steps}"
+        print(f"validation {cfg.select} was still improving at the last step ({step}): a longer budget ({longer}) "
+              f"or --search (which tries x3) may train a better head", flush=True)
     summary = {"best_step": best_step, "best_epoch": best_epoch, "best_val_accuracy": best[0],
                "best_val_loss": best[1], "steps_run": step, "stopped_early": stopped,
+               "still_improving": still_improving,
                "train_seconds": round(time.time() - t0, 1), "history": cfg.history, "steps": steps,
                "min_epochs": cfg.min_epochs, "epochs": cfg.epochs, "warmup_steps": cfg.warmup_steps,
                "eval_every": cfg.eval_every,

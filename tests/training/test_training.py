@@ -214,12 +214,36 @@ def test_training_stops_when_validation_loss_stops_improving_and_keeps_the_best(
     head, summary = train_head(RoutingHead(3, 8, 2, n_hid=4, d_hid=8), train, y_train, val, y_val, cfg)
     history = summary["history"]
     assert summary["stopped_early"] and summary["steps_run"] < 400 and len(history) == summary["steps_run"] // 4
+    assert not summary["still_improving"]
     best = min(history, key=lambda h: h["val_loss"])
     assert summary["best_step"] == best["step"] and summary["best_val_loss"] == best["val_loss"]
     assert [h["step"] for h in history][-1] - best["step"] == 3 * 4  # three validations without a lower loss
     from service.training.trainer import predict_features, validation_scores
 
     assert validation_scores(predict_features(head, val), y_val)[1] == pytest.approx(best["val_loss"], abs=1e-5)
+
+
+def test_a_budget_that_ends_while_validation_still_improves_is_flagged(capsys: pytest.CaptureFixture[str]) -> None:
+    # labels a head learns at once (the sign of one feature), a budget far too short: every validation is the
+    # best so far, so the run ends improving; the summary says so and the output suggests a longer budget
+    from service.modeling.head import RoutingHead
+    from service.training.features import Features
+    from service.training.trainer import TrainConfig, train_head
+
+    g = torch.Generator().manual_seed(2)
+    lengths = torch.randint(2, 6, (96,), generator=g)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+    x = torch.randn(int(offsets[-1]), 3, 8, generator=g)  # [positions, depth, d_emb]
+    y = [int(x[offsets[k] : offsets[k + 1], :, 0].mean() > 0) for k in range(96)]
+    feats = Features(x.half(), offsets)
+    train, val = feats.subset(list(range(64))), feats.subset(list(range(64, 96)))
+    cfg = TrainConfig(steps=12, min_epochs=0, batch_size=8, eval_every=4, patience=3, max_lr=3e-2, ema=0)
+    _, summary = train_head(RoutingHead(3, 8, 2, n_hid=4, d_hid=8), train, y[:64], val, y[64:], cfg)
+    losses = [h["val_loss"] for h in summary["history"]]
+    assert losses == sorted(losses, reverse=True) and len(losses) == 3  # falling at every validation
+    assert summary["still_improving"] and summary["best_step"] == summary["steps_run"] == 12
+    out = capsys.readouterr().out
+    assert "still improving at the last step (12)" in out and "(--steps 24)" in out
 
 
 def test_a_moving_average_of_the_weights_is_what_validates_and_is_kept() -> None:
