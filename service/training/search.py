@@ -28,9 +28,7 @@ def grid(cfg: TrainConfig) -> list[TrainConfig]:
     """The settings tried, ``cfg`` itself first (its crop replaced by each of :data:`CROPS`)."""
     points = []
     for budget, lr, crop in itertools.product(BUDGET_FACTORS, LR_FACTORS, CROPS):
-        scaled = ({"epochs": cfg.epochs * budget} if cfg.epochs else  # both floors, or a large dataset's x1 = x3
-                  {"steps": cfg.steps * budget, "min_epochs": cfg.min_epochs * budget})
-        points.append(replace(cfg, max_lr=cfg.max_lr * lr, crop=crop, history=[], **scaled))
+        points.append(replace(cfg.scaled(budget), max_lr=cfg.max_lr * lr, crop=crop))
     points.sort(key=lambda c: (c.max_lr, c.steps, c.epochs, c.crop) != (cfg.max_lr, cfg.steps, cfg.epochs, cfg.crop))
     return points
 

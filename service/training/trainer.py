@@ -16,6 +16,8 @@ import copy
 import math
 import random
 import time
+from collections.abc import Callable
+from dataclasses import replace
 from typing import Any, Literal, cast
 
 import numpy as np
@@ -205,9 +207,7 @@ def train_head(head: RoutingHead, train: Features, y_train: list[int], val: Feat
     # the last validation was the best of several: the budget ended before validation stopped improving
     still_improving = not stopped and best_step == step and validations > 1
     if still_improving:
-        longer = f"--epochs {2 * cfg.epochs}" if cfg.epochs else f"--steps {2 * steps}"
-        print(f"validation {cfg.select} was still improving at the last step ({step}): a longer budget ({longer}) "
-              f"or --search (which tries x3) may train a better head", flush=True)
+        print(f"validation {cfg.select} was still improving at the last step ({step})", flush=True)
     summary = {"best_step": best_step, "best_epoch": best_epoch, "best_val_accuracy": best[0],
                "best_val_loss": best[1], "steps_run": step, "stopped_early": stopped,
                "still_improving": still_improving,
@@ -219,6 +219,42 @@ def train_head(head: RoutingHead, train: Features, y_train: list[int], val: Feat
                "optimizer": "RAdam", "schedule": "one-cycle", "ema": cfg.ema,
                "mixup": f"Beta({cfg.mixup_alpha}, {cfg.mixup_alpha})", "seed": cfg.seed}
     return head.eval(), summary
+
+
+def _longer_flag(cfg: TrainConfig, summary: dict[str, Any], factor: int) -> str:
+    """The command-line flag for ``factor`` times the budget of the run ``summary`` describes."""
+    return f"--epochs {factor * cfg.epochs}" if cfg.epochs else f"--steps {factor * summary['steps']}"
+
+
+def train_with_extension(make_head: Callable[[], RoutingHead], train: Features, y_train: list[int], val: Features,
+                         y_val: list[int], cfg: TrainConfig) -> tuple[RoutingHead, dict[str, Any]]:
+    """:func:`train_head` on a head from ``make_head()``. When its step budget (not ``epochs``, a length asked for)
+    ended with validation still improving (and ``cfg.extend``), train again from ``make_head()`` (the same seeded
+    initial weights) with twice the budget and keep whichever checkpoint :func:`improves` prefers; the summary's
+    ``extended`` records both runs."""
+    head, summary = train_head(make_head(), train, y_train, val, y_val, replace(cfg, history=[]))
+    if not (cfg.extend and summary["still_improving"] and not cfg.epochs):  # whole epochs: the length asked for
+        if summary["still_improving"]:
+            print(f"a longer budget ({_longer_flag(cfg, summary, 2)}) or --search may train a better head", flush=True)
+        return head, summary
+    longer = cfg.scaled(2)
+    print(f"training again with twice the budget ({2 * summary['steps']} steps at most), from the same initial "
+          f"weights; the better on validation is kept", flush=True)
+    head_2, summary_2 = train_head(make_head(), train, y_train, val, y_val, longer)
+    keep_longer = improves(summary_2["best_val_accuracy"], summary_2["best_val_loss"],
+                           (summary["best_val_accuracy"], summary["best_val_loss"]), cfg.select)
+    runs = [{k: s[k] for k in ("steps", "best_step", "best_val_loss", "best_val_accuracy", "still_improving",
+                               "train_seconds")} for s in (summary, summary_2)]
+    kept_head, kept = (head_2, summary_2) if keep_longer else (head, summary)
+    print(f"kept the {'longer' if keep_longer else 'first'} run: validation loss {kept['best_val_loss']:.4f}, "
+          f"accuracy {kept['best_val_accuracy']:.4f}", flush=True)
+    if keep_longer and kept["still_improving"]:
+        print(f"a longer budget still ({_longer_flag(cfg, summary, 4)}) or --search may train a better head",
+              flush=True)
+    extended = {"rule": "budget x2 when the last validation was the best; the better on validation kept",
+                "runs": runs, "kept": "longer" if keep_longer else "first"}
+    return kept_head, {**kept, "extended": extended,
+                       "train_seconds": round(summary["train_seconds"] + summary_2["train_seconds"], 1)}
 
 
 def classification_metrics(y_true: list[int], y_pred: np.ndarray, n_classes: int) -> dict[str, Any]:

@@ -4,6 +4,7 @@ import csv
 import hashlib
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -13,9 +14,20 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from service.cli import app
+from service.modeling.head import RoutingHead
 from service.modeling.repository import load_model
+from service.training.config import TrainConfig
 from service.training.data import DatasetError, make_dataset, read_examples
-from service.training.trainer import classification_metrics, improves, mixup, validation_scores
+from service.training.features import Features
+from service.training.trainer import (
+    classification_metrics,
+    improves,
+    mixup,
+    predict_features,
+    train_head,
+    train_with_extension,
+    validation_scores,
+)
 
 
 def test_split_rule_dedup_and_conflicts() -> None:
@@ -117,6 +129,26 @@ def test_search_trains_the_grid_and_keeps_the_best_on_validation(tmp_path: Path,
     assert kept["best_val_loss"] == min(t["best_val_loss"] for t in tried) == training["best_val_loss"]
     assert (training["max_lr"], training["crop"]) == (kept["max_lr"], kept["crop"])
     assert "search 12/12" in res.output and training["search"]["rule"] == "lowest validation loss"
+
+
+def test_train_extends_a_budget_that_ended_improving_and_no_extend_does_not(tmp_path: Path,
+                                                                          tiny_backbone_dir: Path) -> None:
+    args = toy_args(tmp_path, tiny_backbone_dir)
+    args = args[: args.index("--epochs")] + args[args.index("--epochs") + 2 :]  # a step budget, not epochs
+    args += ["--steps", "6", "--min-epochs", "0", "--warmup-steps", "1", "--eval-every", "2", "--max-lr", "0.003"]
+    runs = {}
+    for flag in ("--extend", "--no-extend"):
+        res = CliRunner().invoke(app, ["train", "toy", "--out", str(tmp_path / flag), *args, flag])
+        assert res.exit_code == 0, res.output
+        runs[flag] = json.loads((tmp_path / flag / "toy" / "manifest.json").read_text())["training"], res.output
+    (plain, out) = runs["--no-extend"]
+    assert plain["still_improving"] and "extended" not in plain and "(--steps 12)" in out
+    (extended, out) = runs["--extend"]
+    first, longer = extended["extended"]["runs"]
+    assert (first["steps"], longer["steps"]) == (6, 12) and "training again with twice the budget" in out
+    assert first["best_val_loss"] == plain["best_val_loss"]  # the first run is the run without the extension
+    kept = longer if extended["extended"]["kept"] == "longer" else first
+    assert extended["best_val_loss"] == kept["best_val_loss"] == min(first["best_val_loss"], longer["best_val_loss"])
 
 
 def test_the_search_triples_the_budget_of_a_large_dataset_too() -> None:
@@ -223,27 +255,53 @@ def test_training_stops_when_validation_loss_stops_improving_and_keeps_the_best(
     assert validation_scores(predict_features(head, val), y_val)[1] == pytest.approx(best["val_loss"], abs=1e-5)
 
 
-def test_a_budget_that_ends_while_validation_still_improves_is_flagged(capsys: pytest.CaptureFixture[str]) -> None:
-    # labels a head learns at once (the sign of one feature), a budget far too short: every validation is the
-    # best so far, so the run ends improving; the summary says so and the output suggests a longer budget
-    from service.modeling.head import RoutingHead
-    from service.training.features import Features
-    from service.training.trainer import TrainConfig, train_head
-
-    g = torch.Generator().manual_seed(2)
-    lengths = torch.randint(2, 6, (96,), generator=g)
+def learnable(n: int, seed: int) -> tuple[Features, list[int]]:
+    """``n`` texts of 2-5 positions whose label a head learns at once: the sign of one feature's mean."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(2, 6, (n,), generator=g)
     offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
     x = torch.randn(int(offsets[-1]), 3, 8, generator=g)  # [positions, depth, d_emb]
-    y = [int(x[offsets[k] : offsets[k + 1], :, 0].mean() > 0) for k in range(96)]
-    feats = Features(x.half(), offsets)
+    y = [int(x[offsets[k] : offsets[k + 1], :, 0].mean() > 0) for k in range(n)]
+    return Features(x.half(), offsets), y
+
+
+def tiny_head() -> RoutingHead:
+    """A small head over 3 depths of 8 features, 2 labels, from seeded initial weights."""
+    torch.manual_seed(0)
+    return RoutingHead(3, 8, 2, n_hid=4, d_hid=8)
+
+
+def test_a_budget_that_ends_while_validation_still_improves_is_flagged(capsys: pytest.CaptureFixture[str]) -> None:
+    # a budget far too short for a learnable task: every validation is the best so far, so the run ends
+    # improving; the summary says so and, without the extension, the output suggests a longer budget
+    feats, y = learnable(96, seed=2)
     train, val = feats.subset(list(range(64))), feats.subset(list(range(64, 96)))
-    cfg = TrainConfig(steps=12, min_epochs=0, batch_size=8, eval_every=4, patience=3, max_lr=3e-2, ema=0)
-    _, summary = train_head(RoutingHead(3, 8, 2, n_hid=4, d_hid=8), train, y[:64], val, y[64:], cfg)
+    cfg = TrainConfig(steps=12, min_epochs=0, batch_size=8, eval_every=4, patience=3, max_lr=3e-2, ema=0,
+                      extend=False)
+    _, summary = train_with_extension(tiny_head, train, y[:64], val, y[64:], cfg)
     losses = [h["val_loss"] for h in summary["history"]]
     assert losses == sorted(losses, reverse=True) and len(losses) == 3  # falling at every validation
     assert summary["still_improving"] and summary["best_step"] == summary["steps_run"] == 12
+    assert "extended" not in summary
     out = capsys.readouterr().out
     assert "still improving at the last step (12)" in out and "(--steps 24)" in out
+
+
+def test_a_budget_that_ends_improving_is_trained_again_twice_as_long_and_the_better_kept() -> None:
+    feats, y = learnable(96, seed=2)
+    train, val = feats.subset(list(range(64))), feats.subset(list(range(64, 96)))
+    cfg = TrainConfig(steps=12, min_epochs=0, batch_size=8, eval_every=4, patience=3, max_lr=3e-2, ema=0)
+    head, summary = train_with_extension(tiny_head, train, y[:64], val, y[64:], cfg)
+    first, longer = summary["extended"]["runs"]
+    assert first["steps"] == 12 and first["still_improving"] and longer["steps"] == 24
+    assert longer["best_val_loss"] < first["best_val_loss"] and summary["extended"]["kept"] == "longer"
+    assert summary["steps"] == 24 and summary["best_val_loss"] == longer["best_val_loss"]
+    assert summary["train_seconds"] == pytest.approx(first["train_seconds"] + longer["train_seconds"], abs=0.11)
+    assert validation_scores(predict_features(head, val), y[64:])[1] == pytest.approx(longer["best_val_loss"],
+                                                                                       abs=1e-5)
+    # the longer run is exactly the run of the doubled budget: the same seeded start, the same steps
+    _, alone = train_head(tiny_head(), train, y[:64], val, y[64:], replace(cfg, steps=24))
+    assert alone["best_val_loss"] == longer["best_val_loss"]
 
 
 def test_a_moving_average_of_the_weights_is_what_validates_and_is_kept() -> None:
