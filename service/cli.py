@@ -10,7 +10,7 @@ import typer
 
 from service.config import DTYPES, Settings
 from service.training.config import TrainConfig
-from service.training.data import PRESETS
+from service.training.data import PRESETS, DatasetError
 
 app = typer.Typer(help="Serve routing classification heads with end-to-end credit assignment.",
                   no_args_is_help=True, pretty_exceptions_enable=False)
@@ -64,7 +64,7 @@ def serve(
 def train(
     name: Annotated[str, typer.Argument(help="Model name, also its folder name")],
     preset: Annotated[str | None, typer.Option(help=f"Bundled dataset: {', '.join(PRESETS)}")] = None,
-    data: Annotated[Path | None, typer.Option(help="CSV/JSONL file or folder-per-label directory")] = None,
+    data: Annotated[Path | None, typer.Option(exists=True, help="CSV/JSONL file or folder-per-label directory")] = None,
     text_column: str = "text",
     label_column: str = "label",
     encoding: str = "utf-8",
@@ -120,9 +120,13 @@ def train(
                       select="accuracy" if select == "accuracy" else "loss", batch_size=batch_size,
                       max_batch_positions=max_batch_positions, max_lr=max_lr, ema=ema, crop=crop, seed=seed,
                       extend=extend)
-    folder = train_model(name, spec, out, backbone_source=backbone, max_length=max_length, n_hid=n_hid,
-                         d_hid=d_hid, n_iters=n_iters, cfg=cfg, max_train=max_train, cache=cache,
-                         description=PRESETS[preset].description if preset in PRESETS else "", search=search)
+    try:
+        folder = train_model(name, spec, out, backbone_source=backbone, max_length=max_length, n_hid=n_hid,
+                             d_hid=d_hid, n_iters=n_iters, cfg=cfg, max_train=max_train, cache=cache,
+                             description=PRESETS[preset].description if preset in PRESETS else "", search=search)
+    except DatasetError as e:  # the data cannot be read or split: say why, no traceback
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
     typer.echo(f"wrote {folder}")
 
 
@@ -216,7 +220,7 @@ def bench_repository(
 @bench_app.command("train")
 def bench_train(
     datasets: Annotated[str, typer.Option(help="Comma-separated datasets of the bench")] = (
-        "tweet-sentiment,tweet-polarity-3k,bbc-headlines,bbc-news-topics"),
+        "tweet-sentiment,tweet-polarity-3k,bbc-headlines,movie-reviews,bbc-news-topics"),
     folds: Annotated[int | None, typer.Option(help="k-fold cross-validation for every dataset (default: each "
                                                    "dataset's own: 5 for the small ones, the sha1 split otherwise)")
                      ] = None,
@@ -235,7 +239,11 @@ def bench_train(
     if unknown:
         typer.echo(f"unknown dataset(s) {unknown}; known: {', '.join(bench.DATASETS)}", err=True)
         raise typer.Exit(2)
-    bench.run(names, folds, cache, out)
+    try:
+        bench.run(names, folds, cache, out)
+    except DatasetError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
 
 
 @bench_app.command("heads")

