@@ -138,7 +138,11 @@ def evaluate(
     """Accuracy, macro-F1, confusion matrix and the logistic baseline on the test split, into the manifest."""
     from service.training.pipeline import evaluate_model
 
-    evaluate_model(folder, cache=cache)
+    try:
+        evaluate_model(folder, cache=cache)
+    except DatasetError as e:  # the model's training data cannot be found or read again
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
 
 
 @bench_app.command("routing")

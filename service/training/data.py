@@ -82,6 +82,8 @@ def preset_path(name: str) -> tuple[Path, dict[str, str]]:
 def read_examples(path: Path, text_column: str = "text", label_column: str = "label",
                   encoding: str = "utf-8") -> list[tuple[str, str]]:
     """(text, label) pairs from a .csv, a .jsonl, or a directory with one sub-folder of .txt files per label."""
+    if not path.exists():
+        raise DatasetError(f"{path}: no such file or directory")
     if path.is_dir():
         pairs = []
         for label_dir in sorted(p for p in path.iterdir() if p.is_dir()):

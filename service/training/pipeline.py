@@ -22,7 +22,7 @@ from service.modeling.repository import (
     save_model,
     write_manifest,
 )
-from service.training.data import Dataset, make_dataset, preset_path, read_examples
+from service.training.data import Dataset, DatasetError, make_dataset, preset_path, read_examples
 from service.training.features import Features, extract
 from service.training.search import search as search_grid
 from service.training.trainer import (
@@ -152,7 +152,7 @@ def evaluate_model(folder: Path, cache: Path | None = None, max_train: int | Non
                     encoding=d.get("encoding", "utf-8"))
     ds = spec.load()
     if ds.labels != manifest.labels:
-        raise ValueError(f"dataset labels {ds.labels} differ from the manifest's {manifest.labels}")
+        raise DatasetError(f"dataset labels {ds.labels} differ from the manifest's {manifest.labels}")
     max_train = max_train if max_train is not None else d.get("max_train")
     train_idx = train_sample(ds, max_train, manifest.training.get("seed", 0))
     backbone = Backbone(manifest.backbone.source, max_length=manifest.max_length)

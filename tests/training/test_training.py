@@ -112,6 +112,9 @@ def test_train_and_evaluate_commands(tmp_path: Path, tiny_backbone_dir: Path) ->
     assert res.exit_code == 0, res.output
     again = json.loads((folder / "manifest.json").read_text())["evaluation"]
     assert again["head"] == ev["head"] and again["comparison"] == ev["comparison"]  # evaluate recomputes it
+    (tmp_path / "data.csv").rename(tmp_path / "moved.csv")
+    res = runner.invoke(app, ["evaluate", str(folder), "--cache", str(tmp_path / "cache")])
+    assert res.exit_code == 2 and "data.csv: no such file or directory" in res.output
     bad = runner.invoke(app, ["train", "toy2", "--out", str(tmp_path / "repo")])
     assert bad.exit_code != 0 and "exactly one of --preset or --data" in bad.output
 
