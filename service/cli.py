@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from service.config import DTYPES, Settings
+from service.modeling.manifest import ModelLoadError
+from service.modeling.tokenizer import BackboneError
 from service.training.config import TrainConfig
 from service.training.data import PRESETS, DatasetError
 
@@ -17,6 +21,16 @@ app = typer.Typer(help="Serve routing classification heads with end-to-end credi
 bench_app = typer.Typer(help="Benchmarks: each prints a table and writes JSON.", no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
 
+
+@contextlib.contextmanager
+def user_errors() -> Iterator[None]:
+    """What the user gave cannot be used (data that cannot be read or split, a model folder that is not one, a
+    backbone that cannot be loaded): the message and exit 2, no traceback."""
+    try:
+        yield
+    except (DatasetError, ModelLoadError, BackboneError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
 
 
 @app.command()
@@ -120,13 +134,10 @@ def train(
                       select="accuracy" if select == "accuracy" else "loss", batch_size=batch_size,
                       max_batch_positions=max_batch_positions, max_lr=max_lr, ema=ema, crop=crop, seed=seed,
                       extend=extend)
-    try:
+    with user_errors():
         folder = train_model(name, spec, out, backbone_source=backbone, max_length=max_length, n_hid=n_hid,
                              d_hid=d_hid, n_iters=n_iters, cfg=cfg, max_train=max_train, cache=cache,
                              description=PRESETS[preset].description if preset in PRESETS else "", search=search)
-    except DatasetError as e:  # the data cannot be read or split: say why, no traceback
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from None
     typer.echo(f"wrote {folder}")
 
 
@@ -138,11 +149,8 @@ def evaluate(
     """Accuracy, macro-F1, confusion matrix and the logistic baseline on the test split, into the manifest."""
     from service.training.pipeline import evaluate_model
 
-    try:
+    with user_errors():  # not a model folder, or its training data cannot be found or read again
         evaluate_model(folder, cache=cache)
-    except DatasetError as e:  # the model's training data cannot be found or read again
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from None
 
 
 @bench_app.command("routing")
@@ -243,11 +251,8 @@ def bench_train(
     if unknown:
         typer.echo(f"unknown dataset(s) {unknown}; known: {', '.join(bench.DATASETS)}", err=True)
         raise typer.Exit(2)
-    try:
+    with user_errors():
         bench.run(names, folds, cache, out)
-    except DatasetError as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from None
 
 
 @bench_app.command("heads")

@@ -129,6 +129,17 @@ def test_train_reports_unreadable_data_as_an_error_not_a_traceback(tmp_path: Pat
     assert not (tmp_path / "repo").exists()
 
 
+def test_a_backbone_or_model_folder_that_cannot_be_used_is_an_error_not_a_traceback(tmp_path: Path) -> None:
+    args = toy_args(tmp_path, tmp_path / "no-backbone")
+    res = CliRunner().invoke(app, ["train", "toy", "--out", str(tmp_path / "repo"), *args])
+    assert res.exit_code == 2 and isinstance(res.exception, SystemExit), res.output
+    assert "cannot load backbone" in res.output and not (tmp_path / "repo" / "toy").exists()
+    (tmp_path / "not-a-model").mkdir()
+    res = CliRunner().invoke(app, ["evaluate", str(tmp_path / "not-a-model"), "--cache", str(tmp_path / "cache")])
+    assert res.exit_code == 2 and isinstance(res.exception, SystemExit)
+    assert "not-a-model/manifest.json: missing manifest file" in res.output
+
+
 def test_search_trains_the_grid_and_keeps_the_best_on_validation(tmp_path: Path, tiny_backbone_dir: Path) -> None:
     res = CliRunner().invoke(app, ["train", "toy", "--out", str(tmp_path / "repo"),
                                    *toy_args(tmp_path, tiny_backbone_dir), "--search"])
