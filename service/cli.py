@@ -10,6 +10,7 @@ from typing import Annotated
 
 import typer
 
+from service.allocator import keep_freed_memory
 from service.config import DTYPES, Settings
 from service.modeling.manifest import ModelLoadError
 from service.modeling.tokenizer import BackboneError
@@ -134,6 +135,7 @@ def train(
                       select="accuracy" if select == "accuracy" else "loss", batch_size=batch_size,
                       max_batch_positions=max_batch_positions, max_lr=max_lr, ema=ema, crop=crop, seed=seed,
                       extend=extend)
+    keep_freed_memory()  # a training step's tensors reuse the last step's memory (see service.allocator)
     with user_errors():
         folder = train_model(name, spec, out, backbone_source=backbone, max_length=max_length, n_hid=n_hid,
                              d_hid=d_hid, n_iters=n_iters, cfg=cfg, max_train=max_train, cache=cache,
@@ -251,6 +253,7 @@ def bench_train(
     if unknown:
         typer.echo(f"unknown dataset(s) {unknown}; known: {', '.join(bench.DATASETS)}", err=True)
         raise typer.Exit(2)
+    keep_freed_memory()
     with user_errors():
         bench.run(names, folds, cache, out)
 
