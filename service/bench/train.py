@@ -136,7 +136,10 @@ class FinishedParts:
         self.path = path
         self.parts: dict[str, dict[str, Any]] = {}
         if path is not None and path.exists():
-            self.parts = json.loads(path.read_text())["parts"]
+            try:
+                self.parts = dict(json.loads(path.read_text())["parts"])
+            except (ValueError, KeyError, TypeError) as e:  # not a file this bench wrote: every part trains
+                echo(f"  {path} cannot be read ({type(e).__name__}: {e}); its parts train again", err=True)
 
     def get(self, key: str) -> dict[str, Any] | None:
         return self.parts.get(key)

@@ -125,3 +125,14 @@ def test_the_finished_parts_go_once_the_results_are_written(tmp_path: Path, monk
     monkeypatch.setattr(train, "report", lambda results, path, settings: path.write_text("{}") or {})
     train.run(["toy"], None, tmp_path / "cache", out)
     assert seen == [True] and out.exists() and not train.parts_file(out, "toy").exists()
+
+
+def test_a_parts_file_that_cannot_be_read_is_trained_again_not_a_crash(tmp_path: Path) -> None:
+    kept = tmp_path / "train.toy.parts.json"
+    kept.write_text('{"parts": ')  # cut short
+    assert train.FinishedParts(kept).parts == {}
+    kept.write_text('["a list"]')
+    finished = train.FinishedParts(kept)
+    assert finished.parts == {}
+    finished.keep("k", {"head": [1]})  # and it is replaced by a good one as parts finish
+    assert train.FinishedParts(kept).get("k") == {"head": [1]}
