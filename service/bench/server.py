@@ -18,7 +18,7 @@ import httpx
 
 def _stat(pid: int | str) -> list[str] | None:
     """The fields of ``/proc/<pid>/stat`` after the command name (Linux; None where it cannot be read):
-    1 the parent's pid, 11-12 user and system ticks, 13-14 those of its exited children."""
+    0 the state (``T``: stopped), 1 the parent's pid, 3 the session, 11-12 user and system ticks, 13-14 those of its exited children."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
@@ -40,6 +40,16 @@ def children(pid: int) -> list[int]:
     """The processes whose parent is ``pid`` (Linux ``/proc``; empty where it cannot be read)."""
     return [int(entry.name) for entry in Path("/proc").glob("[0-9]*")
             if (fields := _stat(entry.name)) is not None and fields[1] == str(pid)]
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes ``pid`` started, and those they started, and so on (Linux ``/proc``)."""
+    found, todo = [], [pid]
+    while todo:
+        kids = children(todo.pop())
+        found += kids
+        todo += kids
+    return found
 
 
 def pss_bytes(pid: int) -> float | None:
@@ -100,8 +110,31 @@ class ServerProcess:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
 
+    def pause(self, timeout: float = 2.0) -> None:
+        """Stop (SIGSTOP) the server and every process it started, so that it takes no CPU while another server
+        on this machine is measured (an idle framework may poll), and wait until they have stopped (at most
+        ``timeout``); :meth:`resume` lets them go on."""
+        self._signal_all(signal.SIGSTOP)
+        end = time.monotonic() + timeout
+        while time.monotonic() < end and any(
+                (fields := _stat(pid)) is not None and fields[0] not in "TtZX" for pid in self._members()):
+            time.sleep(0.002)
+
+    def resume(self) -> None:
+        self._signal_all(signal.SIGCONT)
+
+    def _members(self) -> list[int]:
+        """The server's process and those it started."""
+        return [self.proc.pid, *descendants(self.proc.pid)]
+
+    def _signal_all(self, sig: signal.Signals) -> None:
+        for pid in self._members():  # the parent first: it starts no more meanwhile
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+
     def stop(self, timeout: float = 60) -> int:
         """SIGTERM, wait for the drain to finish (kill after ``timeout``); the exit code."""
+        self.resume()  # a paused server would not act on SIGTERM
         self.terminate()
         try:
             return self.proc.wait(timeout)
@@ -192,14 +225,23 @@ class PeerServer(ServerProcess):
     def cpu(self) -> dict[str, float] | None:
         """CPU seconds of every process of the framework's session so far (running ones; None if unreadable)."""
         total = 0.0
-        for entry in Path("/proc").glob("[0-9]*"):
-            fields = _stat(entry.name)
-            if fields is not None and fields[3] == str(self.proc.pid):
+        for pid in self._members():
+            if (fields := _stat(pid)) is not None:
                 total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
         return {"peer": total}
 
+    def _members(self) -> list[int]:
+        """Every process of the framework's session."""
+        return [int(entry.name) for entry in Path("/proc").glob("[0-9]*")
+                if (fields := _stat(entry.name)) is not None and fields[3] == str(self.proc.pid)]
+
+    def _signal_all(self, sig: signal.Signals) -> None:
+        with contextlib.suppress(ProcessLookupError):  # the framework's whole session
+            os.killpg(self.proc.pid, sig)
+
     def stop(self, timeout: float = 30) -> int:
         """SIGTERM to the framework's whole session, SIGKILL after ``timeout``."""
+        self.resume()
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGTERM)
         try:

@@ -1,11 +1,13 @@
-"""This service against peer frameworks serving the same model function (``service.bench.peers``), all up at
-once and measured in turns with the same load generator and texts: closed loops at several concurrencies,
-then open-loop Poisson arrivals at fractions of this service's capacity. A ``baseline`` checkout of this
+"""This service against peer frameworks serving the same model function (``service.bench.peers``), all started
+and measured in turns with the same load generator and texts, each while the others are paused (an idle
+framework that polls would take CPU from the one measured): closed loops at several concurrencies, then
+open-loop Poisson arrivals at fractions of this service's capacity. A ``baseline`` checkout of this
 repository can run beside them (to compare a change of the batching policy under the same load)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
@@ -78,13 +80,29 @@ def row(level: Level, **extra: Any) -> dict[str, Any]:
     return {**extra, **keep, "server_cpu_ms": cpu, "load_generator_cpu_ms": r.get("load_generator_cpu_ms")}
 
 
+@contextlib.contextmanager
+def alone(contenders: list[Contender], c: Contender, texts: list[str]) -> Iterator[None]:
+    """``c`` with every other contender paused, after a second of warm-up (it may itself have been paused)."""
+    others = [o for o in contenders if o is not c]
+    for o in others:
+        o.server.pause()
+    try:
+        run_async(closed_loop(c.server.url, c.path, texts, 4, 1.0, stats=c.stats))
+        yield
+    finally:
+        for o in others:
+            o.server.resume()
+
+
 def rows_in_turns(contenders: list[Contender], measure: Callable[[Contender], dict[str, Any]], rounds: int,
-             label: str) -> dict[str, list[dict[str, Any]]]:
-    """``measure`` of each contender once per round, the order rotating from round to round."""
+                  label: str, texts: list[str]) -> dict[str, list[dict[str, Any]]]:
+    """``measure`` of each contender once per round, the others paused (:func:`alone`), the order rotating from
+    round to round."""
     per: dict[str, list[dict[str, Any]]] = {c.name: [] for c in contenders}
     for r in range(rounds):
         for c in contenders[r % len(contenders):] + contenders[: r % len(contenders)]:
-            per[c.name].append(measure(c))
+            with alone(contenders, c, texts):
+                per[c.name].append(measure(c))
         echo(f"  {label}, round {r + 1}: " + ", ".join(
             f"{n} {v[-1]['throughput']:.1f}/s p99 {v[-1]['p99_ms']:.0f} ms batch {v[-1]['mean_batch']:.1f}"
             for n, v in per.items()), err=True)
@@ -105,20 +123,18 @@ def compare(contenders: list[Contender], texts: list[str], levels: list[int], se
             open_fractions: list[float]) -> dict[str, Any]:
     """Closed loops at ``levels``, then open loops at ``open_fractions`` of this service's best closed-loop
     throughput, each measured in turns; per level, each contender's mean row and its ratio to this service."""
-    for c in contenders:  # warm-up
-        run_async(closed_loop(c.server.url, c.path, texts, 4, 2.0, stats=c.stats))
     closed: dict[int, dict[str, list[dict[str, Any]]]] = {}
     for level in levels:
         closed[level] = rows_in_turns(contenders, lambda c, level=level: row(run_async(closed_loop(
             c.server.url, c.path, texts, level, seconds, cpu=_total_cpu(c), stats=c.stats)), concurrency=level),
-            rounds, f"c={level}")
+            rounds, f"c={level}", texts)
     capacity = max(mean_row(per[THIS])["throughput"] for per in closed.values())
     opened: dict[float, dict[str, list[dict[str, Any]]]] = {}
     for fraction in open_fractions:
         rate = fraction * capacity
         opened[fraction] = rows_in_turns(contenders, lambda c, rate=rate, fraction=fraction: row(run_async(open_loop(
             c.server.url, c.path, texts, rate, seconds, cpu=_total_cpu(c), stats=c.stats)), fraction=fraction,
-            rate=rate), rounds, f"open loop at {fraction:.0%} of {capacity:.1f} texts/s")
+            rate=rate), rounds, f"open loop at {fraction:.0%} of {capacity:.1f} texts/s", texts)
 
     def summary(per: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         means = {n: mean_row(rows) for n, rows in per.items()}
@@ -147,8 +163,9 @@ def measure(plan: Plan, repository: Path, model: str, device: str, max_batch_siz
             logs: Path, texts: list[str], seconds: float) -> dict[str, Any]:
     """Start every contender, compare them (see :func:`compare`), stop them; print the tables."""
     names = [THIS, *(["baseline"] if plan.baseline else []), *plan.peers]
-    echo(f"  {', '.join(names)}: all up at once, closed loops at {plan.levels} and open loops at "
-         f"{plan.open_fractions} of capacity, {plan.rounds} rounds in turns, {seconds:.0f} s each", err=True)
+    echo(f"  {', '.join(names)}: each measured while the others are paused, closed loops at {plan.levels} and "
+         f"open loops at {plan.open_fractions} of capacity, {plan.rounds} rounds in turns, {seconds:.0f} s each",
+         err=True)
     contenders = start(plan.peers, repository, model, device, max_batch_size, max_wait_ms, logs, plan.baseline)
     try:
         result = compare(contenders, texts, plan.levels, seconds, plan.rounds, plan.open_fractions)

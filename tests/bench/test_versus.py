@@ -1,0 +1,67 @@
+"""`bench serve` against peers: each server is measured while the others are paused (SIGSTOP), so an idle
+server that polls takes no CPU from the one measured, and every server goes on (and stops) afterwards."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from service.bench import versus
+from service.bench.serve import metrics_stats
+from service.bench.server import ServerProcess, children, free_port
+from tests.serving.server import Server
+
+
+def state(pid: int) -> str:
+    """The process's state letter (``T``: stopped by a signal)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+def test_pause_stops_the_server_and_every_process_it_started_until_resume(tmp_path: Path) -> None:
+    script = ("import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']);"
+              " time.sleep(60)")
+    server = ServerProcess(tmp_path, [sys.executable, "-c", script], dict(os.environ), "tree", free_port())
+    try:
+        end = time.monotonic() + 10
+        while not children(server.proc.pid) and time.monotonic() < end:
+            time.sleep(0.05)
+        (child,) = children(server.proc.pid)
+        server.pause()
+        assert state(server.proc.pid) == "T" and state(child) == "T"
+        server.resume()
+        assert state(server.proc.pid) != "T" and state(child) != "T"
+        server.pause()
+        assert server.stop(timeout=10) == -signal.SIGTERM  # a paused server still stops
+    finally:
+        os.kill(child, signal.SIGKILL)
+
+
+def test_each_contender_is_measured_while_the_others_are_paused(tiny_repo: Path, tmp_path: Path) -> None:
+    servers = [Server(tmp_path, model_repository=tiny_repo, default_model="tiny", model_process=own).wait_ready()
+               for own in (True, False)]
+    contenders = [versus.Contender(f"s{k}", s, "/v1/classify", metrics_stats(s.url), s.cpu)
+                  for k, s in enumerate(servers)]
+    seen: list[tuple[str, list[str]]] = []
+
+    def measure(c: versus.Contender) -> dict[str, Any]:
+        others = [o for o in contenders if o is not c]
+        pids = [p for o in others for p in (o.server.proc.pid, *children(o.server.proc.pid))]
+        seen.append((c.name, [state(p) for p in pids]))
+        assert state(c.server.proc.pid) != "T"
+        return {"throughput": 1.0, "p99_ms": 1.0, "mean_batch": 1.0}
+
+    try:
+        per = versus.rows_in_turns(contenders, measure, 2, "test", ["a short text", "another one"])
+        after = [state(p) for s in servers for p in (s.proc.pid, *children(s.proc.pid))]
+    finally:
+        for s in servers:
+            s.stop()
+    assert [name for name, _ in seen] == ["s0", "s1", "s1", "s0"]  # every round, the order rotating
+    assert all(states and set(states) == {"T"} for _, states in seen)  # the other server and its model's process
+    assert "T" not in after  # all going on again
+    assert {n: len(rows) for n, rows in per.items()} == {"s0": 2, "s1": 2}
+    assert all(s.proc.returncode == 0 for s in servers)  # stopped cleanly after being paused
