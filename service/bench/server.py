@@ -18,7 +18,8 @@ import httpx
 
 def _stat(pid: int | str) -> list[str] | None:
     """The fields of ``/proc/<pid>/stat`` after the command name (Linux; None where it cannot be read):
-    0 the state (``T``: stopped), 1 the parent's pid, 3 the session, 11-12 user and system ticks, 13-14 those of its exited children."""
+    0 the state (``T``: stopped), 1 the parent's pid, 3 the session, 11-12 user and system ticks, 13-14 those of
+    its exited children."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
