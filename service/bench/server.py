@@ -43,6 +43,12 @@ def children(pid: int) -> list[int]:
             if (fields := _stat(entry.name)) is not None and fields[1] == str(pid)]
 
 
+def process_state(pid: int) -> str | None:
+    """The state letter of process ``pid`` (``T``: stopped by a signal; None where it cannot be read)."""
+    fields = _stat(pid)
+    return None if fields is None else fields[0]
+
+
 def descendants(pid: int) -> list[int]:
     """The processes ``pid`` started, and those they started, and so on (Linux ``/proc``)."""
     found, todo = [], [pid]
@@ -116,9 +122,9 @@ class ServerProcess:
         on this machine is measured (an idle framework may poll), and wait until they have stopped (at most
         ``timeout``); :meth:`resume` lets them go on."""
         self._signal_all(signal.SIGSTOP)
+        members = self._members()  # stopped or stopping: they start no more
         end = time.monotonic() + timeout
-        while time.monotonic() < end and any(
-                (fields := _stat(pid)) is not None and fields[0] not in "TtZX" for pid in self._members()):
+        while time.monotonic() < end and any(process_state(p) not in (None, "T", "t", "Z", "X") for p in members):
             time.sleep(0.002)
 
     def resume(self) -> None:
@@ -129,6 +135,8 @@ class ServerProcess:
         return [self.proc.pid, *descendants(self.proc.pid)]
 
     def _signal_all(self, sig: signal.Signals) -> None:
+        if self.proc.poll() is not None:  # exited (its pid may be another process's now)
+            return
         for pid in self._members():  # the parent first: it starts no more meanwhile
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, sig)

@@ -13,23 +13,20 @@ from typing import Any
 from service.bench import versus
 from service.bench.serve import metrics_stats
 from service.bench.server import ServerProcess, children, free_port
+from service.bench.server import process_state as state
 from tests.serving.server import Server
-
-
-def state(pid: int) -> str:
-    """The process's state letter (``T``: stopped by a signal)."""
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
 
 
 def test_pause_stops_the_server_and_every_process_it_started_until_resume(tmp_path: Path) -> None:
     script = ("import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']);"
               " time.sleep(60)")
     server = ServerProcess(tmp_path, [sys.executable, "-c", script], dict(os.environ), "tree", free_port())
+    end = time.monotonic() + 10
+    while not children(server.proc.pid) and time.monotonic() < end:
+        time.sleep(0.05)
+    kids = children(server.proc.pid)
     try:
-        end = time.monotonic() + 10
-        while not children(server.proc.pid) and time.monotonic() < end:
-            time.sleep(0.05)
-        (child,) = children(server.proc.pid)
+        (child,) = kids
         server.pause()
         assert state(server.proc.pid) == "T" and state(child) == "T"
         server.resume()
@@ -37,7 +34,9 @@ def test_pause_stops_the_server_and_every_process_it_started_until_resume(tmp_pa
         server.pause()
         assert server.stop(timeout=10) == -signal.SIGTERM  # a paused server still stops
     finally:
-        os.kill(child, signal.SIGKILL)
+        server.stop(timeout=10)
+        for pid in kids:
+            os.kill(pid, signal.SIGKILL)
 
 
 def test_each_contender_is_measured_while_the_others_are_paused(tiny_repo: Path, tmp_path: Path) -> None:
