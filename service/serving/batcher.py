@@ -7,7 +7,7 @@ and runs each batch through a synchronous ``run_batch`` callable in a worker thr
 loop keeps answering (health checks, metrics) while the model computes.
 
 A free runner lets its next batch fill while items keep arriving, at most ``max_wait_s`` apart,
-counted from when it became free: the answers of the batch it just computed are on their way to
+counted from the first to arrive after it became free: the answers of the batch it just computed are on their way to
 their clients, whose next requests follow (a batch that went as soon as the runner was free would
 hold only what arrived while the last one computed: in a closed loop of c clients, about c/2). The
 fill is capped at a tenth of the last batch's compute time (or ``max_wait_s``), and a batch goes at
@@ -338,14 +338,19 @@ class Batcher(Generic[P, R]):
 
     def _fill_until(self) -> float:
         """When the batch goes if it neither fills nor is :meth:`_ready`. Where items follow answers
-        (:meth:`_answer_driven`): once no item has arrived for ``max_wait_s`` since the later of the oldest
-        item's arrival and a runner becoming free, and at most :meth:`_fill_cap` after that. Otherwise
-        ``max_wait_s`` after the oldest item's arrival."""
+        (:meth:`_answer_driven`): once no item has arrived for ``max_wait_s`` since the last arrival after a
+        runner became free, and at most :meth:`_fill_cap` after the later of that and the oldest item's
+        arrival. Items queued while the last batch computed wait for the first of its returning clients (whose
+        answers are still being written), up to the cap: counted from the runner becoming free, the wait
+        would send them on their own before any came back. Otherwise ``max_wait_s`` after the oldest item's
+        arrival."""
         w = self.limits.max_wait_s
         if not self._answer_driven():
             return self._pending[0].enqueued + w
         start = max(self._pending[0].enqueued, self._freed)
-        return min(max(self._arrived, start) + w, start + self._fill_cap())
+        if self._arrived <= self._freed:  # nothing new since the runner became free
+            return start + self._fill_cap()
+        return min(self._arrived + w, start + self._fill_cap())
 
     def _free_runners(self) -> list[int]:
         return [r for r in range(len(self.runners)) if r not in self._computing]

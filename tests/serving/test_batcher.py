@@ -306,6 +306,25 @@ async def test_a_free_runner_waits_for_the_clients_its_last_batch_answered() -> 
     assert sizes == [8] * 6, sizes
 
 
+async def test_items_queued_during_a_batch_wait_for_the_clients_it_answered() -> None:
+    # 8 clients whose next requests come back 25-32 ms after their answers (the front writes the answers first),
+    # later than max_wait (15 ms); client 7 takes 300 ms, so it is queued while the next batch computes. The free
+    # runner waits for the first returning client (at most the fill's cap, 50 ms) and client 7 goes with them,
+    # not alone 15 ms after the runner became free with the others in a batch after it (8, 7, 1, 7, 1, 7, ...)
+    b, rec = make(lambda ps: (time.sleep(0.5), ps)[1], max_wait_s=0.015)
+    b.start()
+
+    async def client(c: int) -> None:
+        for k in range(4):
+            assert await b.submit([f"{c}.{k}"], [1], later()) == [f"{c}.{k}"]
+            await asyncio.sleep(0.3 if c == 7 else 0.025 + c * 0.001)
+
+    await asyncio.gather(*(client(c) for c in range(8)))
+    await b.stop(1)
+    sizes = [len(batch) for batch in rec.batches]
+    assert sizes[:4] == [8, 7, 8, 7], sizes  # then client 7's last two rounds, alone
+
+
 async def test_a_batch_as_large_as_the_last_ones_goes_without_waiting() -> None:
     # max_wait is 1 s: each batch of the 4 returning clients goes as soon as the 4th is back (with the wait,
     # 6 rounds would take 6 s)
