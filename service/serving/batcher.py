@@ -7,10 +7,10 @@ and runs each batch through a synchronous ``run_batch`` callable in a worker thr
 loop keeps answering (health checks, metrics) while the model computes.
 
 A free runner lets its next batch fill while items keep arriving, at most ``max_wait_s`` apart,
-counted from the first to arrive after it became free: the answers of the batch it just computed are on their way to
-their clients, whose next requests follow (a batch that went as soon as the runner was free would
-hold only what arrived while the last one computed: in a closed loop of c clients, about c/2). The
-fill is capped at a tenth of the last batch's compute time (or ``max_wait_s``), and a batch goes at
+counted from the first to arrive after it became free: the answers of the batch it just computed are
+on their way to their clients, whose next requests follow (a batch that went as soon as the runner was
+free would hold only what arrived while the last one computed: in a closed loop of c clients, about
+c/2). The fill is capped at a tenth of the last batch's compute time (or ``max_wait_s``), and a batch goes at
 once when it is full, or as large as the largest of the last few batches with an item that arrived
 after the runner became free: one request at a time is never held back, nor are clients that all
 came back. Where items do not follow answers (over the last few batches, requests came no faster in the
