@@ -10,12 +10,12 @@ A free runner lets its next batch fill while items keep arriving, at most ``max_
 counted from the first to arrive after it became free: the answers of the batch it just computed are
 on their way to their clients, whose next requests follow (a batch that went as soon as the runner was
 free would hold only what arrived while the last one computed: in a closed loop of c clients, about
-c/2). The fill is capped at a tenth of the last batch's compute time (or ``max_wait_s``), and a batch goes at
-once when it is full, or as large as the largest of the last few batches with an item that arrived
-after the runner became free: one request at a time is never held back, nor are clients that all
-came back. Where items do not follow answers (over the last few batches, requests came no faster in the
-cap after a batch's end than while it computed: independent arrivals), the wait counts from the oldest
-item's arrival instead, and what queued while the model computed goes as soon as it is free.
+c/2). The fill is capped at a tenth of the last batch's compute time (or ``max_wait_s``), and a batch
+goes at once when it is full, or as large as the largest of the last few batches with an item that
+arrived after the runner became free: one request at a time is never held back, nor are clients that
+all came back. Where items do not follow answers (over the last few batches, requests came no faster
+in the cap after a batch's end than while it computed: independent arrivals), the wait counts from the
+oldest item's arrival instead, and what queued while the model computed goes as soon as it is free.
 
 Several runners (e.g. replicas of a model, each in a process of its own) may be given instead of one
 ``run_batch``: each computes one batch at a time, and a batch goes to whichever is free. A group whose

@@ -4,6 +4,7 @@ import asyncio
 import itertools
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -282,16 +283,17 @@ async def test_stop_answers_what_every_runner_holds() -> None:
         await b.submit(["d"], [1], later())
 
 
-async def closed_loop_batches(clients: int, compute_s: float, think_s: float, rounds: int, **limits) -> list[int]:
-    """Batch sizes when ``clients`` each send one item, wait for its answer, pause (client ``c``: ``c * think_s``,
-    the time its answer and next request take on their way), and send the next, ``rounds`` times."""
+async def closed_loop_batches(clients: int, compute_s: float, think: Callable[[int], float], rounds: int,
+                              **limits) -> list[int]:
+    """Batch sizes when ``clients`` each send one item, wait for its answer, pause (client ``c``: ``think(c)``
+    seconds, the time its answer and next request take on their way), and send the next, ``rounds`` times."""
     b, rec = make(lambda ps: (time.sleep(compute_s), ps)[1], **limits)
     b.start()
 
     async def client(c: int) -> None:
         for k in range(rounds):
             assert await b.submit([f"{c}.{k}"], [1], later()) == [f"{c}.{k}"]
-            await asyncio.sleep(c * think_s)
+            await asyncio.sleep(think(c))
 
     await asyncio.gather(*(client(c) for c in range(clients)))
     await b.stop(1)
@@ -302,7 +304,7 @@ async def test_a_free_runner_waits_for_the_clients_its_last_batch_answered() -> 
     # 8 clients whose next requests come back 0-21 ms after their answers, 3 ms apart: a batch that went once
     # its oldest item had waited 20 ms would hold those back by then, and the last would arrive while it
     # computes and go in the next one at once (7, 1, 7, 1, ...); waiting while they keep coming, all 8 go together
-    sizes = await closed_loop_batches(8, compute_s=0.4, think_s=0.003, rounds=6, max_wait_s=0.02)
+    sizes = await closed_loop_batches(8, compute_s=0.4, think=lambda c: c * 0.003, rounds=6, max_wait_s=0.02)
     assert sizes == [8] * 6, sizes
 
 
@@ -311,17 +313,8 @@ async def test_items_queued_during_a_batch_wait_for_the_clients_it_answered() ->
     # later than max_wait (15 ms); client 7 takes 300 ms, so it is queued while the next batch computes. The free
     # runner waits for the first returning client (at most the fill's cap, 50 ms) and client 7 goes with them,
     # not alone 15 ms after the runner became free with the others in a batch after it (8, 7, 1, 7, 1, 7, ...)
-    b, rec = make(lambda ps: (time.sleep(0.5), ps)[1], max_wait_s=0.015)
-    b.start()
-
-    async def client(c: int) -> None:
-        for k in range(4):
-            assert await b.submit([f"{c}.{k}"], [1], later()) == [f"{c}.{k}"]
-            await asyncio.sleep(0.3 if c == 7 else 0.025 + c * 0.001)
-
-    await asyncio.gather(*(client(c) for c in range(8)))
-    await b.stop(1)
-    sizes = [len(batch) for batch in rec.batches]
+    sizes = await closed_loop_batches(8, compute_s=0.5, think=lambda c: 0.3 if c == 7 else 0.025 + c * 0.001,
+                                      rounds=4, max_wait_s=0.015)
     assert sizes[:4] == [8, 7, 8, 7], sizes  # then client 7's last two rounds, alone
 
 
@@ -329,7 +322,7 @@ async def test_a_batch_as_large_as_the_last_ones_goes_without_waiting() -> None:
     # max_wait is 1 s: each batch of the 4 returning clients goes as soon as the 4th is back (with the wait,
     # 6 rounds would take 6 s)
     t0 = time.monotonic()
-    sizes = await closed_loop_batches(4, compute_s=0.01, think_s=0.0005, rounds=6, max_wait_s=1.0)
+    sizes = await closed_loop_batches(4, compute_s=0.01, think=lambda c: c * 0.0005, rounds=6, max_wait_s=1.0)
     assert sizes[1:] == [4] * (len(sizes) - 1), sizes
     assert time.monotonic() - t0 < 2.5  # the first batch waits out the 1 s (nothing known yet), no other
 
