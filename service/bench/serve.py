@@ -11,6 +11,7 @@ alone ran 5-28 % faster there than in a worker thread here); the worker-thread f
 from __future__ import annotations
 
 import asyncio
+import functools
 import random
 import re
 import statistics
@@ -208,24 +209,31 @@ class Offline:
         from service.serving.engine import Engine
 
         self.engine = in_worker_thread(lambda: Engine.load(repository / model, device=device))
+        self.texts = texts
         self.ordered = sorted(texts, key=len)  # similar lengths together, as the batcher does: the best case
 
-    def _throughput(self, bs: int, seconds: float) -> float:
+    def _throughput(self, texts: list[str], bs: int, seconds: float) -> float:
         from service.serving.engine import Task
 
-        batches = [self.ordered[k : k + bs] for k in range(0, len(self.ordered), bs)]
+        batches = [texts[k : k + bs] for k in range(0, len(texts), bs)]
         self.engine.run([Task(t) for t in batches[0]])  # warm-up at this shape
 
         def one_pass() -> None:
             for batch in batches:
                 self.engine.run([Task(t) for t in batch])
 
-        return whole_passes(one_pass, len(self.ordered), seconds)
+        return whole_passes(one_pass, len(texts), seconds)
 
     def throughput(self, bs: int, seconds: float, worker_thread: bool = False) -> float:
+        """Texts/s in batches of ``bs`` texts of similar length (the best case)."""
         if worker_thread:
-            return in_worker_thread(lambda: self._throughput(bs, seconds))
-        return self._throughput(bs, seconds)
+            return in_worker_thread(lambda: self._throughput(self.ordered, bs, seconds))
+        return self._throughput(self.ordered, bs, seconds)
+
+    def in_order(self, bs: int, seconds: float) -> float:
+        """Texts/s in batches of ``bs`` consecutive texts as given: the batches a closed loop of ``bs`` clients
+        forms when every batch holds them all (client ``w`` sends texts ``w``, ``w + bs``, ...)."""
+        return self._throughput(self.texts, bs, seconds)
 
 
 def whole_passes(one_pass: Callable[[], None], n_texts: int, seconds: float) -> float:
@@ -508,7 +516,9 @@ def run(model: str, preset: str, levels: list[int], duration: float, n_texts: in
         from service.bench import versus
 
         echo("  peer frameworks serving the same model", err=True)
-        peered = versus.measure(peers, repository, model, device, max_batch_size, max_wait_ms, logs, texts, duration)
+        peered = versus.measure(peers, repository, model, device, max_batch_size, max_wait_ms, logs, texts, duration,
+                                engine={level: functools.partial(offline.in_order, level, duration)
+                                        for level in peers.levels if level <= max_batch_size})
     return report_all(runs, limit, paired, beside, replicated, inter, peered, top, max_wait_ms, out, {
         "model": model, "texts": len(texts), "levels": levels, "duration_s": duration, "device": device,
         "max_wait_ms": max_wait_ms, "max_batch_size": max_batch_size, "url": url, "long_chars": long_chars,
@@ -610,6 +620,8 @@ def report_all(runs: dict[str, list[dict]], offline: dict[str, Any], paired: dic
                                              for level, d in peered[kind].items()} for kind in ("closed", "open")}
         summary["peers_p99_ms"] = {level: {n: m["p99_ms"] for n, m in d["summary"].items()}
                                    for level, d in peered["closed"].items()}
+        summary["peers_of_engine_alone"] = {level: {n: m["of_engine_alone"] for n, m in d["summary"].items()}
+                                            for level, d in peered["closed"].items() if versus.ENGINE in d}
     path = report.write_json(out, "serve", settings, {"runs": runs, "offline": offline, "paired": paired,
                                                       "side_by_side": beside, "replicas": replicated,
                                                       "interference": inter, "peers": peered}, summary)

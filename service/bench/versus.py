@@ -2,7 +2,10 @@
 and measured in turns with the same load generator and texts, each while the others are paused (an idle
 framework that polls would take CPU from the one measured): closed loops at several concurrencies, then
 open-loop Poisson arrivals at fractions of this service's capacity. A ``baseline`` checkout of this
-repository can run beside them (to compare a change of the batching policy under the same load)."""
+repository can run beside them (to compare a change of the batching policy under the same load). In the
+same turns, every server paused, the model function alone in the bench's process computes the batches a
+closed loop of at most ``max_batch_size`` clients forms (each batch holds every client): what no server of
+that function can exceed on this machine at that concurrency."""
 
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ from service.bench.serve import Level, Stats, closed_loop, metrics_stats, open_l
 from service.bench.server import LocalServer, PeerServer, ServerProcess
 
 THIS = "routing-service"
+ENGINE = "engine alone"  # the model function with no server, on the batches the clients form
 
 
 @dataclass
@@ -81,32 +85,46 @@ def row(level: Level, **extra: Any) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def alone(contenders: list[Contender], c: Contender, texts: list[str]) -> Iterator[None]:
-    """``c`` with every other contender paused, after a second of warm-up (it may itself have been paused)."""
-    others = [o for o in contenders if o is not c]
-    for o in others:
+def paused(contenders: list[Contender]) -> Iterator[None]:
+    """Every one of ``contenders`` stopped (SIGSTOP) until the block ends."""
+    for o in contenders:
         o.server.pause()
     try:
-        run_async(closed_loop(c.server.url, c.path, texts, 4, 1.0, stats=c.stats))
         yield
     finally:
-        for o in others:
+        for o in contenders:
             o.server.resume()
 
 
+@contextlib.contextmanager
+def alone(contenders: list[Contender], c: Contender, texts: list[str]) -> Iterator[None]:
+    """``c`` with every other contender paused, after a second of warm-up (it may itself have been paused)."""
+    with paused([o for o in contenders if o is not c]):
+        run_async(closed_loop(c.server.url, c.path, texts, 4, 1.0, stats=c.stats))
+        yield
+
+
 def rows_in_turns(contenders: list[Contender], measure: Callable[[Contender], dict[str, Any]], rounds: int,
-                  label: str, texts: list[str]) -> dict[str, list[dict[str, Any]]]:
+                  label: str, texts: list[str], engine: Callable[[], float] | None = None,
+                  ) -> tuple[dict[str, list[dict[str, Any]]], list[float]]:
     """``measure`` of each contender once per round, the others paused (:func:`alone`), the order rotating from
-    round to round."""
+    round to round; with ``engine`` (texts/s of the model function alone), it takes a turn too, every
+    contender paused. Each contender's rows, and the engine's texts/s per round (empty without it)."""
     per: dict[str, list[dict[str, Any]]] = {c.name: [] for c in contenders}
+    alone_rounds: list[float] = []
+    turns: list[Contender | None] = [*contenders, *([None] if engine else [])]  # None: the engine's turn
     for r in range(rounds):
-        for c in contenders[r % len(contenders):] + contenders[: r % len(contenders)]:
+        for c in turns[r % len(turns):] + turns[: r % len(turns)]:
+            if c is None:
+                with paused(contenders):
+                    alone_rounds.append(engine())  # type: ignore[misc]
+                continue
             with alone(contenders, c, texts):
                 per[c.name].append(measure(c))
         echo(f"  {label}, round {r + 1}: " + ", ".join(
             f"{n} {v[-1]['throughput']:.1f}/s p99 {v[-1]['p99_ms']:.0f} ms batch {v[-1]['mean_batch']:.1f}"
-            for n, v in per.items()), err=True)
-    return per
+            for n, v in per.items()) + (f", {ENGINE} {alone_rounds[-1]:.1f}/s" if alone_rounds else ""), err=True)
+    return per, alone_rounds
 
 
 def mean_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -120,30 +138,37 @@ def mean_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def compare(contenders: list[Contender], texts: list[str], levels: list[int], seconds: float, rounds: int,
-            open_fractions: list[float]) -> dict[str, Any]:
+            open_fractions: list[float], engine: dict[int, Callable[[], float]] | None = None) -> dict[str, Any]:
     """Closed loops at ``levels``, then open loops at ``open_fractions`` of this service's best closed-loop
-    throughput, each measured in turns; per level, each contender's mean row and its ratio to this service."""
-    closed: dict[int, dict[str, list[dict[str, Any]]]] = {}
+    throughput, each measured in turns; per level, each contender's mean row and its ratio to this service.
+    ``engine[level]``: texts/s of the model function alone on the batches a closed loop of ``level`` clients
+    forms, measured in that level's turns; each contender's share of it at that level."""
+    closed: dict[int, tuple[dict[str, list[dict[str, Any]]], list[float]]] = {}
     for level in levels:
         closed[level] = rows_in_turns(contenders, lambda c, level=level: row(run_async(closed_loop(
             c.server.url, c.path, texts, level, seconds, cpu=_total_cpu(c), stats=c.stats)), concurrency=level),
-            rounds, f"c={level}", texts)
-    capacity = max(mean_row(per[THIS])["throughput"] for per in closed.values())
+            rounds, f"c={level}", texts, engine=(engine or {}).get(level))
+    capacity = max(mean_row(per[THIS])["throughput"] for per, _ in closed.values())
     opened: dict[float, dict[str, list[dict[str, Any]]]] = {}
     for fraction in open_fractions:
         rate = fraction * capacity
-        opened[fraction] = rows_in_turns(contenders, lambda c, rate=rate, fraction=fraction: row(run_async(open_loop(
-            c.server.url, c.path, texts, rate, seconds, cpu=_total_cpu(c), stats=c.stats)), fraction=fraction,
-            rate=rate), rounds, f"open loop at {fraction:.0%} of {capacity:.1f} texts/s", texts)
+        opened[fraction], _ = rows_in_turns(contenders, lambda c, rate=rate, fraction=fraction: row(run_async(
+            open_loop(c.server.url, c.path, texts, rate, seconds, cpu=_total_cpu(c), stats=c.stats)),
+            fraction=fraction, rate=rate), rounds, f"open loop at {fraction:.0%} of {capacity:.1f} texts/s", texts)
 
-    def summary(per: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    def summary(per: dict[str, list[dict[str, Any]]], alone_rounds: list[float] | None = None) -> dict[str, Any]:
         means = {n: mean_row(rows) for n, rows in per.items()}
         ours = means[THIS]["throughput"]
-        return {n: {**m, "this_over_it": ours / m["throughput"] if m["throughput"] else float("nan")}
+        limit = sum(alone_rounds) / len(alone_rounds) if alone_rounds else None
+        return {n: {**m, "this_over_it": ours / m["throughput"] if m["throughput"] else float("nan"),
+                    **({"of_engine_alone": m["throughput"] / limit} if limit else {})}
                 for n, m in means.items()}
 
     return {"capacity_texts_per_s": capacity,
-            "closed": {lv: {"rounds": per, "summary": summary(per)} for lv, per in closed.items()},
+            "closed": {lv: {"rounds": per, "summary": summary(per, alone_rounds),
+                            **({ENGINE: {"rounds": alone_rounds, "throughput": sum(alone_rounds) / len(alone_rounds)}}
+                               if alone_rounds else {})}
+                       for lv, (per, alone_rounds) in closed.items()},
             "open": {f: {"rate": f * capacity, "rounds": per, "summary": summary(per)} for f, per in opened.items()}}
 
 
@@ -160,15 +185,16 @@ class Plan:
 
 
 def measure(plan: Plan, repository: Path, model: str, device: str, max_batch_size: int, max_wait_ms: float,
-            logs: Path, texts: list[str], seconds: float) -> dict[str, Any]:
-    """Start every contender, compare them (see :func:`compare`), stop them; print the tables."""
+            logs: Path, texts: list[str], seconds: float,
+            engine: dict[int, Callable[[], float]] | None = None) -> dict[str, Any]:
+    """Start every contender, compare them (see :func:`compare`, ``engine`` too), stop them; print the tables."""
     names = [THIS, *(["baseline"] if plan.baseline else []), *plan.peers]
     echo(f"  {', '.join(names)}: each measured while the others are paused, closed loops at {plan.levels} and "
          f"open loops at {plan.open_fractions} of capacity, {plan.rounds} rounds in turns, {seconds:.0f} s each",
          err=True)
     contenders = start(plan.peers, repository, model, device, max_batch_size, max_wait_ms, logs, plan.baseline)
     try:
-        result = compare(contenders, texts, plan.levels, seconds, plan.rounds, plan.open_fractions)
+        result = compare(contenders, texts, plan.levels, seconds, plan.rounds, plan.open_fractions, engine)
         result["versions"] = {peer: version(peer) for peer in plan.peers}
     finally:
         stop(contenders)
@@ -183,12 +209,20 @@ def report(result: dict[str, Any]) -> None:
 
     def rows(summary: dict[str, Any]) -> list[dict[str, Any]]:
         return [{"server": n, "texts/s": m["throughput"], "this / it": m["this_over_it"],
-                 **{c: m[c] for c in cols[3:]}} for n, m in summary.items()]
+                 "of engine alone": m.get("of_engine_alone", ""), **{c: m[c] for c in cols[3:]}}
+                for n, m in summary.items()]
+
+    def engine_row(d: dict[str, Any]) -> list[dict[str, Any]]:
+        e = d.get(ENGINE)
+        return [] if e is None else [{"server": ENGINE, "texts/s": e["throughput"], "of engine alone": 1.0,
+                                      "rounds": [round(v, 1) for v in e["rounds"]]}]
 
     echo("\nthe same model behind each server, closed loop (one text per request), measured in turns; texts/s and "
-         "batch averaged over the rounds, p50 the median round's, p99 the worst round's:")
-    echo(table([{"concurrency": lv, **r} for lv, d in result["closed"].items() for r in rows(d["summary"])],
-               ["concurrency", *cols]))
+         "batch averaged over the rounds, p50 the median round's, p99 the worst round's; the engine alone: the model "
+         "function with no server on the batches the clients form (where the level is at most the servers' "
+         "max_batch_size: batches of that many texts in the clients' order), every server paused:")
+    echo(table([{"concurrency": lv, **r} for lv, d in result["closed"].items()
+                for r in rows(d["summary"]) + engine_row(d)], ["concurrency", *cols[:3], "of engine alone", *cols[3:]]))
     if result["open"]:
         echo(f"\nopen loop: Poisson arrivals at fractions of this service's best closed-loop throughput "
              f"({result['capacity_texts_per_s']:.1f} texts/s), latency from each request's scheduled time:")

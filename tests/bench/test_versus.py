@@ -1,5 +1,6 @@
 """`bench serve` against peers: each server is measured while the others are paused (SIGSTOP), so an idle
-server that polls takes no CPU from the one measured, and every server goes on (and stops) afterwards."""
+server that polls takes no CPU from the one measured, the engine alone while every server is paused, and every
+server goes on (and stops) afterwards."""
 
 from __future__ import annotations
 
@@ -53,14 +54,23 @@ def test_each_contender_is_measured_while_the_others_are_paused(tiny_repo: Path,
         assert state(c.server.proc.pid) != "T"
         return {"throughput": 1.0, "p99_ms": 1.0, "mean_batch": 1.0}
 
+    def engine() -> float:  # the model function alone: every server paused
+        seen.append((versus.ENGINE, [state(p) for s in servers for p in (s.proc.pid, *children(s.proc.pid))]))
+        return 2.0
+
     try:
-        per = versus.rows_in_turns(contenders, measure, 2, "test", ["a short text", "another one"])
+        per, alone = versus.rows_in_turns(contenders, measure, 2, "test", ["a short text", "another one"])
+        with_engine, engine_rounds = versus.rows_in_turns(contenders, measure, 3, "test", ["a short text"],
+                                                          engine=engine)
         after = [state(p) for s in servers for p in (s.proc.pid, *children(s.proc.pid))]
     finally:
         for s in servers:
             s.stop()
-    assert [name for name, _ in seen] == ["s0", "s1", "s1", "s0"]  # every round, the order rotating
-    assert all(states and set(states) == {"T"} for _, states in seen)  # the other server and its model's process
+    e = versus.ENGINE
+    # every round, the order rotating; the engine's turn rotates with the servers'
+    assert [name for name, _ in seen] == ["s0", "s1", "s1", "s0", "s0", "s1", e, "s1", e, "s0", e, "s0", "s1"]
+    assert all(states and set(states) == {"T"} for _, states in seen)  # the others (and their models' processes)
     assert "T" not in after  # all going on again
-    assert {n: len(rows) for n, rows in per.items()} == {"s0": 2, "s1": 2}
+    assert {n: len(rows) for n, rows in per.items()} == {"s0": 2, "s1": 2} and alone == []
+    assert {n: len(rows) for n, rows in with_engine.items()} == {"s0": 3, "s1": 3} and engine_rounds == [2.0] * 3
     assert all(s.proc.returncode == 0 for s in servers)  # stopped cleanly after being paused
