@@ -620,8 +620,9 @@ def report_all(runs: dict[str, list[dict]], offline: dict[str, Any], paired: dic
                                              for level, d in peered[kind].items()} for kind in ("closed", "open")}
         summary["peers_p99_ms"] = {level: {n: m["p99_ms"] for n, m in d["summary"].items()}
                                    for level, d in peered["closed"].items()}
-        summary["peers_of_engine_alone"] = {level: {n: m["of_engine_alone"] for n, m in d["summary"].items()}
-                                            for level, d in peered["closed"].items() if versus.ENGINE in d}
+        shares = {level: {n: m["of_engine_alone"] for n, m in d["summary"].items() if "of_engine_alone" in m}
+                  for level, d in peered["closed"].items()}
+        summary["peers_of_engine_alone"] = {level: s for level, s in shares.items() if s}
     path = report.write_json(out, "serve", settings, {"runs": runs, "offline": offline, "paired": paired,
                                                       "side_by_side": beside, "replicas": replicated,
                                                       "interference": inter, "peers": peered}, summary)

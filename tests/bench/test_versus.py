@@ -4,6 +4,7 @@ server goes on (and stops) afterwards."""
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import sys
@@ -11,8 +12,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from service.bench import versus
-from service.bench.serve import metrics_stats
+import pytest
+
+from service.bench import serve, versus
+from service.bench.serve import Offline, metrics_stats
 from service.bench.server import ServerProcess, children, free_port
 from service.bench.server import process_state as state
 from tests.serving.server import Server
@@ -74,3 +77,49 @@ def test_each_contender_is_measured_while_the_others_are_paused(tiny_repo: Path,
     assert {n: len(rows) for n, rows in per.items()} == {"s0": 2, "s1": 2} and alone == []
     assert {n: len(rows) for n, rows in with_engine.items()} == {"s0": 3, "s1": 3} and engine_rounds == [2.0] * 3
     assert all(s.proc.returncode == 0 for s in servers)  # stopped cleanly after being paused
+
+
+def test_the_engine_alone_computes_the_clients_batches_and_each_server_gets_its_share(
+        tiny_repo: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from service.serving.engine import Engine
+
+    texts = [f"text number {k}" + " more" * (k % 5) for k in range(12)]
+    offline = Offline(tiny_repo, "tiny", texts, "cpu")
+    batches: list[list[str]] = []
+    run = Engine.run
+
+    def recording(self: Engine, tasks: list) -> list:
+        batches.append([t.text for t in tasks])
+        return run(self, tasks)
+
+    monkeypatch.setattr(Engine, "run", recording)
+    assert offline.in_order(4, 0.0) > 0
+    # warm-up, then a whole pass: client w of 4 sends texts w, w + 4, ... so round r's batch is texts[4r : 4r + 4]
+    assert batches == [texts[:4], texts[:4], texts[4:8], texts[8:]]
+    monkeypatch.setattr(Engine, "run", run)
+
+    servers = [Server(tmp_path, model_repository=tiny_repo, default_model="tiny").wait_ready() for _ in range(2)]
+    contenders = [versus.Contender(name, s, "/v1/classify", metrics_stats(s.url), s.cpu)
+                  for name, s in zip((versus.THIS, "other"), servers, strict=True)]
+    try:
+        result = versus.compare(contenders, texts, [1, 2], 0.3, 1, [],
+                                engine={1: functools.partial(offline.in_order, 1, 0.3)})
+    finally:
+        for s in servers:
+            s.stop()
+    one, two = result["closed"][1], result["closed"][2]
+    limit = one[versus.ENGINE]["throughput"]
+    assert limit > 0 and len(one[versus.ENGINE]["rounds"]) == 1
+    assert {n: m["of_engine_alone"] for n, m in one["summary"].items()} == pytest.approx(
+        {n: m["throughput"] / limit for n, m in one["summary"].items()})
+    assert versus.ENGINE not in two and all("of_engine_alone" not in m for m in two["summary"].values())
+
+    runs = {"batching": [{"concurrency": 1, "throughput": 1.0, "p50_ms": 1.0, "p99_ms": 1.0, "mean_batch": 1.0,
+                          "model_busy": 0.5, "batch_ms": 1.0}]}
+    limits = {"by_batch_size": {1: limit}, "best_batch_size": 1, "throughput": limit, "worker_thread_throughput": limit,
+              "server_max_batch_size": 1}
+    summary = serve.report_all(runs, limits, None, None, None, None, result, 1, 5.0, tmp_path / "serve.json", {})
+    assert set(summary["peers_of_engine_alone"]) == {1}  # only where the engine alone was measured
+    assert summary["peers_of_engine_alone"][1] == pytest.approx(
+        {n: m["of_engine_alone"] for n, m in one["summary"].items()})
+    assert (tmp_path / "serve.json").exists()
