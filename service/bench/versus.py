@@ -115,12 +115,12 @@ def rows_in_turns(contenders: list[Contender], measure: Callable[[Contender], di
     turns: list[Contender | None] = [*contenders, *([None] if engine else [])]  # None: the engine's turn
     for r in range(rounds):
         for c in turns[r % len(turns):] + turns[: r % len(turns)]:
-            if c is None:
+            if c is not None:
+                with alone(contenders, c, texts):
+                    per[c.name].append(measure(c))
+            elif engine is not None:
                 with paused(contenders):
-                    alone_rounds.append(engine())  # type: ignore[misc]
-                continue
-            with alone(contenders, c, texts):
-                per[c.name].append(measure(c))
+                    alone_rounds.append(engine())
         echo(f"  {label}, round {r + 1}: " + ", ".join(
             f"{n} {v[-1]['throughput']:.1f}/s p99 {v[-1]['p99_ms']:.0f} ms batch {v[-1]['mean_batch']:.1f}"
             for n, v in per.items()) + (f", {ENGINE} {alone_rounds[-1]:.1f}/s" if alone_rounds else ""), err=True)
