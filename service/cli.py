@@ -147,12 +147,14 @@ def train(
 def evaluate(
     folder: Annotated[Path, typer.Argument(help="Model folder, e.g. models/tweet-sentiment")],
     cache: Annotated[Path | None, typer.Option(help="Feature cache folder")] = Path(".cache/features"),
+    data: Annotated[Path | None, typer.Option(help="Where the model's training data file is now, when it moved "
+                                                   "(recorded in the manifest)")] = None,
 ) -> None:
     """Accuracy, macro-F1, confusion matrix and the logistic baseline on the test split, into the manifest."""
     from service.training.pipeline import evaluate_model
 
     with user_errors():  # not a model folder, or its training data cannot be found or read again
-        evaluate_model(folder, cache=cache)
+        evaluate_model(folder, cache=cache, data=data)
 
 
 @bench_app.command("routing")

@@ -142,17 +142,41 @@ def evaluate_features(head: RoutingHead, ds: Dataset, f_train: Features, y_train
     return compare(ds.test.labels, head_pred, probes, n)
 
 
-def evaluate_model(folder: Path, cache: Path | None = None, max_train: int | None = None) -> dict[str, Any]:
-    """Re-evaluate a model folder on its dataset's test split and write the results into its manifest."""
+def evaluate_model(folder: Path, cache: Path | None = None, max_train: int | None = None,
+                   data: Path | None = None) -> dict[str, Any]:
+    """Re-evaluate a model folder on its dataset's test split and write the results into its manifest.
+    ``data``: where the data file the model was trained on is now (its new path is recorded in the manifest).
+
+    Raises:
+        DatasetError: the training data cannot be found or read, or is not the data the model was trained on
+            (other labels, or other split sizes).
+    """
     manifest = read_manifest(folder)
     head = load_head(folder, manifest)
     d = manifest.training.get("data", {})
     spec = DataSpec(preset=d.get("preset"), path=Path(d["path"]) if d.get("path") else None,
                     text_column=d.get("text_column", "text"), label_column=d.get("label_column", "label"),
                     encoding=d.get("encoding", "utf-8"))
+    if data is not None:
+        if spec.preset:
+            raise DatasetError(f"{folder.name} was trained on the bundled preset {spec.preset!r}; --data is for a "
+                               "model trained on a file")
+        spec.path = data
+    elif spec.path is not None and not spec.path.exists():
+        where = "" if spec.path.is_absolute() else ", relative to the folder `train` ran in"
+        raise DatasetError(f"{spec.path}: no such file or directory (the training data recorded in "
+                           f"{folder / 'manifest.json'}{where}); pass --data with where it is now")
     ds = spec.load()
     if ds.labels != manifest.labels:
         raise DatasetError(f"dataset labels {ds.labels} differ from the manifest's {manifest.labels}")
+    sizes = {k: len(getattr(ds, split).texts) for k, split in
+             (("n_train", "train"), ("n_validation", "validation"), ("n_test", "test"))}
+    recorded = {k: d[k] for k in sizes if k in d}
+    if any(sizes[k] != v for k, v in recorded.items()):
+        raise DatasetError(f"{spec.path}: its splits hold {sizes}, the training data's held {recorded}: evaluate "
+                           "recomputes the model's own test split, so give the data it was trained on")
+    if data is not None:
+        manifest.training["data"] = {**d, "path": str(data)}
     max_train = max_train if max_train is not None else d.get("max_train")
     train_idx = train_sample(ds, max_train, manifest.training.get("seed", 0))
     backbone = Backbone(manifest.backbone.source, max_length=manifest.max_length)

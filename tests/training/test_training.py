@@ -114,7 +114,21 @@ def test_train_and_evaluate_commands(tmp_path: Path, tiny_backbone_dir: Path) ->
     assert again["head"] == ev["head"] and again["comparison"] == ev["comparison"]  # evaluate recomputes it
     (tmp_path / "data.csv").rename(tmp_path / "moved.csv")
     res = runner.invoke(app, ["evaluate", str(folder), "--cache", str(tmp_path / "cache")])
-    assert res.exit_code == 2 and "data.csv: no such file or directory" in res.output
+    assert res.exit_code == 2 and "data.csv: no such file or directory" in res.output and "--data" in res.output
+    rows = (tmp_path / "moved.csv").read_text().splitlines()
+    (tmp_path / "fewer.csv").write_text("\n".join(rows[:-5]) + "\n")  # the same labels, other splits
+    res = runner.invoke(app, ["evaluate", str(folder), "--cache", str(tmp_path / "cache"),
+                              "--data", str(tmp_path / "fewer.csv")])
+    assert res.exit_code == 2 and "give the data it was trained on" in res.output, res.output
+    assert json.loads((folder / "manifest.json").read_text())["training"]["data"]["path"].endswith("data.csv")
+    res = runner.invoke(app, ["evaluate", str(folder), "--cache", str(tmp_path / "cache"),
+                              "--data", str(tmp_path / "moved.csv")])
+    assert res.exit_code == 0, res.output
+    moved = json.loads((folder / "manifest.json").read_text())
+    assert moved["evaluation"]["head"] == ev["head"]
+    assert moved["training"]["data"]["path"] == str(tmp_path / "moved.csv")
+    res = runner.invoke(app, ["evaluate", str(folder), "--cache", str(tmp_path / "cache")])  # the new path is kept
+    assert res.exit_code == 0, res.output
     bad = runner.invoke(app, ["train", "toy2", "--out", str(tmp_path / "repo")])
     assert bad.exit_code != 0 and "exactly one of --preset or --data" in bad.output
 
