@@ -8,9 +8,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from service.modeling.backbone import Backbone
+from service.training.progress import progress
 
 
 @dataclass
@@ -62,7 +62,7 @@ def extract(backbone: Backbone, texts: list[str], batch_size: int = 64, cache_di
             return Features(data["flat"], data["offsets"])
     order = sorted(range(len(texts)), key=lambda k: len(texts[k]))  # similar lengths together: less padding
     parts: list[torch.Tensor | None] = [None] * len(texts)
-    with tqdm(total=len(texts), desc=desc, unit="text") as bar:
+    with progress(total=len(texts), desc=desc, unit="text") as bar:
         for s in range(0, len(order), batch_size):
             idx = order[s : s + batch_size]
             enc = backbone([texts[k] for k in idx])

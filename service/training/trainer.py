@@ -24,11 +24,11 @@ import numpy as np
 import torch
 from torch import nn
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
-from tqdm import tqdm
 
 from service.modeling.head import RoutingHead
 from service.training.config import TrainConfig
 from service.training.features import Features, pad_batch
+from service.training.progress import progress
 
 __all__ = ["TrainConfig", "train_head"]
 
@@ -165,7 +165,7 @@ def train_head(head: RoutingHead, train: Features, y_train: list[int], val: Feat
         head.train()
         cut = [batches[k : k + cfg.eval_every] for k in range(0, len(batches), cfg.eval_every)]
         for part in cut:  # train on a part of the epoch, then validate
-            bar = tqdm(part, desc=f"epoch {epoch}/{len(plan)}, steps {step + 1}-{step + len(part)} of {steps}",
+            bar = progress(part, desc=f"epoch {epoch}/{len(plan)}, steps {step + 1}-{step + len(part)} of {steps}",
                        unit="batch")
             total = 0.0
             for n, idx in enumerate(bar, 1):
@@ -180,7 +180,7 @@ def train_head(head: RoutingHead, train: Features, y_train: list[int], val: Feat
                 if averaged is not None:
                     averaged.update_parameters(head)
                 total += loss.item()
-                bar.set_postfix(loss=f"{total / n:.4f}", lr=f"{sched.get_last_lr()[0]:.2e}")
+                bar.set_postfix(loss=f"{total / n:.4f}", lr=f"{sched.get_last_lr()[0]:.2e}", refresh=False)
             step += len(part)
             acc, val_loss = validation_scores(predict_features(validated, val), y_val)
             validations += 1

@@ -4,6 +4,8 @@ import csv
 import hashlib
 import json
 import math
+import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -16,9 +18,11 @@ from typer.testing import CliRunner
 from service.cli import app
 from service.modeling.head import RoutingHead
 from service.modeling.repository import load_model
+from service.training import progress as progress_module
 from service.training.config import TrainConfig
 from service.training.data import DatasetError, make_dataset, read_examples
 from service.training.features import Features
+from service.training.progress import progress
 from service.training.trainer import (
     classification_metrics,
     improves,
@@ -87,6 +91,7 @@ def test_train_and_evaluate_commands(tmp_path: Path, tiny_backbone_dir: Path) ->
     for repo in ("repo", "again"):
         res = runner.invoke(app, ["train", "toy", "--out", str(tmp_path / repo), *args])
         assert res.exit_code == 0, res.output
+        assert "(epoch 1): train loss" in res.output and "batch/s" not in res.output  # a log: no short bars
     first, second = (load_file(tmp_path / repo / "toy" / "head.safetensors") for repo in ("repo", "again"))
     assert all(torch.equal(first[name], second[name]) for name in first)  # seeded: same data, same weights
     res = runner.invoke(app, ["train", "toy", "--out", str(tmp_path / "cropped"), *args, "--crop", "0.5"])
@@ -377,3 +382,23 @@ def test_mcnemar_counts_the_discordant_texts_and_tests_them_exactly() -> None:
     assert mcnemar(y, head, head)["p_value"] == 1.0  # no discordant text: no evidence either way
     even = mcnemar([0, 0, 1, 1], [0, 1, 1, 0], [1, 0, 0, 1])  # 2 against 2
     assert (even["only_head_right"], even["only_probe_right"], even["p_value"]) == (2, 2, 1.0)
+
+
+
+@pytest.mark.parametrize("terminal", [True, False])
+def test_progress_redraws_live_on_a_terminal_and_rarely_in_a_log(terminal: bool, capsys: pytest.CaptureFixture[str],
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: terminal)
+    monkeypatch.setattr(progress_module, "LOG_INTERVAL_S", 0.3)
+    for _ in progress(range(40), desc="short"):  # work shorter than the log's interval
+        pass
+    t0 = time.monotonic()
+    for _ in progress(range(40), desc="long"):
+        time.sleep(0.025)  # 1 s in all
+    elapsed = time.monotonic() - t0
+    err = capsys.readouterr().err
+    assert "long: 100%" in err and "40/40" in err
+    if terminal:
+        assert "short: 100%" in err and err.count("long:") >= 5  # tqdm's redraws, at most 0.1 s apart
+    else:  # after 0.3 s, at most every 0.3 s, and the end
+        assert "short:" not in err and 2 <= err.count("long:") <= elapsed / 0.3 + 1
