@@ -111,8 +111,11 @@ class ModelControl:
                 entry = IndexEntry(name, *status)
             elif name in self.app.inference.models:
                 entry = IndexEntry(name, "READY")
+            elif status is not None:
+                entry = IndexEntry(name, "UNAVAILABLE", status[1])
             else:
-                entry = IndexEntry(name, "UNAVAILABLE", status[1] if status else "not loaded")
+                entry = IndexEntry(name, "UNAVAILABLE", "not in memory: loads on its first request"
+                                   if self.app.cache is not None else "not loaded")
             if not ready_only or entry.state == "READY":
                 entries.append(entry)
         return entries

@@ -132,7 +132,7 @@ async def test_names_outside_the_repository_are_refused(state: AppState) -> None
 def test_over_http_a_model_not_in_memory_answers_on_every_protocol(repo: Path, head_bytes: int,
                                                                    alone: dict[str, list]) -> None:
     settings = Settings(model_repository=repo, default_model=NAMES[0], head_cache_bytes=2 * head_bytes,
-                        model_process=False)
+                        model_process=False, admin_keys=["adm"])
     with TestClient(create_app(settings)) as client:
         for _ in range(600):  # the pinned model loads in the background
             if client.get("/readyz").status_code == 200:
@@ -150,6 +150,14 @@ def test_over_http_a_model_not_in_memory_answers_on_every_protocol(repo: Path, h
         assert r.status_code == 200 and [m["labels"] for m in r.json()["responses"]] == [["alpha", "beta", "gamma"]] * 2
         r = client.post("/v1/models/nope/classify", json={"inputs": ["x"]})
         assert r.status_code == 404 and "nope" in r.json()["error"]["message"]
+        in_memory = [m["name"] for m in client.get("/v1/models").json()["models"]]  # what is in memory
+        assert NAMES[0] in in_memory and len(in_memory) <= 3 and NAMES[3] not in in_memory
+        assert client.get(f"/v1/models/{NAMES[3]}").json()["name"] == NAMES[3]  # any folder is described
+        index = {e["name"]: (e["state"], e["reason"]) for e in client.post(
+            "/v2/repository/index", headers={"Authorization": "Bearer adm"}).json()}
+        assert sorted(index) == NAMES and index[NAMES[0]] == ("READY", "")
+        assert index[NAMES[5]] == ("UNAVAILABLE", "not in memory: loads on its first request")
+        assert index[NAMES[7]] == ("UNAVAILABLE", "evicted from the head cache: loads on the next request")
 
 
 async def test_a_damaged_head_loaded_together_with_others_fails_alone(repo: Path, head_bytes: int, tmp_path: Path,
