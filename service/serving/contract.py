@@ -219,9 +219,10 @@ class Loaded:
 
 @dataclass(frozen=True)
 class Failed:
-    """Loading, or a batch, failed: why."""
+    """Loading, or a batch, failed: why (``path``: the file of a model folder that failed to load)."""
 
     error: str
+    path: str | None = None
 
 
 @dataclass(frozen=True)

@@ -120,6 +120,8 @@ def _change_heads(engine: Engine, msg: LoadHeads | UnloadHeads) -> HeadsLoaded |
         return HeadsLoaded({})
     try:
         engine.add_heads([Path(f) for f in msg.folders], msg.keys, msg.warmup)
+    except ModelLoadError as e:  # a damaged folder: the server raises it again, naming the file and the problem
+        return Failed(e.problem, path=str(e.path))
     except Exception as e:
         return Failed(f"{type(e).__name__}: {e}")
     return HeadsLoaded({k: engine.describe(k) for k in msg.keys})
@@ -250,7 +252,7 @@ class BackboneProcess(Planner):
         manifests = {k: read_manifest(Path(f)) for f, k in zip(folders, keys, strict=True)}
         msg = self._ask(LoadHeads(tuple(str(f) for f in folders), tuple(keys), warmup))
         if isinstance(msg, Failed):
-            raise HeadLoadError(msg.error)
+            raise ModelLoadError(Path(msg.path), msg.error) if msg.path is not None else HeadLoadError(msg.error)
         self._added(manifests)
         self._folders.update(zip(keys, map(Path, folders), strict=True))
         self._descriptions = {**self._descriptions, **msg.descriptions}

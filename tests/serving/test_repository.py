@@ -198,13 +198,14 @@ def test_names_that_leave_the_repository_are_refused(server: Server, name: str, 
 @pytest.mark.parametrize(("name", "problem"), [("bad-nan", "non-finite"), ("bad-truncated", "safetensors"),
                                                ("bad-labels", "labels"), ("bad-backbone", "backbone")])
 def test_a_damaged_model_fails_to_load_and_the_others_serve(client: triton.InferenceServerClient, server: Server,
-                                                            name: str, problem: str) -> None:
+                                                            repo: Path, name: str, problem: str) -> None:
     before = scores(server, "tiny")
     with pytest.raises(InferenceServerException) as e:
         client.load_model(name, headers=AS_ADMIN)
     assert problem in str(e.value) and name in str(e.value)
     state, reason = states(client)[name]
     assert state == "UNAVAILABLE" and problem in reason
+    assert reason.startswith(f"load failed: {repo / name}/"), reason  # the file and the problem, nothing before
     assert not client.is_model_ready(name, headers=AS_USER)
     assert scores(server, "tiny") == before
     page = httpx.get(f"{server.url}/metrics").text
