@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import collections
 import random
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,6 +71,18 @@ def train_sample(ds: Dataset, max_train: int | None, seed: int) -> list[int]:
     return idx
 
 
+RARE = 5  # fewer training texts than this for a label: its scores are unreliable, and the user is told
+
+
+def rare_labels(ds: Dataset, y_train: list[int]) -> list[str]:
+    """A line for each label with fewer than ``RARE`` training texts (``y_train``: the labels of those used)."""
+    train = collections.Counter(y_train)
+    val, test = collections.Counter(ds.validation.labels), collections.Counter(ds.test.labels)
+    return [f"label {label!r} has {train[k]} training text{'s' * (train[k] != 1)} ({val[k]} validation, {test[k]} "
+            f"test): the head can hardly learn it; add examples" for k, label in enumerate(ds.labels)
+            if train[k] < RARE]
+
+
 def split_features(backbone: Backbone, source: str, ds: Dataset, train_idx: list[int],
                    cache: Path | None) -> tuple[Features, Features, Features]:
     """Hidden states of the used training texts, the validation and the test split (cached)."""
@@ -94,6 +108,8 @@ def train_model(name: str, data: DataSpec, out_dir: Path, backbone_source: str =
     y_train = [ds.train.labels[k] for k in train_idx]
     print(f"{name}: {len(ds.labels)} labels {ds.labels}; train {len(train_idx)} (of {len(ds.train.texts)}), "
           f"validation {len(ds.validation.texts)}, test {len(ds.test.texts)}", flush=True)
+    for warning in rare_labels(ds, y_train):
+        print(f"warning: {warning}", file=sys.stderr, flush=True)
 
     backbone = Backbone(backbone_source, max_length=max_length)
     t_feat = time.time()

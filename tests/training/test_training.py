@@ -22,6 +22,7 @@ from service.training import progress as progress_module
 from service.training.config import TrainConfig
 from service.training.data import DatasetError, make_dataset, read_examples
 from service.training.features import Features
+from service.training.pipeline import rare_labels
 from service.training.progress import progress
 from service.training.trainer import (
     classification_metrics,
@@ -402,3 +403,14 @@ def test_progress_redraws_live_on_a_terminal_and_rarely_in_a_log(terminal: bool,
         assert "short: 100%" in err and err.count("long:") >= 5  # tqdm's redraws, at most 0.1 s apart
     else:  # after 0.3 s, at most every 0.3 s, and the end
         assert "short:" not in err and 2 <= err.count("long:") <= elapsed / 0.3 + 1
+
+
+def test_labels_with_few_training_texts_are_named_before_training() -> None:
+    pairs = [(f"common text {k}", "common") for k in range(60)] + [(f"other text {k}", "other") for k in range(60)]
+    pairs += [("the one rare text", "rare")]
+    ds = make_dataset(pairs, "x")
+    y_train = list(ds.train.labels)
+    (line,) = rare_labels(ds, y_train)
+    n = y_train.count(ds.labels.index("rare"))
+    assert line.startswith(f"label 'rare' has {n} training text") and "add examples" in line
+    assert rare_labels(ds, [k for k in y_train if ds.labels[k] != "common"])[0].startswith("label 'common' has 0")
