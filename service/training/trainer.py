@@ -166,7 +166,7 @@ def train_head(head: RoutingHead, train: Features, y_train: list[int], val: Feat
         cut = [batches[k : k + cfg.eval_every] for k in range(0, len(batches), cfg.eval_every)]
         for part in cut:  # train on a part of the epoch, then validate
             bar = progress(part, desc=f"epoch {epoch}/{len(plan)}, steps {step + 1}-{step + len(part)} of {steps}",
-                       unit="batch")
+                           unit="batch")
             total = 0.0
             for n, idx in enumerate(bar, 1):
                 spans = random_spans([int(lengths[k]) for k in idx], cfg.crop, rng) if cfg.crop < 1 else None
