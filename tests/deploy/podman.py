@@ -118,17 +118,24 @@ def ensure_base() -> str:
     return BASE
 
 
+PIP_PATH_KEYS = ("cert", "client-cert", "find-links", "constraint", "requirement", "index-url", "extra-index-url")
+
+
 def pip_mounts() -> list[str]:
-    """``-v`` options that give the build the host's pip configuration: its config files, and the
-    certificate bundle and find-links folders they or the environment name (read-only)."""
+    """``-v`` options that give the build the host's pip configuration: its config files, and the files and
+    folders they or the environment name (certificates, find-links, constraints, local indexes; read-only): a
+    config file that names a file the build cannot see fails every ``pip install``."""
     out = subprocess.run([sys.executable, "-m", "pip", "config", "debug"], capture_output=True, text=True)
     files = [line.split(",")[0].strip() for line in out.stdout.splitlines() if line.strip().endswith("exists: True")]
     paths = {f.strip().removesuffix(":").split()[-1] for f in files}
     listing = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True).stdout
     for line in listing.splitlines():
         key, _, value = line.partition("=")
-        if key.rsplit(".", 1)[-1] in ("cert", "find-links"):
-            paths |= {v for v in value.strip("'\"").split() if v.startswith("/")}
+        name = key.rsplit(".", 1)[-1]
+        if name in PIP_PATH_KEYS:
+            values = [v.removeprefix("file://") for v in value.strip("'\"").split()]
+            # a local index's pages link to files beside it (../files/...): its parent folder goes in whole
+            paths |= {str(Path(v).parent) if name.endswith("index-url") else v for v in values if v.startswith("/")}
     mounts = []
     for p in sorted(paths):
         if Path(p).exists():
