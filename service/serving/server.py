@@ -1,9 +1,12 @@
-"""The process around the app: uvicorn with guarded HTTP parsing, draining on SIGTERM, exit codes."""
+"""The process around the app: its address checked first, uvicorn with guarded HTTP parsing, draining on
+SIGTERM, exit codes (1: the models could not be loaded; 3: the address cannot be listened on)."""
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
+import socket
 import sys
 import time
 from typing import Any
@@ -18,6 +21,24 @@ from service.serving.state import AppState
 
 log = logging.getLogger("service.http")
 WRITE_GRACE_S = 2  # after the drain: time for handlers to write their last answers
+CANNOT_LISTEN = 3  # exit code when the address cannot be bound (uvicorn's own for a failed start)
+
+
+def check_address(host: str, port: int) -> None:
+    """Bind every address ``host:port`` resolves to, as uvicorn binds them (address reuse on; IPv6 only on IPv6
+    sockets), and let them go: a port in use, or a host that is not this machine's, fails at once with a message
+    that says what to change, instead of after the models have loaded. (uvicorn binds them again when it starts.)
+
+    Raises:
+        OSError: an address cannot be bound, or the host cannot be resolved (its ``strerror`` says why).
+    """
+    for family, kind, proto, _, address in set(socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                                  flags=socket.AI_PASSIVE)):
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
 
 
 class DrainingServer(uvicorn.Server):
@@ -61,8 +82,15 @@ class DrainingServer(uvicorn.Server):
 
 
 def run_server(settings: Settings) -> None:
-    """Serve until SIGTERM; exit 1 if the models could not be loaded."""
+    """Serve until SIGTERM; exit 1 if the models could not be loaded, 3 if the address cannot be bound."""
     setup_logging(settings)
+    try:
+        check_address(settings.host, settings.port)
+    except OSError as e:
+        log.error("cannot listen on %s:%d: %s (%sROUTING_PORT or --port sets the port, ROUTING_HOST or --host the "
+                  "address)", settings.host, settings.port, e.strerror or e,
+                  "another server listens there; " if e.errno == errno.EADDRINUSE else "")
+        sys.exit(CANNOT_LISTEN)
     app = create_app(settings)
     state: AppState = app.state.app_state
     limits = HttpLimits(max_headers=settings.max_headers, max_header_bytes=settings.max_header_bytes,

@@ -193,3 +193,18 @@ def test_an_unknown_hub_backbone_fails_within_seconds(tiny_repo: Path, logs: Pat
     server.stop()
     assert time.monotonic() - t0 < 20 and "someone/no-such-backbone" in log and "not in the local cache" in log
     assert folder.is_dir()
+
+
+def test_a_port_in_use_fails_at_once_before_any_model_loads(tiny_repo: Path, logs: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        t0 = time.monotonic()
+        server = Server(logs, model_repository=tiny_repo, port=port)
+        assert server.proc.wait(60) == 3
+        log = server.log()
+        server.stop()
+    assert time.monotonic() - t0 < 20
+    assert f"cannot listen on 127.0.0.1:{port}: Address already in use (another server listens there;" in log, log
+    assert "loading models" not in log and "computes in" not in log  # nothing was loaded
