@@ -20,7 +20,7 @@ from service.serving.control import ModelControl
 from service.serving.lifecycle import Lifecycle
 from service.serving.metrics import Metrics
 from service.serving.planner import Planner, backbone_key, model_of
-from service.serving.worker import BackboneProcess, Replicas
+from service.serving.worker import BackboneProcess, Launches, Replicas
 
 if TYPE_CHECKING:
     from service.serving.inference import Backbone, Inference
@@ -36,6 +36,7 @@ class AppState:
     inference: Inference = field(init=False)
     control: ModelControl = field(init=False)
     cache: HeadCache | None = field(init=False)
+    launches: Launches = field(default_factory=Launches)  # backbone processes loading (stopped on close)
 
     def __post_init__(self) -> None:
         from service.serving.inference import Inference
@@ -88,6 +89,9 @@ class AppState:
                 self.cache.start()
             self.lifecycle.loaded()
         except Exception as e:
+            if self.launches.stopped:  # the server stopped it: shutting down while loading is no failure
+                log.info("loading stopped: the server is shutting down")
+                return
             self.lifecycle.fail(f"{type(e).__name__}: {e}")
             log.error("model loading failed: %s", self.lifecycle.error)
 
@@ -134,8 +138,10 @@ class AppState:
 
             return Engine.load(folders, s.device, s.dtype, s.warmup, keys)
         if s.model_replicas > 1:
-            return Replicas(folders, s.device, s.dtype, s.warmup, s.torch_threads, s.model_replicas, keys)
-        return BackboneProcess(folders, s.device, s.dtype, s.warmup, s.torch_threads, keys=keys)
+            return Replicas(folders, s.device, s.dtype, s.warmup, s.torch_threads, s.model_replicas, keys,
+                            self.launches)
+        return BackboneProcess(folders, s.device, s.dtype, s.warmup, s.torch_threads, keys=keys,
+                               launches=self.launches)
 
     def start_draining(self) -> None:
         """New requests get 503 from here on; requests already being handled still reach the batchers."""
@@ -175,7 +181,10 @@ class AppState:
         return sum(b.batcher.abort(reason) for b in self.inference.backbones.values())
 
     async def close(self, timeout_s: float) -> None:
-        """Stop every batcher, answering what is still queued within ``timeout_s``; close the backbones."""
+        """Stop every backbone process still loading, stop every batcher, answering what is still queued within
+        ``timeout_s``; close the backbones."""
+        if loading := self.launches.stop():
+            log.info("stopped %d backbone process%s still loading", loading, "es" * (loading > 1))
         await self.control.stop()
         if self.cache is not None:
             await self.cache.stop()

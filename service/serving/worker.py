@@ -71,6 +71,35 @@ class HeadLoadError(RuntimeError):
     heads it had are unchanged."""
 
 
+class Launches:
+    """The backbone processes being started (loading their models), so that a server shutting down stops them
+    instead of waiting for their loads: after :meth:`stop`, every start still loading, or begun later, fails at
+    once with :class:`ModelProcessError`."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._loading: set[subprocess.Popen[bytes]] = set()
+        self.stopped = False
+
+    def add(self, proc: subprocess.Popen[bytes]) -> None:
+        with self._lock:
+            self._loading.add(proc)
+            if self.stopped:
+                proc.terminate()
+
+    def discard(self, proc: subprocess.Popen[bytes]) -> None:
+        with self._lock:
+            self._loading.discard(proc)
+
+    def stop(self) -> int:
+        """Terminate every process still loading, and every one started from now on; how many were loading."""
+        with self._lock:
+            self.stopped = True
+            for proc in self._loading:
+                proc.terminate()
+            return len(self._loading)
+
+
 def _serve(conn: Connection) -> None:
     """The backbone process's main: load the engine, then answer batches until the server closes the pipe."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -141,15 +170,16 @@ class BackboneProcess(Planner):
         device, dtype, warmup: as for :meth:`Engine.load`, in the backbone's process.
         torch_threads: intra-op threads of the backbone's process (None: the CPUs it may use).
         chunker: the backbone's tokenizer when it is already loaded (another process of the same backbone).
+        launches: where the process is registered while it loads (a server shutting down stops it there).
 
     Raises:
         ModelLoadError: a manifest or the tokenizer cannot be read.
-        ModelProcessError: the backbone's process failed to load the models.
+        ModelProcessError: the backbone's process failed to load the models, or was stopped while loading.
     """
 
     def __init__(self, folders: Path | list[Path], device: str = "auto", dtype: str = "float32", warmup: bool = True,
                  torch_threads: int | None = None, chunker: ChunkTokenizer | None = None,
-                 keys: list[str] | None = None) -> None:
+                 keys: list[str] | None = None, launches: Launches | None = None) -> None:
         folders = [folders] if isinstance(folders, Path) else list(folders)
         manifests = [read_manifest(f) for f in folders]
         if chunker is None:
@@ -161,6 +191,7 @@ class BackboneProcess(Planner):
         self._folders = dict(zip(self.models, folders, strict=True))  # head key -> its model's folder
         self._load = LoadBackbone(tuple(str(f) for f in folders), tuple(self.models), device, dtype, warmup,
                                   torch_threads)
+        self._launches = launches or Launches()
         self._lock = threading.Lock()  # one batch at a time on the pipe
         self._forget: collections.deque[int] = collections.deque()  # texts given up, to tell the process
         self._watched: set[int] = set()  # texts of several chunks whose freeing is watched
@@ -178,12 +209,18 @@ class BackboneProcess(Planner):
             self._proc = subprocess.Popen([sys.executable, "-m", __name__, str(theirs.fileno())],
                                           pass_fds=[theirs.fileno()])
         self._conn = Connection(ours.detach())
+        self._launches.add(self._proc)
         try:
             self._conn.send(self._load)
             msg: Loaded | Failed = self._conn.recv()
         except (EOFError, OSError):
-            raise ModelProcessError(f"the process of backbone {self.name} exited while loading "
-                                    f"(code {self._proc.wait()})") from None
+            code = self._proc.wait()
+            if self._launches.stopped:
+                raise ModelProcessError(f"the process of backbone {self.name} was stopped while loading: the "
+                                        "server is shutting down") from None
+            raise ModelProcessError(f"the process of backbone {self.name} exited while loading (code {code})") from None
+        finally:
+            self._launches.discard(self._proc)
         if isinstance(msg, Failed):
             self._proc.wait()
             raise ModelProcessError(msg.error)
@@ -305,7 +342,7 @@ class Replicas(Planner):
     much in five comparisons (measured in turns; see the README). Each holds a copy of the model's weights.
 
     Args:
-        folders, device, dtype, warmup: as for :class:`BackboneProcess`.
+        folders, device, dtype, warmup, launches: as for :class:`BackboneProcess`.
         n: processes (at least 2).
         torch_threads: intra-op threads of each (None: the CPUs this process may use, shared among them).
 
@@ -314,16 +351,17 @@ class Replicas(Planner):
     """
 
     def __init__(self, folders: Path | list[Path], device: str = "auto", dtype: str = "float32", warmup: bool = True,
-                 torch_threads: int | None = None, n: int = 2, keys: list[str] | None = None) -> None:
+                 torch_threads: int | None = None, n: int = 2, keys: list[str] | None = None,
+                 launches: Launches | None = None) -> None:
         if n < 2:
             raise ValueError(f"replicas need at least 2 processes, not {n}")
         threads = torch_threads or max(1, available_cpus() // n)
-        first = BackboneProcess(folders, device, dtype, warmup, threads, keys=keys)
+        first = BackboneProcess(folders, device, dtype, warmup, threads, keys=keys, launches=launches)
         super().__init__(list(first.manifests.values()), first.chunker, first.models)
         self.processes = [first]
         with ThreadPoolExecutor(n - 1) as pool:  # the others load side by side
-            started = [pool.submit(BackboneProcess, folders, device, dtype, warmup, threads, first.chunker, keys)
-                       for _ in range(n - 1)]
+            started = [pool.submit(BackboneProcess, folders, device, dtype, warmup, threads, first.chunker, keys,
+                                   launches) for _ in range(n - 1)]
         self.processes += [f.result() for f in started if f.exception() is None]
         failed = next((e for f in started if (e := f.exception()) is not None), None)
         if failed is not None:

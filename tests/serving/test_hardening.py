@@ -14,6 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from service.bench.server import children, process_state
 from tests.conftest import write_tiny_model
 from tests.serving.conftest import running
 from tests.serving.server import Server, in_flight, metric
@@ -208,3 +209,21 @@ def test_a_port_in_use_fails_at_once_before_any_model_loads(tiny_repo: Path, log
     assert time.monotonic() - t0 < 20
     assert f"cannot listen on 127.0.0.1:{port}: Address already in use (another server listens there;" in log, log
     assert "loading models" not in log and "computes in" not in log  # nothing was loaded
+
+
+def test_sigterm_while_the_models_load_stops_their_process_and_exits_0(tiny_repo: Path, logs: Path) -> None:
+    server = Server(logs, model_repository=tiny_repo, default_model="tiny")
+    end = time.monotonic() + 60
+    while "loading models" not in server.full_log() and time.monotonic() < end:
+        time.sleep(0.02)
+    loading = children(server.proc.pid)  # the backbone's process, importing torch (or about to start)
+    t0 = time.monotonic()
+    server.terminate()
+    code = server.proc.wait(30)
+    exited = time.monotonic() - t0
+    log = server.log()
+    server.stop()
+    assert code == 0, log  # shutting down while loading is no failure
+    assert "computes in process" not in log and "model loading failed" not in log, log  # stopped, not waited for
+    assert exited < 5, f"exited {exited:.1f} s after SIGTERM"
+    assert not [pid for pid in loading if process_state(pid) not in (None, "Z")]  # nothing left running
