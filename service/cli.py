@@ -34,6 +34,18 @@ def user_errors() -> Iterator[None]:
         raise typer.Exit(2) from None
 
 
+@contextlib.contextmanager
+def extras(command: str, which: str = "bench,train") -> Iterator[None]:
+    """Import inside what ``command`` needs from the optional dependencies ``which`` (the package's extras), before
+    any work: without them, exit 2 saying what to install, instead of a traceback minutes later."""
+    try:
+        yield
+    except ImportError as e:
+        typer.echo(f"{command} needs the {which.replace(',', ' and ')} extra{'s' * (',' in which)} "
+                   f"(pip install -e '.[{which}]'): {e}", err=True)
+        raise typer.Exit(2) from None
+
+
 @app.command()
 def serve(
     model_repository: Annotated[Path | None, typer.Option(help="Model repository folder")] = None,
@@ -125,6 +137,9 @@ def train(
     """Train a routing head on a frozen backbone, evaluate it against the baseline, write a model folder."""
     from service.training.pipeline import DataSpec, train_model
 
+    with extras("train", "train"):  # the probes the head is compared with
+        import sklearn  # noqa: F401
+
     if (preset is None) == (data is None):
         raise typer.BadParameter("give exactly one of --preset or --data")
     spec = DataSpec(preset=preset, path=data, text_column=text_column, label_column=label_column, encoding=encoding)
@@ -153,6 +168,8 @@ def evaluate(
     """Accuracy, macro-F1, confusion matrix and the logistic baseline on the test split, into the manifest."""
     from service.training.pipeline import evaluate_model
 
+    with extras("evaluate", "train"):  # the probes the head is compared with
+        import sklearn  # noqa: F401
     with user_errors():  # not a model folder, or its training data cannot be found or read again
         evaluate_model(folder, cache=cache, data=data)
 
@@ -204,11 +221,8 @@ def bench_sharing(
 ) -> None:
     """One backbone, many heads: memory after the same traffic, the cost of K heads on the same texts in one
     request, and mixed traffic to two models against one alone, in turns."""
-    try:
+    with extras("bench sharing"):
         from service.bench import sharing
-    except ImportError as e:
-        typer.echo(f"bench sharing needs the bench and train extras (pip install -e '.[bench,train]'): {e}", err=True)
-        raise typer.Exit(2) from None
     sharing.run(model_repository, n_texts, duration, rounds, [int(k) for k in heads.split(",")],
                 [int(b) for b in batch_sizes.split(",")], baseline, out)
 
@@ -224,12 +238,8 @@ def bench_repository(
 ) -> None:
     """Models at runtime: time to load a bundled-size head onto a running backbone, memory before, loaded and after
     unloading, and a reload and an unload during traffic (every request answered, no 5xx)."""
-    try:
+    with extras("bench repository"):
         from service.bench import repository
-    except ImportError as e:
-        typer.echo(f"bench repository needs the bench and train extras (pip install -e '.[bench,train]'): {e}",
-                   err=True)
-        raise typer.Exit(2) from None
     repository.run(model_repository, loads, concurrency, duration, out)
 
 
@@ -245,11 +255,10 @@ def bench_train(
 ) -> None:
     """The routing head with default settings against two linear probes (mean-pooled last layer, every layer) on
     several datasets: accuracy, macro-F1, McNemar's test against the all-layer probe, training time."""
-    try:
+    with extras("bench train"):
+        import sklearn  # noqa: F401  (the probes)
+
         from service.bench import train as bench
-    except ImportError as e:
-        typer.echo(f"bench train needs the bench and train extras (pip install -e '.[bench,train]'): {e}", err=True)
-        raise typer.Exit(2) from None
     names = [d.strip() for d in datasets.split(",") if d.strip()]
     unknown = sorted(set(names) - set(bench.DATASETS))
     if unknown:
@@ -274,11 +283,8 @@ def bench_heads(
     """Many heads on one backbone: K perturbed copies of the bundled head served from one backbone, requests naming a
     head drawn uniformly, against the single-head workload in turns; the head step offline (by head and gathered);
     memory; and a head cache budget below the heads in use (hit rate, p99, answers compared)."""
-    try:
+    with extras("bench heads"):
         from service.bench import heads as bench
-    except ImportError as e:
-        typer.echo(f"bench heads needs the bench and train extras (pip install -e '.[bench,train]'): {e}", err=True)
-        raise typer.Exit(2) from None
     bench.run(model_repository, [int(k) for k in heads.split(",")], concurrency, duration, rounds, budget_heads,
               open_share, out)
 
@@ -332,11 +338,8 @@ def bench_serve(
     while a long text is served, served vs. the offline limit (main thread, as the model's process computes),
     the CPU the model's process, the server's process and the load generator used per text, and peer
     frameworks (mosec, LitServe) serving the same model, measured in turns."""
-    try:
+    with extras("bench serve"):
         from service.bench import serve as sb
-    except ImportError as e:  # the load generator comes with the bench extra
-        typer.echo(f"bench serve needs the bench and train extras (pip install -e '.[bench,train]'): {e}", err=True)
-        raise typer.Exit(2) from None
 
     sizes = [int(b) for b in offline_batch_sizes.split(",")]
     if not any(b <= max_batch_size for b in sizes):
@@ -392,7 +395,10 @@ def bench_explain(
 ) -> None:
     """Faithfulness (comprehensiveness, sufficiency, deletion AUC, Spearman with occlusion) and cost of the
     credit methods side by side: value path, eq. 15 shares, Layer IG, occlusion, random."""
-    from service.bench import explain as eb
+    with extras("bench explain"):  # scipy: the rank correlation with occlusion; aiohttp: bench serve's module,
+        import aiohttp  # noqa: F401  which gives the texts; captum is optional (Layer IG is left out without it)
+        import scipy  # noqa: F401
 
+        from service.bench import explain as eb
     eb.run(model, preset or model, model_repository, n_texts, n_faithful, n_timed, batch_size, rounds, ig_steps,
            max_occlusion, device, out)
