@@ -395,8 +395,7 @@ def bench_explain(
 ) -> None:
     """Faithfulness (comprehensiveness, sufficiency, deletion AUC, Spearman with occlusion) and cost of the
     credit methods side by side: value path, eq. 15 shares, Layer IG, occlusion, random."""
-    with extras("bench explain"):  # scipy: the rank correlation with occlusion; aiohttp: bench serve's module,
-        import aiohttp  # noqa: F401  which gives the texts; captum is optional (Layer IG is left out without it)
+    with extras("bench explain"):  # the rank correlation with occlusion (captum is optional: Layer IG is left out)
         import scipy  # noqa: F401
 
         from service.bench import explain as eb

@@ -356,9 +356,9 @@ def print_tables(costs: list[dict[str, Any]], ms: dict[str, float], faith: dict[
 
 def run(model: str, preset: str, repository: Path, n_texts: int, n_faithful: int, n_timed: int, batch_size: int,
         rounds: int, n_steps: int, max_occlusion: int, device: str, out: Path, seed: int = 0) -> dict[str, Any]:
-    from service.bench.serve import test_texts
+    from service.training.data import sample_test_texts
 
-    texts = test_texts(preset, max(n_texts, n_faithful, n_timed), seed)
+    texts = sample_test_texts(preset, max(n_texts, n_faithful, n_timed), seed)
     engine = in_worker_thread(lambda: Engine.load(repository / model, device=device))
     cost_texts = texts[:n_texts]
     echo(f"bench explain: model {model}; cost of credit at batch sizes 1 and {batch_size} on {len(cost_texts)} "

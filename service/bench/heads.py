@@ -34,8 +34,9 @@ import httpx
 
 from service.bench.report import echo, table, write_json
 from service.bench.repository import MIB, copy_model
-from service.bench.serve import Level, closed_loop, in_turns, open_loop, run_async, test_texts
+from service.bench.serve import Level, closed_loop, in_turns, open_loop, run_async
 from service.bench.server import LocalServer
+from service.training.data import sample_test_texts
 
 MODEL = "tweet-sentiment"
 
@@ -215,7 +216,7 @@ def budgeted(repo: Path, model: str, names: list[str], budget_heads: int, texts:
 
 def run(repository: Path, ks: list[int], concurrency: int, seconds: float, rounds: int, budget_heads: int,
         open_share: float, out: Path) -> dict[str, Any]:
-    texts = test_texts(MODEL, 1000)
+    texts = sample_test_texts(MODEL, 1000)
     rng = random.Random(5)
     with tempfile.TemporaryDirectory(prefix="bench-heads-") as tmp:
         repo, logs = Path(tmp) / "models", Path(tmp) / "logs"

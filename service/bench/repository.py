@@ -27,8 +27,9 @@ import httpx
 from safetensors.torch import load_file, save_file
 
 from service.bench.report import echo, table, write_json
-from service.bench.serve import run_async, test_texts
+from service.bench.serve import run_async
 from service.bench.server import LocalServer
+from service.training.data import sample_test_texts
 
 MODEL = "tweet-sentiment"
 KEY = "bench-admin-key"
@@ -164,7 +165,7 @@ def measure(repository: Path, model: str, texts: list[str], loads: int, concurre
 
 
 def run(repository: Path, loads: int, concurrency: int, seconds: float, out: Path) -> dict[str, Any]:
-    texts = test_texts(MODEL, 1000)
+    texts = sample_test_texts(MODEL, 1000)
     with tempfile.TemporaryDirectory(prefix="bench-logs-") as logs:
         results = measure(repository, MODEL, texts, loads, concurrency, seconds, Path(logs))
     loading, load, copy = results["loading"], results["under_load"], results["copy"]

@@ -29,21 +29,13 @@ from prometheus_client.parser import text_string_to_metric_families
 from service.bench import report
 from service.bench.report import echo, in_worker_thread
 from service.bench.server import LocalServer
+from service.training.data import sample_test_texts
 
 if TYPE_CHECKING:
     from service.bench import versus
 
 T = TypeVar("T")
 NO_BATCHING = {"max_batch_size": 1, "max_wait_ms": 0}  # a server's settings with batching off
-
-
-def test_texts(preset: str, limit: int, seed: int = 0) -> list[str]:
-    """A seeded sample of the test split of a bundled dataset (needs the `train` extra)."""
-    from service.training.data import make_dataset, preset_path, read_examples
-
-    path, opts = preset_path(preset)
-    texts = make_dataset(read_examples(path, **opts), preset).test.texts
-    return random.Random(seed).sample(texts, min(limit, len(texts)))
 
 
 @dataclass
@@ -453,7 +445,7 @@ def run(model: str, preset: str, levels: list[int], duration: float, n_texts: in
     """The whole benchmark: print tables, write JSON, return the summary. ``other_settings``: also the servers
     without batching, with other thread settings, with the other ``model_process`` and with replicas;
     ``peers``: the comparison with peer frameworks (servers this run starts only)."""
-    texts = test_texts(preset, n_texts)
+    texts = sample_test_texts(preset, n_texts)
     echo(f"bench serve: model {model}, {len(texts)} test texts (mean {sum(map(len, texts)) / len(texts):.0f}"
          f" chars), levels {levels}, {duration:.0f} s each", err=True)
     offline = Offline(repository, model, texts, device)

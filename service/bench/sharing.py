@@ -25,8 +25,9 @@ from typing import Any
 import aiohttp
 
 from service.bench.report import echo, table, write_json
-from service.bench.serve import closed_loop, in_turns, run_async, test_texts
+from service.bench.serve import closed_loop, in_turns, run_async
 from service.bench.server import LocalServer
+from service.training.data import sample_test_texts
 
 BUNDLED = ("tweet-sentiment", "bbc-news-topics")
 MIB = 2**20
@@ -104,7 +105,7 @@ def after_traffic(server: LocalServer, models: list[str], texts: list[str], per_
 def run(repository: Path, texts_n: int, seconds: float, rounds: int, ks: list[int], batch_sizes: list[int],
         baseline: Path | None, out: Path) -> dict[str, Any]:
     """The whole benchmark: print tables, write JSON, return the summary."""
-    texts = test_texts("tweet-sentiment", texts_n)
+    texts = sample_test_texts("tweet-sentiment", texts_n)
     logs = out.parent / "logs"
     result: dict[str, Any] = {"settings": {"texts": len(texts), "seconds": seconds, "rounds": rounds, "ks": ks,
                                            "batch_sizes": batch_sizes,

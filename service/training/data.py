@@ -7,6 +7,7 @@ import csv
 import hashlib
 import importlib.util
 import json
+import random
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -138,3 +139,11 @@ def make_dataset(pairs: list[tuple[str, str]], source: str) -> Dataset:
         splits[name].labels.append(index[next(iter(labs))])
     return Dataset(labels, splits["train"], splits["validation"], splits["test"], source,
                    dropped_duplicates=len(pairs) - len(seen), dropped_conflicts=len(conflicts))
+
+
+def sample_test_texts(preset: str, limit: int, seed: int = 0) -> list[str]:
+    """A seeded sample of at most ``limit`` texts of the test split of a bundled dataset (its package comes with the
+    `train` extra): the texts the benchmarks send."""
+    path, opts = preset_path(preset)
+    texts = make_dataset(read_examples(path, **opts), preset).test.texts
+    return random.Random(seed).sample(texts, min(limit, len(texts)))
