@@ -3,6 +3,7 @@ presets, and the split rule anyone can re-check."""
 
 from __future__ import annotations
 
+import codecs
 import csv
 import hashlib
 import importlib.util
@@ -11,6 +12,8 @@ import random
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
+
+MAX_FIELD = 64 * 1024 * 1024  # characters in one CSV field
 
 
 class DatasetError(ValueError):
@@ -30,18 +33,20 @@ class Dataset:
     validation: Split
     test: Split
     source: str
+    dropped_empty: int
     dropped_duplicates: int
     dropped_conflicts: int
 
     def describe(self) -> dict[str, object]:
         return {
             "source": self.source,
-            "split_rule": "drop exact duplicate texts and texts seen with conflicting labels; "
-                          "int(sha1(text.encode('utf-8')).hexdigest(), 16) % 10: 0 = test, 1 = validation, "
-                          "else train; labels sorted",
+            "split_rule": "drop rows without a text or a label, exact duplicate texts and texts seen with "
+                          "conflicting labels; int(sha1(text.encode('utf-8')).hexdigest(), 16) % 10: 0 = test, "
+                          "1 = validation, else train; labels sorted",
             "n_train": len(self.train.texts), "n_validation": len(self.validation.texts),
             "n_test": len(self.test.texts),
-            "dropped_duplicates": self.dropped_duplicates, "dropped_conflicts": self.dropped_conflicts,
+            "dropped_empty": self.dropped_empty, "dropped_duplicates": self.dropped_duplicates,
+            "dropped_conflicts": self.dropped_conflicts,
         }
 
 
@@ -82,37 +87,90 @@ def preset_path(name: str) -> tuple[Path, dict[str, str]]:
 
 def read_examples(path: Path, text_column: str = "text", label_column: str = "label",
                   encoding: str = "utf-8") -> list[tuple[str, str]]:
-    """(text, label) pairs from a .csv, a .jsonl, or a directory with one sub-folder of .txt files per label."""
+    """(text, label) pairs from a .csv, a .jsonl (or a .json array of objects), or a directory with one sub-folder
+    of .txt files per label, as the file has them (:func:`make_dataset` drops those without a text or a label).
+    A UTF-8 file may start with a byte-order mark (as spreadsheets write them); numbers as labels are read as text.
+
+    Raises:
+        DatasetError: the file is missing, in another encoding, malformed, or lacks a column.
+    """
     if not path.exists():
         raise DatasetError(f"{path}: no such file or directory")
-    if path.is_dir():
-        pairs = []
-        for label_dir in sorted(p for p in path.iterdir() if p.is_dir()):
-            for f in sorted(label_dir.glob("*.txt")):
-                pairs.append((f.read_text(encoding=encoding, errors="replace"), label_dir.name))
-    elif path.suffix == ".csv":
-        with path.open(encoding=encoding, newline="") as fh:
-            reader = csv.DictReader(fh)
-            if not reader.fieldnames or {text_column, label_column} - set(reader.fieldnames):
-                raise DatasetError(f"{path}: needs columns {text_column!r} and {label_column!r}, "
-                                   f"has {reader.fieldnames}")
-            pairs = [(r[text_column], r[label_column]) for r in reader]
-    elif path.suffix in (".jsonl", ".json"):
-        pairs = []
-        with path.open(encoding=encoding) as fh:
-            for n, line in enumerate(fh, 1):
-                if line.strip():
-                    try:
-                        row = json.loads(line)
-                        pairs.append((row[text_column], str(row[label_column])))
-                    except (json.JSONDecodeError, KeyError) as e:
-                        raise DatasetError(f"{path}:{n}: {e}") from e
-    else:
-        raise DatasetError(f"{path}: expected a .csv, a .jsonl or a folder-per-label directory")
-    pairs = [(t.strip(), lab.strip()) for t, lab in pairs if t and t.strip() and lab and lab.strip()]
+    try:
+        codec = codecs.lookup(encoding).name
+    except LookupError:
+        raise DatasetError(f"unknown encoding {encoding!r} (e.g. utf-8, cp1252, latin-1)") from None
+    codec = "utf-8-sig" if codec == "utf-8" else codec  # a byte-order mark is not part of the first column's name
+    try:
+        if path.is_dir():
+            pairs = [(f.read_text(encoding=codec, errors="replace"), label_dir.name)
+                     for label_dir in sorted(p for p in path.iterdir() if p.is_dir())
+                     for f in sorted(label_dir.glob("*.txt"))]
+        elif path.suffix == ".csv":
+            pairs = _read_csv(path, text_column, label_column, codec)
+        elif path.suffix in (".jsonl", ".json"):
+            pairs = _read_json(path, text_column, label_column, codec)
+        else:
+            raise DatasetError(f"{path}: expected a .csv, a .jsonl or a folder-per-label directory")
+    except UnicodeDecodeError as e:
+        raise DatasetError(f"{path}: not {encoding} text (byte {e.object[e.start]:#04x} cannot be decoded); "
+                           "name the file's encoding with --encoding, e.g. --encoding cp1252") from None
     if not pairs:
         raise DatasetError(f"{path}: no examples found")
     return pairs
+
+
+def _read_csv(path: Path, text_column: str, label_column: str, codec: str) -> list[tuple[str, str]]:
+    limit = csv.field_size_limit()
+    csv.field_size_limit(max(limit, MAX_FIELD))  # long documents are texts too (the default limit is 128 KiB)
+    try:
+        with path.open(encoding=codec, newline="") as fh:
+            reader = csv.DictReader(fh)
+            try:
+                if not reader.fieldnames or {text_column, label_column} - set(reader.fieldnames):
+                    raise DatasetError(f"{path}: needs columns {text_column!r} and {label_column!r}, "
+                                       f"has {reader.fieldnames}")
+                return [(r[text_column] or "", r[label_column] or "") for r in reader]
+            except csv.Error as e:
+                raise DatasetError(f"{path}:{reader.line_num}: {e}") from None
+    finally:
+        csv.field_size_limit(limit)
+
+
+def _read_json(path: Path, text_column: str, label_column: str, codec: str) -> list[tuple[str, str]]:
+    """JSON Lines (an object per line), or a .json file holding one array of objects."""
+    content = path.read_text(encoding=codec)
+    if path.suffix == ".json" and content.lstrip().startswith("["):
+        try:
+            rows = json.loads(content)
+        except json.JSONDecodeError as e:
+            raise DatasetError(f"{path}:{e.lineno}: {e.msg}") from None
+        return [_json_pair(row, text_column, label_column, f"{path}: item {n}") for n, row in enumerate(rows)]
+    pairs = []
+    for n, line in enumerate(content.splitlines(), 1):
+        if line.strip():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DatasetError(f"{path}:{n}: {e.msg} (each line must be one JSON object)") from None
+            pairs.append(_json_pair(row, text_column, label_column, f"{path}:{n}"))
+    return pairs
+
+
+def _json_pair(row: object, text_column: str, label_column: str, where: str) -> tuple[str, str]:
+    """A JSON object's (text, label); a null or missing-value label counts as none (the row is dropped)."""
+    if not isinstance(row, dict):
+        raise DatasetError(f"{where}: expected an object with {text_column!r} and {label_column!r}, "
+                           f"got {type(row).__name__}")
+    missing = [k for k in (text_column, label_column) if k not in row]
+    if missing:
+        raise DatasetError(f"{where}: no {' or '.join(map(repr, missing))} field (has {sorted(row)})")
+    text, label = row[text_column], row[label_column]
+    if text is not None and not isinstance(text, str):
+        raise DatasetError(f"{where}: {text_column!r} must be a string, got {type(text).__name__}")
+    if label is not None and not isinstance(label, str | int | float):
+        raise DatasetError(f"{where}: {label_column!r} must be a string or a number, got {type(label).__name__}")
+    return text or "", "" if label is None else str(label)
 
 
 def split_bucket(text: str) -> int:
@@ -120,9 +178,13 @@ def split_bucket(text: str) -> int:
 
 
 def make_dataset(pairs: list[tuple[str, str]], source: str) -> Dataset:
-    """Deduplicate, drop conflicting texts, and split by the sha1 rule."""
+    """Drop pairs without a text or a label (after stripping spaces), deduplicate, drop conflicting texts, and
+    split by the sha1 rule."""
+    kept = [(t.strip(), lab.strip()) for t, lab in pairs if t.strip() and lab.strip()]
+    if not kept:
+        raise DatasetError(f"{source}: no example has both a text and a label ({len(pairs)} rows)")
     seen: dict[str, set[str]] = defaultdict(set)
-    for t, lab in pairs:
+    for t, lab in kept:
         seen[t].add(lab)
     conflicts = {t for t, labs in seen.items() if len(labs) > 1}
     labels = sorted({lab for labs in seen.values() for lab in labs if len(labs) == 1})
@@ -137,8 +199,16 @@ def make_dataset(pairs: list[tuple[str, str]], source: str) -> Dataset:
         name = "test" if bucket == 0 else "validation" if bucket == 1 else "train"
         splits[name].texts.append(t)
         splits[name].labels.append(index[next(iter(labs))])
+    empty = [name for name, split in splits.items() if not split.texts]
+    if empty or len(set(splits["train"].labels)) < 2:
+        sizes = ", ".join(f"{name} {len(split.texts)}" for name, split in splits.items())
+        raise DatasetError(f"{source}: too few examples to train and evaluate ({sizes} texts; "
+                           f"{len(set(splits['train'].labels))} labels in train): each split needs texts and the "
+                           "training split two labels (a text's split is its sha1 % 10: about a tenth each validate "
+                           "and test)")
     return Dataset(labels, splits["train"], splits["validation"], splits["test"], source,
-                   dropped_duplicates=len(pairs) - len(seen), dropped_conflicts=len(conflicts))
+                   dropped_empty=len(pairs) - len(kept), dropped_duplicates=len(kept) - len(seen),
+                   dropped_conflicts=len(conflicts))
 
 
 def sample_test_texts(preset: str, limit: int, seed: int = 0) -> list[str]:

@@ -108,6 +108,12 @@ def train_model(name: str, data: DataSpec, out_dir: Path, backbone_source: str =
     y_train = [ds.train.labels[k] for k in train_idx]
     print(f"{name}: {len(ds.labels)} labels {ds.labels}; train {len(train_idx)} (of {len(ds.train.texts)}), "
           f"validation {len(ds.validation.texts)}, test {len(ds.test.texts)}", flush=True)
+    dropped = [f"{n} {what}" for n, what in ((ds.dropped_empty, "without a text or a label"),
+                                             (ds.dropped_duplicates, "repeating a text"),
+                                             (ds.dropped_conflicts, "texts seen with two labels (every copy)"))
+               if n]
+    if dropped:
+        print(f"{name}: dropped {', '.join(dropped)}", flush=True)
     for warning in rare_labels(ds, y_train):
         print(f"warning: {warning}", file=sys.stderr, flush=True)
 

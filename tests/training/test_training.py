@@ -139,11 +139,75 @@ def test_train_and_evaluate_commands(tmp_path: Path, tiny_backbone_dir: Path) ->
     assert bad.exit_code != 0 and "exactly one of --preset or --data" in bad.output
 
 
+def test_readers_take_files_as_users_write_them(tmp_path: Path) -> None:
+    """A spreadsheet's UTF-8 CSV (byte-order mark), another encoding when named, a field over csv's default limit,
+    numbers as labels, a .json array; rows without a label are counted, not silently lost."""
+    (tmp_path / "bom.csv").write_text("text,label\nhello there,a\n", encoding="utf-8-sig")
+    assert read_examples(tmp_path / "bom.csv") == [("hello there", "a")]
+    (tmp_path / "cp.csv").write_bytes("text,label\ncafé au lait,a\n".encode("cp1252"))
+    with pytest.raises(DatasetError, match=r"not utf-8 text \(byte 0xe9.*--encoding cp1252"):
+        read_examples(tmp_path / "cp.csv")
+    assert read_examples(tmp_path / "cp.csv", encoding="cp1252") == [("café au lait", "a")]
+    with pytest.raises(DatasetError, match="unknown encoding 'klingon'"):
+        read_examples(tmp_path / "cp.csv", encoding="klingon")
+    long = "word " * 40_000  # 200,000 characters: over csv's 131,072 default
+    (tmp_path / "long.csv").write_text(f'text,label\n"{long}",a\n')
+    assert read_examples(tmp_path / "long.csv") == [(long, "a")]
+    rows = [{"text": "one", "label": 1}, {"text": "two", "label": None}, {"text": None, "label": "x"}]
+    (tmp_path / "n.jsonl").write_text("\n".join(map(json.dumps, rows)))
+    (tmp_path / "a.json").write_text(json.dumps(rows, indent=2))
+    assert read_examples(tmp_path / "n.jsonl") == read_examples(tmp_path / "a.json") == [
+        ("one", "1"), ("two", ""), ("", "x")]
+    pairs = [(f"text {k}", "ab"[k % 2]) for k in range(100)] + [("two", ""), ("", "x"), ("  ", "a")]
+    ds = make_dataset(pairs, "mem")
+    assert ds.dropped_empty == 3 and ds.describe()["dropped_empty"] == 3
+    assert sum(len(split.texts) for split in (ds.train, ds.validation, ds.test)) == 100
+
+
+@pytest.mark.parametrize(("content", "match"), [
+    ('{"text": "a", "label": "x"}\n{"text": oops}\n', r"d.jsonl:2: Expecting value"),
+    ('["a", "x"]\n', r"d.jsonl:1: expected an object with 'text' and 'label', got list"),
+    ('{"text": 5, "label": "x"}\n', r"d.jsonl:1: 'text' must be a string, got int"),
+    ('{"text": "a", "label": ["x"]}\n', r"d.jsonl:1: 'label' must be a string or a number, got list"),
+    ('{"text": "a", "lbl": "x"}\n', r"d.jsonl:1: no 'label' field \(has \['lbl', 'text'\]\)"),
+])
+def test_malformed_json_lines_say_where(tmp_path: Path, content: str, match: str) -> None:
+    (tmp_path / "d.jsonl").write_text(content)
+    with pytest.raises(DatasetError, match=match):
+        read_examples(tmp_path / "d.jsonl")
+
+
+def test_too_few_examples_for_every_split() -> None:
+    with pytest.raises(DatasetError, match=r"too few examples .*validation 0"):
+        make_dataset([("hello there", "a"), ("bye now", "b")], "mem")
+    with pytest.raises(DatasetError, match="no example has both a text and a label"):
+        make_dataset([("hello there", ""), ("", "b")], "mem")
+
+
+def test_train_says_which_rows_it_dropped(tmp_path: Path, tiny_backbone_dir: Path) -> None:
+    args = toy_args(tmp_path, tiny_backbone_dir)
+    with (tmp_path / "data.csv").open("a", newline="") as fh:
+        csv.writer(fh).writerows([["good great fine lovely number 0", "pos"], ["no label here", ""], ["", "neg"],
+                                  ["both ways", "pos"], ["both ways", "neg"]])
+    res = CliRunner().invoke(app, ["train", "toy", "--out", str(tmp_path / "repo"), *args])
+    assert res.exit_code == 0, res.output
+    assert ("dropped 2 without a text or a label, 2 repeating a text, 1 texts seen with two labels (every copy)"
+            in res.output), res.output
+    data = json.loads((tmp_path / "repo" / "toy" / "manifest.json").read_text())["training"]["data"]
+    assert (data["dropped_empty"], data["dropped_duplicates"], data["dropped_conflicts"]) == (2, 2, 1)
+
+
 def test_train_reports_unreadable_data_as_an_error_not_a_traceback(tmp_path: Path) -> None:
     (tmp_path / "cols.csv").write_text("a,b\n1,2\n")
     res = CliRunner().invoke(app, ["train", "x", "--out", str(tmp_path / "repo"), "--data", str(tmp_path / "cols.csv")])
     assert res.exit_code == 2 and res.exception is not None and not isinstance(res.exception, DatasetError)
     assert "needs columns 'text' and 'label'" in res.output
+    for name, content in (("cp.csv", "text,label\ncafé,a\n".encode("cp1252")), ("list.jsonl", b'["a", "b"]\n'),
+                          ("two.csv", b"text,label\nhello there,a\nbye now,b\n")):
+        (tmp_path / name).write_bytes(content)
+        res = CliRunner().invoke(app, ["train", "x", "--out", str(tmp_path / "repo"), "--data", str(tmp_path / name)])
+        assert res.exit_code == 2 and not isinstance(res.exception, DatasetError | UnicodeError | TypeError), name
+        assert res.output.startswith(f"error: {tmp_path / name}"), res.output
     res = CliRunner().invoke(app, ["train", "x", "--out", str(tmp_path / "repo"), "--data", str(tmp_path / "no.csv")])
     assert res.exit_code == 2 and "Invalid value for '--data'" in res.output
     assert not (tmp_path / "repo").exists()
