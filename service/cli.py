@@ -12,7 +12,7 @@ import typer
 
 from service.allocator import keep_freed_memory
 from service.config import DTYPES, Settings
-from service.modeling.manifest import ModelLoadError
+from service.modeling.manifest import MODEL_NAME, NAME_RULE, ModelLoadError
 from service.modeling.tokenizer import BackboneError
 from service.training.config import TrainConfig
 from service.training.data import PRESETS, DatasetError
@@ -142,6 +142,8 @@ def train(
 
     if (preset is None) == (data is None):
         raise typer.BadParameter("give exactly one of --preset or --data")
+    if not MODEL_NAME.fullmatch(name):  # checked before any work: the manifest written at the end requires it
+        raise typer.BadParameter(f"{name!r}: a model's name is {NAME_RULE}", param_hint="NAME")
     spec = DataSpec(preset=preset, path=data, text_column=text_column, label_column=label_column, encoding=encoding)
     if select not in ("loss", "accuracy"):
         raise typer.BadParameter("--select is 'loss' or 'accuracy'")

@@ -4,6 +4,7 @@ repository's folders, without torch: the server's front reads them, the backbone
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,10 @@ class BackboneSpec(BaseModel):
     d_emb: int = Field(gt=0)
 
 
+MODEL_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]*$")  # a model's name, also its folder's
+NAME_RULE = "lowercase letters, digits, '.', '_' and '-', starting with a letter or digit"
+
+
 class HeadSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
     n_hid: int = Field(64, ge=2)
@@ -41,7 +46,7 @@ class Manifest(BaseModel):
     """Everything needed to rebuild, serve and judge one model."""
 
     model_config = ConfigDict(extra="forbid")
-    name: str = Field(pattern=r"^[a-z0-9][a-z0-9._-]*$")
+    name: str = Field(pattern=MODEL_NAME.pattern)
     task: str = "text-classification"
     description: str = ""
     labels: list[str] = Field(min_length=2)

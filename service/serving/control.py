@@ -15,14 +15,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from service.modeling.manifest import MANIFEST, WEIGHTS, ModelLoadError, discover, read_manifest
+from service.modeling.manifest import MANIFEST, MODEL_NAME, NAME_RULE, WEIGHTS, ModelLoadError, discover, read_manifest
 from service.serving.errors import APIError
 from service.serving.planner import backbone_key, head_key
 
@@ -31,7 +30,6 @@ if TYPE_CHECKING:
     from service.serving.state import AppState
 
 log = logging.getLogger("service.control")
-NAME = re.compile(r"^[a-z0-9][a-z0-9._-]*$")  # a model folder's name, as manifests require
 ModelState = Literal["READY", "LOADING", "UNLOADING", "UNAVAILABLE"]
 
 
@@ -89,9 +87,9 @@ class ModelControl:
     def folder(self, name: str) -> Path:
         """The repository folder of model ``name``: 400 for a name no model folder may have (a slash, ``..``),
         404 when the repository has no such model folder. Nothing outside the repository is ever read."""
-        if not NAME.fullmatch(name) or ".." in name:
+        if not MODEL_NAME.fullmatch(name) or ".." in name:
             raise APIError(400, f"invalid model name {name!r}: a model is named by its folder in the repository "
-                                "(lowercase letters, digits, '.', '_' and '-', no '..')")
+                                f"({NAME_RULE}, no '..')")
         root = self.repository.resolve()
         folder = root / name
         if folder.resolve().parent != root or not (folder / MANIFEST).is_file():

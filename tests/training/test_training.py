@@ -95,6 +95,10 @@ def test_train_and_evaluate_commands(tmp_path: Path, tiny_backbone_dir: Path) ->
         assert "(epoch 1): train loss" in res.output and "batch/s" not in res.output  # a log: no short bars
     first, second = (load_file(tmp_path / repo / "toy" / "head.safetensors") for repo in ("repo", "again"))
     assert all(torch.equal(first[name], second[name]) for name in first)  # seeded: same data, same weights
+    for name in ("My-Topics", "my topics", "../toy"):  # refused before any work, not after training
+        bad = runner.invoke(app, ["train", name, "--out", str(tmp_path / "named"), *args])
+        assert bad.exit_code == 2 and "a model's name is lowercase letters" in bad.output, bad.output
+        assert not (tmp_path / "named").exists() and "train loss" not in bad.output
     res = runner.invoke(app, ["train", "toy", "--out", str(tmp_path / "cropped"), *args, "--crop", "0.5"])
     assert res.exit_code == 0, res.output
     assert json.loads((tmp_path / "cropped" / "toy" / "manifest.json").read_text())["training"]["crop"] == 0.5
