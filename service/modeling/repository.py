@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 
 from service.modeling.backbone import Backbone, BackboneError
 from service.modeling.classifier import RoutingClassifier
@@ -21,6 +21,7 @@ from service.modeling.manifest import (
     ModelLoadError,
     discover,
     read_manifest,
+    replace_file,
     write_manifest,
 )
 
@@ -83,8 +84,10 @@ def load_model(folder: Path, device: str | torch.device = "cpu", dtype: torch.dt
 
 
 def save_model(folder: Path, manifest: Manifest, head: RoutingHead) -> None:
-    """Write ``manifest.json`` and ``head.safetensors`` (contiguous float32 tensors)."""
+    """Write ``head.safetensors`` (contiguous float32 tensors), then ``manifest.json``, each replacing its old file
+    whole (:func:`replace_file`): a server watching the folder reloads once the manifest lands, and never reads a
+    file half written. (safetensors' own ``save_file`` leaves the file readable by its owner alone.)"""
     folder.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().float().contiguous().cpu() for k, v in head.state_dict().items()}
-    save_file(state, str(folder / WEIGHTS))
+    replace_file(folder / WEIGHTS, save(state))
     write_manifest(folder, manifest)

@@ -143,12 +143,11 @@ def train_model(name: str, data: DataSpec, out_dir: Path, backbone_source: str =
                                       "max_train": max_train},
                   "feature_seconds": round(feature_seconds, 1)},
     )
-    folder = out_dir / name
-    save_model(folder, manifest, head)
     evaluation = evaluate_features(head, ds, f_train, y_train, f_val, f_test)
     manifest.evaluation = evaluation
     manifest.training["wall_seconds"] = round(time.time() - t_start, 1)
-    write_manifest(folder, manifest)
+    folder = out_dir / name
+    save_model(folder, manifest, head)  # once, complete: a server watching the repository loads it once
     _print_evaluation(name, evaluation)
     return folder
 

@@ -4,6 +4,7 @@ import csv
 import hashlib
 import json
 import math
+import os
 import sys
 import time
 from dataclasses import replace
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
-from typer.testing import CliRunner
+from typer.testing import CliRunner, Result
 
 from service.cli import app
 from service.modeling.head import RoutingHead
@@ -73,6 +74,11 @@ def test_metrics_and_mixup() -> None:
     assert not mp[1:].any()
 
 
+def said(res: Result) -> str:
+    """A command's output as one line (typer's error box wraps at the terminal's width)."""
+    return " ".join(res.output.replace("│", " ").split())
+
+
 def toy_args(tmp_path: Path, backbone: Path) -> list[str]:
     """Options of ``train`` for 120 two-label texts written to ``tmp_path`` and the tiny backbone."""
     rows = [("good great fine lovely", "pos"), ("bad awful terrible poor", "neg")]
@@ -95,9 +101,21 @@ def test_train_and_evaluate_commands(tmp_path: Path, tiny_backbone_dir: Path) ->
         assert "(epoch 1): train loss" in res.output and "batch/s" not in res.output  # a log: no short bars
     first, second = (load_file(tmp_path / repo / "toy" / "head.safetensors") for repo in ("repo", "again"))
     assert all(torch.equal(first[name], second[name]) for name in first)  # seeded: same data, same weights
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in (tmp_path / "repo" / "toy").iterdir():  # readable as any new file is (a container's user)
+        assert path.name in ("manifest.json", "head.safetensors") and path.stat().st_mode & 0o777 == 0o666 & ~umask
+    before = (tmp_path / "repo" / "toy" / "head.safetensors").read_bytes()
+    res = runner.invoke(app, ["train", "toy", "--out", str(tmp_path / "repo"), *args, "--seed", "1"])
+    assert res.exit_code == 2 and "--overwrite replaces the model there" in said(res) and "train loss" not in res.output
+    assert (tmp_path / "repo" / "toy" / "head.safetensors").read_bytes() == before
+    res = runner.invoke(app, ["train", "toy", "--out", str(tmp_path / "repo"), *args, "--seed", "1", "--overwrite"])
+    assert res.exit_code == 0, res.output
+    assert (tmp_path / "repo" / "toy" / "head.safetensors").read_bytes() != before
+    assert sorted(p.name for p in (tmp_path / "repo" / "toy").iterdir()) == ["head.safetensors", "manifest.json"]
     for name in ("My-Topics", "my topics", "../toy"):  # refused before any work, not after training
         bad = runner.invoke(app, ["train", name, "--out", str(tmp_path / "named"), *args])
-        assert bad.exit_code == 2 and "a model's name is lowercase letters" in bad.output, bad.output
+        assert bad.exit_code == 2 and "a model's name is lowercase letters, digits" in said(bad), bad.output
         assert not (tmp_path / "named").exists() and "train loss" not in bad.output
     res = runner.invoke(app, ["train", "toy", "--out", str(tmp_path / "cropped"), *args, "--crop", "0.5"])
     assert res.exit_code == 0, res.output
@@ -140,7 +158,7 @@ def test_train_and_evaluate_commands(tmp_path: Path, tiny_backbone_dir: Path) ->
     res = runner.invoke(app, ["evaluate", str(folder), "--cache", str(tmp_path / "cache")])  # the new path is kept
     assert res.exit_code == 0, res.output
     bad = runner.invoke(app, ["train", "toy2", "--out", str(tmp_path / "repo")])
-    assert bad.exit_code != 0 and "exactly one of --preset or --data" in bad.output
+    assert bad.exit_code != 0 and "exactly one of --preset or --data" in said(bad)
 
 
 def test_readers_take_files_as_users_write_them(tmp_path: Path) -> None:
