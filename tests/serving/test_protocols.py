@@ -99,6 +99,17 @@ def test_errors_in_the_protocols_shape(client: triton.InferenceServerClient, tin
         r = httpx.post(url, json=body)
         assert r.status_code == status and set(r.json()) == {"error"}, (body, r.text)
     assert httpx.post(url, content=b"{nope").json()["error"].startswith("body: not valid JSON")
+    # half a surrogate pair: valid JSON, no character; a 500 from the tokenizer before
+    lone = rb'{"inputs": [{"name": "text", "datatype": "BYTES", "shape": [1], "data": ["\ud800 x"]}]}'
+    r = httpx.post(url, content=lone)
+    assert r.status_code == 422 and r.json()["error"].startswith("body: not valid JSON (unexpected end of hex escape")
+    r = httpx.post(url, content=rb'{"id": "\ud800", "inputs": [{"name": "text", "datatype": "BYTES", "shape": [1], '
+                                rb'"data": ["a"]}]}')  # the id is echoed: a 500 when the response was written
+    assert r.status_code == 422 and r.json()["error"].startswith("body: not valid JSON"), r.text
+    for route, body in [("/v1/models/tiny/classify", rb'{"inputs": ["\ud800 x"]}'),
+                        ("/v1/models/tiny:predict", rb'{"instances": ["\ud800 x"]}')]:
+        r = httpx.post(f"{tiny.url}{route}", content=body, headers={"Content-Type": "application/json"})
+        assert r.status_code == 422 and r.json()["error"]["code"] == "validation_error", (route, r.text)
     text = [{"name": "text", "datatype": "BYTES", "shape": [1], "data": ["a"]}]
     for params, field in [({"explain": "false"}, "explain"), ({"timeout": True}, "timeout"),
                           ({"timeout": -1}, "timeout"), ({"method": "gradients"}, "method")]:

@@ -11,7 +11,6 @@ credit is asked for (parameter ``explain`` or any credit output named in ``outpu
 
 from __future__ import annotations
 
-import json
 import math
 import struct
 from typing import Any, Literal
@@ -189,13 +188,14 @@ async def _parse(request: Request) -> tuple[InferRequest, bytes]:
     if header is not None and (not header.isdigit() or int(header) > len(raw)):
         raise APIError(400, f"Inference-Header-Content-Length {header!r} does not fit a body of {len(raw)} bytes")
     cut = int(header) if header is not None else len(raw)
-    try:
-        return InferRequest.model_validate(json.loads(raw[:cut])), raw[cut:]
+    try:  # pydantic's JSON parser refuses what no str may hold (half a surrogate pair: '\ud800'), as /v1's does
+        return InferRequest.model_validate_json(raw[:cut]), raw[cut:]
     except ValidationError as e:
-        problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'body'}: {err['msg']}" for err in e.errors())
+        errors = e.errors()
+        if errors[0]["type"] == "json_invalid":
+            raise APIError(422, f"body: not valid JSON ({errors[0]['msg'].removeprefix('Invalid JSON: ')})") from None
+        problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'body'}: {err['msg']}" for err in errors)
         raise APIError(422, problems) from None
-    except (ValueError, UnicodeDecodeError) as e:
-        raise APIError(422, f"body: not valid JSON ({e})") from None
 
 
 def _texts(tensor: TensorIn, binary: bytes) -> list[str]:
