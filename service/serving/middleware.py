@@ -31,6 +31,17 @@ def new_request_id() -> str:
     return f"{_ID_PREFIX}{next(_ID_COUNT) % (1 << 48):012x}"
 
 
+MAX_REQUEST_ID = 200  # characters of a client's X-Request-ID kept (echoed, and logged with the request's errors)
+
+
+def request_id_of(headers: list[tuple[bytes, bytes]]) -> str:
+    """The client's ``X-Request-ID`` (printable ASCII, at most ``MAX_REQUEST_ID`` characters; anything else
+    is left out), or a new one when it sends none that is usable."""
+    given = next((v for k, v in headers if k == b"x-request-id"), b"")
+    kept = bytes(c for c in given[:MAX_REQUEST_ID] if 0x21 <= c <= 0x7E).decode("ascii")
+    return kept or new_request_id()
+
+
 class Observe:
     """Every HTTP request: a request id (``X-Request-ID``, the client's or a new one), the in-flight count,
     request metrics and one log line; new inference requests get 503 once the server drains.
@@ -43,8 +54,7 @@ class Observe:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         m = self.metrics
-        request_id = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"x-request-id"), None)
-        request_id = request_id or new_request_id()
+        request_id = request_id_of(scope["headers"])
         state: AppState = scope["app"].state.app_state
         path, method = scope["path"], scope["method"]
         status: int | None = None  # until the app starts a response
@@ -55,7 +65,7 @@ class Observe:
             if message["type"] == "http.response.start":
                 status = message["status"]
                 message.setdefault("headers", [])
-                message["headers"] = [*message["headers"], (b"x-request-id", request_id.encode("latin-1"))]
+                message["headers"] = [*message["headers"], (b"x-request-id", request_id.encode("ascii"))]
             await send(message)
 
         life = state.lifecycle

@@ -38,6 +38,9 @@ def test_classify_orders_results_and_sums_to_one(tiny: Server) -> None:
 def test_request_id_echoed_or_generated(tiny: Server) -> None:
     r = post(tiny, "/v1/classify", {"inputs": ["a"]}, headers={"X-Request-ID": "abc-123"})
     assert r.headers["x-request-id"] == "abc-123"
+    for given, echoed in [("x" * 5000, "x" * 200), ("caf\xe9 1", "caf1"), ("\xe9\xe9", None)]:  # long, non-ASCII, none
+        r = httpx.get(f"{tiny.url}/healthz", headers=[("X-Request-ID", given.encode("latin-1"))])
+        assert r.headers["x-request-id"] == echoed if echoed else len(r.headers["x-request-id"]) == 32
     assert len(httpx.get(f"{tiny.url}/healthz").headers["x-request-id"]) == 32
 
 
