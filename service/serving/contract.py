@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from service.modeling.encoding import Encoding
+from service.serving.logs import LogSetup
 
 Method = Literal["contribution", "shares"]
 """``"contribution"``: the value path's exact split of a logit; ``"shares"``: the paper's eq. 15 shares."""
@@ -181,6 +182,7 @@ class LoadBackbone:
     dtype: str
     warmup: bool
     torch_threads: int | None
+    log: LogSetup = field(default_factory=LogSetup)
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 from service.modeling.manifest import MANIFEST, ModelLoadError, read_manifest
 from service.modeling.tokenizer import BackboneError, ChunkTokenizer
+from service.serving import logs
 from service.serving.contract import (
     Answer,
     ChunkWork,
@@ -103,10 +104,11 @@ class Launches:
 def _serve(conn: Connection) -> None:
     """The backbone process's main: load the engine, then answer batches until the server closes the pipe."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    load: LoadBackbone = conn.recv()
+    logs.configure(load.log)  # before transformers is imported (its progress bars)
     from service.serving.engine import Engine
     from service.threads import set_torch_threads
 
-    load: LoadBackbone = conn.recv()
     try:
         set_torch_threads(load.torch_threads)
         engine = Engine.load([Path(f) for f in load.folders], load.device, load.dtype, load.warmup, load.keys)
@@ -190,7 +192,7 @@ class BackboneProcess(Planner):
         super().__init__(manifests, chunker, keys)
         self._folders = dict(zip(self.models, folders, strict=True))  # head key -> its model's folder
         self._load = LoadBackbone(tuple(str(f) for f in folders), tuple(self.models), device, dtype, warmup,
-                                  torch_threads)
+                                  torch_threads, logs.current())
         self._launches = launches or Launches()
         self._lock = threading.Lock()  # one batch at a time on the pipe
         self._forget: collections.deque[int] = collections.deque()  # texts given up, to tell the process

@@ -227,3 +227,14 @@ def test_sigterm_while_the_models_load_stops_their_process_and_exits_0(tiny_repo
     assert "computes in process" not in log and "model loading failed" not in log, log  # stopped, not waited for
     assert exited < 5, f"exited {exited:.1f} s after SIGTERM"
     assert not [pid for pid in loading if process_state(pid) not in (None, "Z")]  # nothing left running
+
+
+def test_json_logs_hold_json_lines_only(tiny_repo: Path, logs: Path) -> None:
+    """ROUTING_LOG_JSON: every line a JSON object, from the server's process and the backbone's (transformers drew
+    its 'Loading weights' progress bar there, and Python's warnings printed as they are)."""
+    for server in running(logs, model_repository=tiny_repo, default_model="tiny", log_json=True):
+        assert httpx.post(f"{server.url}/v1/classify", json={"inputs": ["a text"]}).status_code == 200
+        lines = server.full_log().splitlines()
+    assert any(json.loads(line)["logger"] == "service.worker" for line in lines if line.startswith("{"))
+    assert [line for line in lines if not line.startswith("{")] == []
+    assert all(json.loads(line)["message"] for line in lines)
