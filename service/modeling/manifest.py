@@ -32,8 +32,8 @@ class BackboneSpec(BaseModel):
     d_emb: int = Field(gt=0)
 
 
-MODEL_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]*$")  # a model's name, also its folder's
-NAME_RULE = "lowercase letters, digits, '.', '_' and '-', starting with a letter or digit"
+MODEL_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,199}$")  # a model's name, also its folder's
+NAME_RULE = "lowercase letters, digits, '.', '_' and '-', starting with a letter or digit, at most 200 characters"
 
 
 class HeadSpec(BaseModel):
