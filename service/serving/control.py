@@ -86,13 +86,14 @@ class ModelControl:
 
     def folder(self, name: str) -> Path:
         """The repository folder of model ``name``: 400 for a name no model folder may have (a slash, ``..``),
-        404 when the repository has no such model folder. Nothing outside the repository is ever read."""
+        404 when the repository has no such model folder. A name reaches nothing but an entry of the repository
+        folder; an entry that is a symbolic link (a version switched by relinking, a mounted volume) is followed, as
+        when the server starts."""
         if not MODEL_NAME.fullmatch(name) or ".." in name:
             raise APIError(400, f"invalid model name {name!r}: a model is named by its folder in the repository "
                                 f"({NAME_RULE}, no '..')")
-        root = self.repository.resolve()
-        folder = root / name
-        if folder.resolve().parent != root or not (folder / MANIFEST).is_file():
+        folder = self.repository.resolve() / name
+        if not (folder / MANIFEST).is_file():
             raise APIError(404, f"no model folder {name!r} in the repository")
         return folder
 

@@ -38,8 +38,9 @@ def repo(tmp_path_factory: pytest.TempPathFactory, tiny_backbone_dir: Path) -> P
     repo = root / "models"
     write_tiny_model(repo, tiny_backbone_dir, name="tiny", seed=0)
     write_tiny_model(repo, tiny_backbone_dir, name="tiny-b", seed=1, max_length=24)
-    outside = write_tiny_model(root / "elsewhere", tiny_backbone_dir, name="escape", seed=2)
-    (repo / "escape").symlink_to(outside, target_is_directory=True)  # a folder that leads out of the repository
+    for version, seed in (("v1", 2), ("v2", 12)):  # versions of a model kept elsewhere, one linked in
+        write_tiny_model(root / "store" / version, tiny_backbone_dir, name="linked", seed=seed)
+    (repo / "linked").symlink_to(root / "store" / "v1" / "linked", target_is_directory=True)
     damaged(repo, tiny_backbone_dir)
     return repo
 
@@ -100,7 +101,7 @@ def test_index_lists_every_folder_with_its_state(client: triton.InferenceServerC
     index = states(client)
     assert index["tiny"] == ("READY", "")
     assert index["tiny-b"] == ("UNAVAILABLE", "not loaded")
-    assert "bad-nan" in index and "escape" in index
+    assert "bad-nan" in index and "linked" in index
     assert "model_repository" in client.get_server_metadata()["extensions"]
 
 
@@ -186,8 +187,23 @@ def test_admin_key_is_required(server: Server) -> None:
     assert httpx.get(f"{server.url}/v2/models/stats").status_code == 401
 
 
+def test_a_linked_model_folder_loads_reloads_when_relinked_and_unloads(client: triton.InferenceServerClient,
+                                                                        server: Server, repo: Path) -> None:
+    """A repository entry that is a symbolic link is followed, as at start: a new version is linked in and reloaded
+    (before, the index listed it, and every load or unload of it answered 404 'no model folder')."""
+    store = repo.parent / "store"
+    client.load_model("linked", headers=AS_ADMIN)
+    assert all(close(g, w) for g, w in zip(scores(server, "linked"), alone(store / "v1" / "linked"), strict=True))
+    (repo / "linked.new").symlink_to(store / "v2" / "linked", target_is_directory=True)
+    (repo / "linked.new").replace(repo / "linked")  # switched in one step
+    client.load_model("linked", headers=AS_ADMIN)
+    assert all(close(g, w) for g, w in zip(scores(server, "linked"), alone(store / "v2" / "linked"), strict=True))
+    client.unload_model("linked", headers=AS_ADMIN)
+    assert not client.is_model_ready("linked", headers=AS_USER)
+
+
 @pytest.mark.parametrize(("name", "status"), [("..", 404), ("UPPER", 400), (".hidden", 400), ("a..b", 400),
-                                              ("nope", 404), ("escape", 404), ("a" * 300, 400)])  # a 500 before
+                                              ("nope", 404), ("a" * 300, 400)])  # a 500 before
 def test_names_that_leave_the_repository_are_refused(server: Server, name: str, status: int) -> None:
     r = httpx.post(f"{server.url}/v2/repository/models/{name}/load", headers=AS_ADMIN)
     assert r.status_code == status and r.json()["error"], r.text
