@@ -104,7 +104,7 @@ def read_examples(path: Path, text_column: str = "text", label_column: str = "la
     try:
         if path.is_dir():
             pairs = [(f.read_text(encoding=codec, errors="replace"), label_dir.name)
-                     for label_dir in sorted(p for p in path.iterdir() if p.is_dir())
+                     for label_dir in sorted(p for p in path.iterdir() if p.is_dir() and not p.name.startswith("."))
                      for f in sorted(label_dir.glob("*.txt"))]
         elif path.suffix == ".csv":
             pairs = _read_csv(path, text_column, label_column, codec)

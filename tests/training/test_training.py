@@ -55,6 +55,8 @@ def test_readers(tmp_path: Path) -> None:
     for lab in ("pos", "neg"):
         (tmp_path / "dir" / lab).mkdir(parents=True)
         (tmp_path / "dir" / lab / "1.txt").write_text(f"a {lab} text")
+    (tmp_path / "dir" / ".ipynb_checkpoints").mkdir()  # hidden folders (a notebook's, a tool's) are no labels
+    (tmp_path / "dir" / ".ipynb_checkpoints" / "1-checkpoint.txt").write_text("a copy")
     assert read_examples(tmp_path / "dir") == [("a neg text", "neg"), ("a pos text", "pos")]
     (tmp_path / "bad.csv").write_text("foo,bar\n1,2\n")
     with pytest.raises(DatasetError, match="needs columns"):
