@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, TypeVar
 
 import typer
 
@@ -17,6 +17,7 @@ from service.modeling.tokenizer import BackboneError
 from service.training.config import TrainConfig
 from service.training.data import PRESETS, DatasetError
 
+N = TypeVar("N", int, float)
 app = typer.Typer(help="Serve routing classification heads with end-to-end credit assignment.",
                   no_args_is_help=True, pretty_exceptions_enable=False)
 bench_app = typer.Typer(help="Benchmarks: each prints a table and writes JSON.", no_args_is_help=True)
@@ -32,6 +33,19 @@ def user_errors() -> Iterator[None]:
     except (DatasetError, ModelLoadError, BackboneError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
+
+
+def numbers(value: str, option: str, kind: Callable[[str], N] = int, required: bool = True) -> list[N]:
+    """The comma-separated positive numbers given to ``option`` (``kind``: int or float; '' is none, an error when
+    ``required``); exit 2 with what was expected otherwise."""
+    try:
+        out = [kind(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        out = []
+    if not all(v > 0 for v in out) or (not out and (required or value.strip())):
+        what = "whole numbers" if kind is int else "numbers"
+        raise typer.BadParameter(f"expected comma-separated {what} above 0, got {value!r}", param_hint=option)
+    return out
 
 
 @contextlib.contextmanager
@@ -193,7 +207,7 @@ def bench_routing(
     from service.bench import report
     from service.bench import routing as rb
 
-    fs = [int(f) for f in factors.split(",")]
+    fs = numbers(factors, "--factors")
     typer.echo(f"routing benchmark on {device}: baseline {rb.BASELINE}, n_iters=2, fp32, factors {fs}", err=True)
     results = rb.run(device, fs, repeats, threads)
     cols = ["grown", "factor", "n_inp", "n_out", "d_inp", "d_out", "votes", "grad", "time_ms", "peak_mib"]
@@ -230,8 +244,8 @@ def bench_sharing(
     request, and mixed traffic to two models against one alone, in turns."""
     with extras("bench sharing"):
         from service.bench import sharing
-    sharing.run(model_repository, n_texts, duration, rounds, [int(k) for k in heads.split(",")],
-                [int(b) for b in batch_sizes.split(",")], baseline, out)
+    sharing.run(model_repository, n_texts, duration, rounds, numbers(heads, "--heads"),
+                numbers(batch_sizes, "--batch-sizes"), baseline, out)
 
 
 @bench_app.command("repository")
@@ -292,7 +306,7 @@ def bench_heads(
     memory; and a head cache budget below the heads in use (hit rate, p99, answers compared)."""
     with extras("bench heads"):
         from service.bench import heads as bench
-    bench.run(model_repository, [int(k) for k in heads.split(",")], concurrency, duration, rounds, budget_heads,
+    bench.run(model_repository, numbers(heads, "--heads"), concurrency, duration, rounds, budget_heads,
               open_share, out)
 
 
@@ -348,7 +362,8 @@ def bench_serve(
     with extras("bench serve"):
         from service.bench import serve as sb
 
-    sizes = [int(b) for b in offline_batch_sizes.split(",")]
+    sizes = numbers(offline_batch_sizes, "--offline-batch-sizes")
+    levels = numbers(concurrency, "--concurrency")
     if not any(b <= max_batch_size for b in sizes):
         typer.echo(f"--offline-batch-sizes needs a size of at most --max-batch-size ({max_batch_size}): the "
                    "offline limit is measured at the batch sizes the server may form", err=True)
@@ -373,11 +388,14 @@ def bench_serve(
         raise typer.Exit(2)
     plan = None
     if names or baseline is not None:
-        plan = Plan(names, baseline, [int(c) for c in peer_concurrency.split(",")],
-                              [float(f) for f in open_loop.split(",") if f], peer_rounds)
+        plan = Plan(names, baseline, numbers(peer_concurrency, "--peer-concurrency"),
+                    numbers(open_loop, "--open-loop", float, required=False), peer_rounds)
     pairs = [p.split(":") for p in threads.split(",") if p]
+    if not all(len(pair) == 2 and (pair[0] == "auto" or (pair[0].isdigit() and int(pair[0]) > 0)) for pair in pairs):
+        raise typer.BadParameter(f"expected comma-separated threads:wait-policy pairs (e.g. 1:default,auto:passive), "
+                                 f"got {threads!r}", param_hint="--threads")
     configs = [(None if t == "auto" else int(t), None if w == "default" else w) for t, w in pairs]
-    sb.run(model=model, preset=preset or model, levels=[int(c) for c in concurrency.split(",")], duration=duration,
+    sb.run(model=model, preset=preset or model, levels=levels, duration=duration,
            n_texts=n_texts, repository=model_repository, device=device, max_wait_ms=max_wait_ms,
            max_batch_size=max_batch_size, offline_batch_sizes=sizes,
            url=url, out=out, thread_configs=configs, long_chars=long_chars, model_process=model_process,

@@ -1,0 +1,22 @@
+"""The benchmarks' list options: a value that is no list of positive numbers is an error before any work."""
+
+import pytest
+from typer.testing import CliRunner
+
+from service.cli import app
+
+
+@pytest.mark.parametrize("args", [
+    ["serve", "--concurrency", "abc"], ["serve", "--concurrency", "0"], ["serve", "--concurrency", ","],
+    ["serve", "--peer-concurrency", "8,x"], ["serve", "--open-loop", "half"], ["heads", "--heads", "0"],
+    ["sharing", "--heads", "1,-2"], ["sharing", "--batch-sizes", ""], ["routing", "--factors", "1.5"],
+])
+def test_a_list_option_that_is_no_list_of_numbers_exits_2(args: list[str]) -> None:
+    res = CliRunner().invoke(app, ["bench", *args])
+    said = " ".join(res.output.replace("│", " ").split())
+    assert res.exit_code == 2 and "expected comma-separated" in said and f"got '{args[2]}'" in said, res.output
+
+
+def test_thread_settings_are_pairs() -> None:
+    res = CliRunner().invoke(app, ["bench", "serve", "--threads", "1"])
+    assert res.exit_code == 2 and "threads:wait-policy pairs" in " ".join(res.output.replace("│", " ").split())
