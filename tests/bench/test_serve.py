@@ -31,11 +31,11 @@ def test_long_text_has_one_token_per_character(tiny_backbone_dir: Path) -> None:
 def test_offline_limit_runs_the_engine_on_the_main_thread(tiny_repo: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from service.serving.engine import Engine
 
-    threads: list[str] = []
+    calls: list[tuple[str, int]] = []
     run = Engine.run
 
     def recording(self: Engine, tasks: list) -> list:
-        threads.append(threading.current_thread().name)
+        calls.append((threading.current_thread().name, len(tasks)))
         return run(self, tasks)
 
     monkeypatch.setattr(Engine, "run", recording)
@@ -43,8 +43,10 @@ def test_offline_limit_runs_the_engine_on_the_main_thread(tiny_repo: Path, monke
     out = serve.offline_limit(serve.Offline(tiny_repo, "tiny", texts, "cpu"), [2, 4, 8], 0.3, max_batch_size=4)
     assert set(out["by_batch_size"]) == {2, 4, 8} and out["best_batch_size"] in (2, 4)  # 8: more than the server forms
     assert out["throughput"] == max(out["by_batch_size"][b] for b in (2, 4)) > 0 and out["worker_thread_throughput"] > 0
-    assert threads.count("bench-model") < threads.count("MainThread")  # each batch size on the main thread
-    assert "bench-model" in threads  # and the best one in a worker thread beside it
+    # each batch size on the main thread, and the best one in a worker thread beside it (what each call held, not
+    # how many calls fit in the time: that depends on the machine's load)
+    assert {size for thread, size in calls if thread == "MainThread"} >= {2, 4, 8}
+    assert max(size for thread, size in calls if thread == "bench-model") == out["best_batch_size"]
 
 
 def test_the_offline_limit_needs_a_batch_size_the_server_may_form() -> None:
