@@ -160,8 +160,12 @@ def train(
         raise typer.BadParameter("give exactly one of --preset or --data")
     if not MODEL_NAME.fullmatch(name):  # checked before any work: the manifest written at the end requires it
         raise typer.BadParameter(f"{name!r}: a model's name is {NAME_RULE}", param_hint="NAME")
-    if (out / name).exists() and any((out / name).iterdir()) and not overwrite:
-        raise typer.BadParameter(f"{out / name} exists and is not empty: --overwrite replaces the model there once "
+    target = out / name
+    if target.exists() and not target.is_dir():
+        raise typer.BadParameter(f"{target} is a file, not a model folder: choose another NAME or --out",
+                                 param_hint="NAME")
+    if target.is_dir() and any(target.iterdir()) and not overwrite:
+        raise typer.BadParameter(f"{target} exists and is not empty: --overwrite replaces the model there once "
                                  "training ends, or choose another NAME or --out", param_hint="NAME")
     spec = DataSpec(preset=preset, path=data, text_column=text_column, label_column=label_column, encoding=encoding)
     if select not in ("loss", "accuracy"):

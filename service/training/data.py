@@ -147,7 +147,7 @@ def _read_json(path: Path, text_column: str, label_column: str, codec: str) -> l
             raise DatasetError(f"{path}:{e.lineno}: {e.msg}") from None
         return [_json_pair(row, text_column, label_column, f"{path}: item {n}") for n, row in enumerate(rows)]
     pairs = []
-    for n, line in enumerate(content.splitlines(), 1):
+    for n, line in enumerate(content.split("\n"), 1):  # not splitlines(): a JSON string may hold U+2028 as it is
         if line.strip():
             try:
                 row = json.loads(line)

@@ -111,6 +111,9 @@ def test_train_and_evaluate_commands(tmp_path: Path, tiny_backbone_dir: Path) ->
     res = runner.invoke(app, ["train", "toy", "--out", str(tmp_path / "repo"), *args, "--seed", "1"])
     assert res.exit_code == 2 and "--overwrite replaces the model there" in said(res) and "train loss" not in res.output
     assert (tmp_path / "repo" / "toy" / "head.safetensors").read_bytes() == before
+    (tmp_path / "repo" / "afile").write_text("not a model")
+    res = runner.invoke(app, ["train", "afile", "--out", str(tmp_path / "repo"), *args, "--overwrite"])
+    assert res.exit_code == 2 and "is a file, not a model folder" in said(res), res.output
     res = runner.invoke(app, ["train", "toy", "--out", str(tmp_path / "repo"), *args, "--seed", "1", "--overwrite"])
     assert res.exit_code == 0, res.output
     assert (tmp_path / "repo" / "toy" / "head.safetensors").read_bytes() != before
@@ -182,6 +185,8 @@ def test_readers_take_files_as_users_write_them(tmp_path: Path) -> None:
     (tmp_path / "a.json").write_text(json.dumps(rows, indent=2))
     assert read_examples(tmp_path / "n.jsonl") == read_examples(tmp_path / "a.json") == [
         ("one", "1"), ("two", ""), ("", "x")]
+    (tmp_path / "s.jsonl").write_text('{"text": "a\u2028b", "label": "x"}\r\n', newline="")  # raw, as JSON allows
+    assert read_examples(tmp_path / "s.jsonl") == [("a\u2028b", "x")]
     pairs = [(f"text {k}", "ab"[k % 2]) for k in range(100)] + [("two", ""), ("", "x"), ("  ", "a")]
     ds = make_dataset(pairs, "mem")
     assert ds.dropped_empty == 3 and ds.describe()["dropped_empty"] == 3
