@@ -81,7 +81,9 @@ class AppState:
             if not names:
                 raise ValueError(f"no models in {s.model_repository}")
             if s.default_model not in names:
-                raise ValueError(f"default model {s.default_model!r} is not among the loaded models {names}")
+                raise ValueError(f"default model {s.default_model!r} (behind /v1/classify and /v1/explain) is not "
+                                 f"among the models to serve, {names} of {s.model_repository}: "
+                                 "ROUTING_DEFAULT_MODEL names it")
             for folders in self.backbone_groups(names):
                 await self.start_backbone(folders)
             self.control.start()

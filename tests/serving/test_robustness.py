@@ -117,3 +117,16 @@ def test_unloadable_repository_exits_with_a_clear_message(tmp_path: Path, logs: 
     log = server.log()
     assert "model loading failed" in log and "broken/manifest.json: not valid JSON" in log
     server.stop()
+
+
+async def test_a_default_model_not_served_says_which_are_and_how_to_choose(tiny_repo: Path) -> None:
+    from service.config import Settings
+    from service.serving.metrics import Metrics
+    from service.serving.state import AppState
+
+    state = AppState(settings=Settings(model_repository=tiny_repo, default_model="tweet-sentiment"), metrics=Metrics())
+    await state.load()
+    assert not state.lifecycle.ready
+    error = state.lifecycle.error or ""
+    assert "default model 'tweet-sentiment'" in error and "['tiny']" in error and "ROUTING_DEFAULT_MODEL" in error
+    await state.close(1.0)
