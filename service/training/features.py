@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import hashlib
+import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,13 +55,21 @@ def cache_key(backbone_source: str, max_length: int, texts: list[str]) -> str:
 
 def extract(backbone: Backbone, texts: list[str], batch_size: int = 64, cache_dir: Path | None = None,
             source: str = "", desc: str = "features") -> Features:
-    """Hidden states of ``texts`` (in order), from the cache when present."""
+    """Hidden states of ``texts`` (in order), from the cache when present (a cache file that cannot be read, e.g.
+    cut short by a stopped run, is computed again). Says which, and where the cache file is."""
     path = None
     if cache_dir is not None:
         path = cache_dir / f"{cache_key(source, backbone.max_length, texts)}.pt"
         if path.is_file():
-            data = torch.load(path)
-            return Features(data["flat"], data["offsets"])
+            try:
+                data = torch.load(path)
+                feats = Features(data["flat"], data["offsets"])
+            except Exception as e:  # a damaged file must not stop training: it is written again below
+                print(f"warning: {desc}: cached features {path} unreadable ({type(e).__name__}: {e}); computing "
+                      "them again", file=sys.stderr, flush=True)
+            else:
+                print(f"{desc}: {len(texts)} texts from the cache, {path}", flush=True)
+                return feats
     order = sorted(range(len(texts)), key=lambda k: len(texts[k]))  # similar lengths together: less padding
     parts: list[torch.Tensor | None] = [None] * len(texts)
     with progress(total=len(texts), desc=desc, unit="text") as bar:
@@ -74,7 +84,13 @@ def extract(backbone: Backbone, texts: list[str], batch_size: int = 64, cache_di
                      torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]))
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save({"flat": feats.flat, "offsets": feats.offsets}, path)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # whole or not at all: a stopped run leaves no part
+        try:
+            torch.save({"flat": feats.flat, "offsets": feats.offsets}, tmp)
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+        print(f"{desc}: cached in {path} ({path.stat().st_size / 2**20:,.1f} MiB; --cache sets the folder)", flush=True)
     return feats
 
 

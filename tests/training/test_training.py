@@ -17,12 +17,13 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner, Result
 
 from service.cli import app
+from service.modeling.backbone import Backbone
 from service.modeling.head import RoutingHead
 from service.modeling.repository import load_model
 from service.training import progress as progress_module
 from service.training.config import TrainConfig
 from service.training.data import DatasetError, make_dataset, read_examples
-from service.training.features import Features
+from service.training.features import Features, extract
 from service.training.pipeline import rare_labels
 from service.training.progress import progress
 from service.training.trainer import (
@@ -507,3 +508,21 @@ def test_labels_with_few_training_texts_are_named_before_training() -> None:
     n = y_train.count(ds.labels.index("rare"))
     assert line.startswith(f"label 'rare' has {n} training text") and "add examples" in line
     assert rare_labels(ds, [k for k in y_train if ds.labels[k] != "common"])[0].startswith("label 'common' has 0")
+
+
+def test_feature_cache_survives_a_file_cut_short(tmp_path: Path, tiny_backbone_dir: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """A run stopped while the cache was written left a part the next run failed on: files are now written whole,
+    and one that cannot be read is computed again."""
+    backbone = Backbone(str(tiny_backbone_dir), max_length=16)
+    texts = ["one text", "another text", "a third one"]
+    first = extract(backbone, texts, cache_dir=tmp_path, source="tiny")
+    (path,) = tmp_path.iterdir()  # the cache file alone: no temporary file left
+    assert "cached in" in capsys.readouterr().out
+    assert torch.equal(extract(backbone, texts, cache_dir=tmp_path, source="tiny").flat, first.flat)
+    assert "3 texts from the cache" in capsys.readouterr().out
+    path.write_bytes(path.read_bytes()[:100])
+    assert torch.equal(extract(backbone, texts, cache_dir=tmp_path, source="tiny").flat, first.flat)
+    out = capsys.readouterr()
+    assert "unreadable" in out.err and "computing them again" in out.err and "cached in" in out.out
+    assert torch.equal(extract(backbone, texts, cache_dir=tmp_path, source="tiny").flat, first.flat)
