@@ -109,3 +109,8 @@ class Settings(BaseSettings):
         if isinstance(v, str):
             return [s.strip() for s in v.split(",") if s.strip()]
         return v
+
+    @field_validator("models", "api_keys", "admin_keys")
+    @classmethod
+    def _once_each(cls, v: list[str]) -> list[str]:
+        return list(dict.fromkeys(v))  # a name or key given twice counts once, in the order first given

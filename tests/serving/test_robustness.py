@@ -130,3 +130,14 @@ async def test_a_default_model_not_served_says_which_are_and_how_to_choose(tiny_
     error = state.lifecycle.error or ""
     assert "default model 'tweet-sentiment'" in error and "['tiny']" in error and "ROUTING_DEFAULT_MODEL" in error
     await state.close(1.0)
+
+
+async def test_a_model_named_twice_loads_once(tiny_repo: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from service.config import Settings
+    from tests.serving.server import loaded
+
+    monkeypatch.setenv("ROUTING_MODELS", "tiny, tiny")  # failed the start before: "zip() argument 2 is longer ..."
+    settings = Settings(model_repository=tiny_repo, default_model="tiny", model_process=False)
+    assert settings.models == ["tiny"]
+    async with loaded(settings) as state:
+        assert list(state.inference.models) == ["tiny"]
