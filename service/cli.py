@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Annotated, TypeVar
@@ -167,6 +168,11 @@ def train(
     if target.is_dir() and any(target.iterdir()) and not overwrite:
         raise typer.BadParameter(f"{target} exists and is not empty: --overwrite replaces the model there once "
                                  "training ends, or choose another NAME or --out", param_hint="NAME")
+    try:  # the model is written at the end: a repository it cannot be written into is said before training
+        out.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=out).close()
+    except OSError as e:
+        raise typer.BadParameter(f"cannot write into {out}: {e.strerror or e}", param_hint="--out") from None
     spec = DataSpec(preset=preset, path=data, text_column=text_column, label_column=label_column, encoding=encoding)
     if select not in ("loss", "accuracy"):
         raise typer.BadParameter("--select is 'loss' or 'accuracy'")

@@ -115,6 +115,8 @@ def test_train_and_evaluate_commands(tmp_path: Path, tiny_backbone_dir: Path) ->
     (tmp_path / "repo" / "afile").write_text("not a model")
     res = runner.invoke(app, ["train", "afile", "--out", str(tmp_path / "repo"), *args, "--overwrite"])
     assert res.exit_code == 2 and "is a file, not a model folder" in said(res), res.output
+    res = runner.invoke(app, ["train", "toy", "--out", str(tmp_path / "repo" / "afile" / "models"), *args])
+    assert res.exit_code == 2 and "cannot write into" in said(res) and "train loss" not in res.output, res.output
     res = runner.invoke(app, ["train", "toy", "--out", str(tmp_path / "repo"), *args, "--seed", "1", "--overwrite"])
     assert res.exit_code == 0, res.output
     assert (tmp_path / "repo" / "toy" / "head.safetensors").read_bytes() != before
