@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-import tempfile
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Annotated, TypeVar
@@ -168,11 +168,13 @@ def train(
     if target.is_dir() and any(target.iterdir()) and not overwrite:
         raise typer.BadParameter(f"{target} exists and is not empty: --overwrite replaces the model there once "
                                  "training ends, or choose another NAME or --out", param_hint="NAME")
-    try:  # the model is written at the end: a repository it cannot be written into is said before training
-        out.mkdir(parents=True, exist_ok=True)
-        tempfile.TemporaryFile(dir=out).close()
-    except OSError as e:
-        raise typer.BadParameter(f"cannot write into {out}: {e.strerror or e}", param_hint="--out") from None
+    # the model is written at the end: a repository it cannot be written into is said before training
+    existing = next(p for p in (out.absolute(), *out.absolute().parents) if p.exists())
+    if not existing.is_dir():
+        raise typer.BadParameter(f"cannot write into {out}: {existing} is not a folder", param_hint="--out")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise typer.BadParameter(f"cannot write into {out}: {existing} is not writable (permissions, or a read-only "
+                                 "file system)", param_hint="--out")
     spec = DataSpec(preset=preset, path=data, text_column=text_column, label_column=label_column, encoding=encoding)
     if select not in ("loss", "accuracy"):
         raise typer.BadParameter("--select is 'loss' or 'accuracy'")

@@ -182,7 +182,7 @@ def test_readers_take_files_as_users_write_them(tmp_path: Path) -> None:
         read_examples(tmp_path / "cp.csv", encoding="klingon")
     long = "word " * 40_000  # 200,000 characters: over csv's 131,072 default
     (tmp_path / "long.csv").write_text(f'text,label\n"{long}",a\n')
-    assert read_examples(tmp_path / "long.csv") == [(long, "a")]
+    assert read_examples(tmp_path / "long.csv") == [(long.strip(), "a")]
     rows = [{"text": "one", "label": 1}, {"text": "two", "label": None}, {"text": None, "label": "x"}]
     (tmp_path / "n.jsonl").write_text("\n".join(map(json.dumps, rows)))
     (tmp_path / "a.json").write_text(json.dumps(rows, indent=2))
@@ -190,10 +190,11 @@ def test_readers_take_files_as_users_write_them(tmp_path: Path) -> None:
         ("one", "1"), ("two", ""), ("", "x")]
     (tmp_path / "s.jsonl").write_text('{"text": "a\u2028b", "label": "x"}\r\n', newline="")  # raw, as JSON allows
     assert read_examples(tmp_path / "s.jsonl") == [("a\u2028b", "x")]
-    pairs = [(f"text {k}", "ab"[k % 2]) for k in range(100)] + [("two", ""), ("", "x"), ("  ", "a")]
+    pairs = [(f"text {k}", "ab"[k % 2]) for k in range(99)] + [(" spaced ", "a"), ("two", ""), ("", "x"), ("  ", "a")]
     ds = make_dataset(pairs, "mem")
     assert ds.dropped_empty == 3 and ds.describe()["dropped_empty"] == 3
-    assert sum(len(split.texts) for split in (ds.train, ds.validation, ds.test)) == 100
+    texts = ds.train.texts + ds.validation.texts + ds.test.texts
+    assert len(texts) == 100 and " spaced " in texts  # kept as given: the benchmarks' splits stay as published
 
 
 @pytest.mark.parametrize(("content", "match"), [
