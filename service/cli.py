@@ -13,7 +13,7 @@ import typer
 
 from service.allocator import keep_freed_memory
 from service.config import DTYPES, Settings
-from service.modeling.manifest import MODEL_NAME, NAME_RULE, ModelLoadError
+from service.modeling.manifest import MANIFEST, MODEL_NAME, NAME_RULE, ModelLoadError, discover
 from service.modeling.tokenizer import BackboneError
 from service.training.config import TrainConfig
 from service.training.data import PRESETS, DatasetError
@@ -203,6 +203,9 @@ def evaluate(
 
     with extras("evaluate", "train"):  # the probes the head is compared with
         import sklearn  # noqa: F401
+    if folder.is_dir() and not (folder / MANIFEST).is_file() and (inside := discover(folder)):
+        raise typer.BadParameter(f"{folder} is a model repository, not a model folder: give one of its models, e.g. "
+                                 f"{folder / inside[0]} ({len(inside)} there)", param_hint="FOLDER")
     with user_errors():  # not a model folder, or its training data cannot be found or read again
         evaluate_model(folder, cache=cache, data=data)
 

@@ -165,6 +165,8 @@ def test_train_and_evaluate_commands(tmp_path: Path, tiny_backbone_dir: Path) ->
     assert moved["training"]["data"]["path"] == str(tmp_path / "moved.csv")
     res = runner.invoke(app, ["evaluate", str(folder), "--cache", str(tmp_path / "cache")])  # the new path is kept
     assert res.exit_code == 0, res.output
+    res = runner.invoke(app, ["evaluate", str(folder.parent)])  # the repository, not the model
+    assert res.exit_code == 2 and "is a model repository, not a model folder" in said(res), res.output
     bad = runner.invoke(app, ["train", "toy2", "--out", str(tmp_path / "repo")])
     assert bad.exit_code != 0 and "exactly one of --preset or --data" in said(bad)
 
