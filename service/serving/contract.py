@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from service.modeling.encoding import Encoding
-from service.serving.logs import LogSetup
 
 Method = Literal["contribution", "shares"]
 """``"contribution"``: the value path's exact split of a logit; ``"shares"``: the paper's eq. 15 shares."""
@@ -171,6 +170,15 @@ def answers_of(chunks: Sequence[ChunkWork], answers: Sequence[Answer | None]) ->
 
 
 # --- messages between the server's process and a backbone's process (pickled over a pipe) ---
+
+@dataclass(frozen=True)
+class LogSetup:
+    """How a process of the server logs: one JSON object per line or plain lines, and from which level (the server
+    sends its own to each backbone process; see :mod:`service.serving.logs`)."""
+
+    json_lines: bool = False
+    level: str = "info"
+
 
 @dataclass(frozen=True)
 class LoadBackbone:

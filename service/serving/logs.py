@@ -1,6 +1,7 @@
 """Log lines: plain text, or one JSON object per line (``ROUTING_LOG_JSON``) with each record's fields; the same
-in the backbones' processes, which are told how (:class:`LogSetup`). A log holds log lines only: Python warnings
-become records, and the progress bars libraries draw (transformers, loading weights) are off."""
+in the backbones' processes, which are told how (a :class:`~service.serving.contract.LogSetup`). A log holds log
+lines only: Python warnings become records, and the progress bars libraries draw (transformers, loading weights)
+are off."""
 
 from __future__ import annotations
 
@@ -8,18 +9,10 @@ import json
 import logging
 import os
 import sys
-from dataclasses import dataclass
 from typing import Any
 
 from service.config import Settings
-
-
-@dataclass(frozen=True)
-class LogSetup:
-    """How a process of the server logs (sent to the backbones' processes as it is in the server's)."""
-
-    json_lines: bool = False
-    level: str = "info"
+from service.serving.contract import LogSetup
 
 
 class JSONFormatter(logging.Formatter):
