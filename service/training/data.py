@@ -87,9 +87,10 @@ def preset_path(name: str) -> tuple[Path, dict[str, str]]:
 
 def read_examples(path: Path, text_column: str = "text", label_column: str = "label",
                   encoding: str = "utf-8") -> list[tuple[str, str]]:
-    """(text, label) pairs from a .csv, a .jsonl (or a .json array of objects), or a directory with one sub-folder
-    of .txt files per label, spaces stripped (:func:`make_dataset` drops those without a text or a label).
-    A UTF-8 file may start with a byte-order mark (as spreadsheets write them); numbers as labels are read as text.
+    """(text, label) pairs from a .csv or .tsv, a .jsonl (or a .json array of objects), or a directory with one
+    sub-folder of .txt files per label, spaces stripped (:func:`make_dataset` drops those without a text or a
+    label). A CSV file may be separated by semicolons or tabs (see :func:`_read_csv`). A UTF-8 file may start with a
+    byte-order mark (as spreadsheets write them); numbers as labels are read as text.
 
     Raises:
         DatasetError: the file is missing, in another encoding, malformed, or lacks a column.
@@ -106,12 +107,13 @@ def read_examples(path: Path, text_column: str = "text", label_column: str = "la
             pairs = [(f.read_text(encoding=codec, errors="replace"), label_dir.name)
                      for label_dir in sorted(p for p in path.iterdir() if p.is_dir() and not p.name.startswith("."))
                      for f in sorted(label_dir.glob("*.txt"))]
-        elif path.suffix == ".csv":
+        elif path.suffix in (".csv", ".tsv"):
             pairs = _read_csv(path, text_column, label_column, codec)
         elif path.suffix in (".jsonl", ".json"):
             pairs = _read_json(path, text_column, label_column, codec)
         else:
-            raise DatasetError(f"{path}: expected a .csv, a .jsonl or a folder-per-label directory")
+            raise DatasetError(f"{path}: expected a .csv (or .tsv), a .jsonl (or .json) or a folder-per-label "
+                               "directory")
     except UnicodeDecodeError as e:
         raise DatasetError(f"{path}: not {encoding} text (byte {e.object[e.start]:#04x} cannot be decoded); "
                            "name the file's encoding with --encoding, e.g. --encoding cp1252") from None
@@ -121,11 +123,19 @@ def read_examples(path: Path, text_column: str = "text", label_column: str = "la
 
 
 def _read_csv(path: Path, text_column: str, label_column: str, codec: str) -> list[tuple[str, str]]:
+    """Rows of a CSV file: comma-separated, or where its header says so, separated by semicolons (as spreadsheets
+    write CSV in many locales) or tabs (and a .tsv file by tabs)."""
     limit = csv.field_size_limit()
     csv.field_size_limit(max(limit, MAX_FIELD))  # long documents are texts too (the default limit is 128 KiB)
     try:
         with path.open(encoding=codec, newline="") as fh:
-            reader = csv.DictReader(fh)
+            first = fh.readline()
+            fh.seek(0)
+            delimiters = "\t" if path.suffix == ".tsv" else ",;\t"
+            delimiter = next((d for d in delimiters  # the first that makes a header with both columns
+                              if {text_column, label_column} <= set(next(csv.reader([first], delimiter=d), []))),
+                             delimiters[0])
+            reader = csv.DictReader(fh, delimiter=delimiter)
             try:
                 if not reader.fieldnames or {text_column, label_column} - set(reader.fieldnames):
                     raise DatasetError(f"{path}: needs columns {text_column!r} and {label_column!r}, "

@@ -176,6 +176,12 @@ def test_readers_take_files_as_users_write_them(tmp_path: Path) -> None:
     numbers as labels, a .json array; rows without a label are counted, not silently lost."""
     (tmp_path / "bom.csv").write_text("text,label\nhello there,a\n", encoding="utf-8-sig")
     assert read_examples(tmp_path / "bom.csv") == [("hello there", "a")]
+    (tmp_path / "semi.csv").write_text('text;label\n"hello, there";a\nbye;b\n')  # a spreadsheet's CSV in many locales
+    (tmp_path / "tabs.tsv").write_text("label\ttext\na\thello, there\nb\tbye\n")
+    assert read_examples(tmp_path / "semi.csv") == read_examples(tmp_path / "tabs.tsv") == [("hello, there", "a"),
+                                                                                            ("bye", "b")]
+    (tmp_path / "commas.csv").write_text('text,label\n"a; b; c",x\n')  # semicolons in a comma file's texts
+    assert read_examples(tmp_path / "commas.csv") == [("a; b; c", "x")]
     (tmp_path / "cp.csv").write_bytes("text,label\ncafé au lait,a\n".encode("cp1252"))
     with pytest.raises(DatasetError, match=r"not utf-8 text \(byte 0xe9.*--encoding cp1252"):
         read_examples(tmp_path / "cp.csv")
