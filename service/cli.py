@@ -377,8 +377,15 @@ def bench_serve(
     with extras("bench serve"):
         from service.bench import serve as sb
 
-    sizes = numbers(offline_batch_sizes, "--offline-batch-sizes")
+    sizes = numbers(offline_batch_sizes, "--offline-batch-sizes")  # every option checked before anything else
     levels = numbers(concurrency, "--concurrency")
+    peer_levels = numbers(peer_concurrency, "--peer-concurrency")
+    open_fractions = numbers(open_loop, "--open-loop", float, required=False)
+    pairs = [p.split(":") for p in threads.split(",") if p]
+    if not all(len(pair) == 2 and (pair[0] == "auto" or (pair[0].isdigit() and int(pair[0]) > 0)) for pair in pairs):
+        raise typer.BadParameter(f"expected comma-separated threads:wait-policy pairs (e.g. 1:default,auto:passive), "
+                                 f"got {threads!r}", param_hint="--threads")
+    configs = [(None if t == "auto" else int(t), None if w == "default" else w) for t, w in pairs]
     if not any(b <= max_batch_size for b in sizes):
         typer.echo(f"--offline-batch-sizes needs a size of at most --max-batch-size ({max_batch_size}): the "
                    "offline limit is measured at the batch sizes the server may form", err=True)
@@ -401,15 +408,7 @@ def bench_serve(
     if baseline is not None and not (baseline / "service" / "__init__.py").is_file():
         typer.echo(f"--baseline {baseline}: not a checkout of this repository (no service/ package)", err=True)
         raise typer.Exit(2)
-    plan = None
-    if names or baseline is not None:
-        plan = Plan(names, baseline, numbers(peer_concurrency, "--peer-concurrency"),
-                    numbers(open_loop, "--open-loop", float, required=False), peer_rounds)
-    pairs = [p.split(":") for p in threads.split(",") if p]
-    if not all(len(pair) == 2 and (pair[0] == "auto" or (pair[0].isdigit() and int(pair[0]) > 0)) for pair in pairs):
-        raise typer.BadParameter(f"expected comma-separated threads:wait-policy pairs (e.g. 1:default,auto:passive), "
-                                 f"got {threads!r}", param_hint="--threads")
-    configs = [(None if t == "auto" else int(t), None if w == "default" else w) for t, w in pairs]
+    plan = Plan(names, baseline, peer_levels, open_fractions, peer_rounds) if names or baseline is not None else None
     sb.run(model=model, preset=preset or model, levels=levels, duration=duration,
            n_texts=n_texts, repository=model_repository, device=device, max_wait_ms=max_wait_ms,
            max_batch_size=max_batch_size, offline_batch_sizes=sizes,
