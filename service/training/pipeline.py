@@ -143,10 +143,15 @@ def train_model(name: str, data: DataSpec, out_dir: Path, backbone_source: str =
                                       "max_train": max_train},
                   "feature_seconds": round(feature_seconds, 1)},
     )
-    evaluation = evaluate_features(head, ds, f_train, y_train, f_val, f_test)
+    folder = out_dir / name
+    try:
+        evaluation = evaluate_features(head, ds, f_train, y_train, f_val, f_test)
+    except Exception:  # the trained head is kept all the same; `routing-service evaluate` adds the evaluation later
+        save_model(folder, manifest, head)
+        print(f"{name}: evaluation failed; the head is written to {folder} without it", file=sys.stderr, flush=True)
+        raise
     manifest.evaluation = evaluation
     manifest.training["wall_seconds"] = round(time.time() - t_start, 1)
-    folder = out_dir / name
     save_model(folder, manifest, head)  # once, complete: a server watching the repository loads it once
     _print_evaluation(name, evaluation)
     return folder

@@ -537,3 +537,18 @@ def test_feature_cache_survives_a_file_cut_short(tmp_path: Path, tiny_backbone_d
     out = capsys.readouterr()
     assert "unreadable" in out.err and "computing them again" in out.err and "cached in" in out.out
     assert torch.equal(extract(backbone, texts, cache_dir=tmp_path, source="tiny").flat, first.flat)
+
+
+def test_a_failed_evaluation_keeps_the_trained_head(tmp_path: Path, tiny_backbone_dir: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    from service.training import pipeline
+
+    def failing(*args: object) -> None:
+        raise RuntimeError("the probe failed")
+
+    monkeypatch.setattr(pipeline, "evaluate_features", failing)
+    res = CliRunner().invoke(app, ["train", "toy", "--out", str(tmp_path / "repo"), *toy_args(tmp_path,
+                                                                                            tiny_backbone_dir)])
+    assert isinstance(res.exception, RuntimeError) and "evaluation failed; the head is written" in res.output
+    manifest, _ = load_model(tmp_path / "repo" / "toy")  # a model that serves, its evaluation still to add
+    assert manifest.evaluation == {}
