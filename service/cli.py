@@ -106,7 +106,8 @@ def serve(
 def train(
     name: Annotated[str, typer.Argument(help="Model name, also its folder name")],
     preset: Annotated[str | None, typer.Option(help=f"Bundled dataset: {', '.join(PRESETS)}")] = None,
-    data: Annotated[Path | None, typer.Option(exists=True, help="CSV/JSONL file or folder-per-label directory")] = None,
+    data: Annotated[Path | None, typer.Option(exists=True, help=(
+        "CSV (or TSV), JSON Lines or JSON file, or folder-per-label directory"))] = None,
     text_column: str = "text",
     label_column: str = "label",
     encoding: str = "utf-8",
