@@ -215,8 +215,8 @@ def evaluate(
 def bench_routing(
     device: Annotated[str, typer.Option(help="cpu | cuda")] = "cpu",
     factors: Annotated[str, typer.Option(help="Growth factors per dimension")] = "1,2,4,8",
-    repeats: int = 3,
-    threads: Annotated[int | None, typer.Option(help="torch threads (default: torch's)")] = None,
+    repeats: Annotated[int, typer.Option(min=1)] = 3,
+    threads: Annotated[int | None, typer.Option(min=1, help="torch threads (default: torch's)")] = None,
     out: Annotated[Path, typer.Option(help="JSON result file")] = Path("bench-results/routing.json"),
 ) -> None:
     """Time and peak memory of EfficientVectorRouting as n_inp, n_out, d_inp, d_out grow (paper Fig. 6)."""
@@ -247,9 +247,9 @@ def bench_routing(
 @bench_app.command("sharing")
 def bench_sharing(
     model_repository: Path = Path("models"),
-    n_texts: Annotated[int, typer.Option("--texts", help="Test tweets to send")] = 1000,
-    duration: Annotated[float, typer.Option(help="Seconds per measure")] = 5.0,
-    rounds: Annotated[int, typer.Option(help="Turns of each comparison")] = 3,
+    n_texts: Annotated[int, typer.Option("--texts", min=1, help="Test tweets to send")] = 1000,
+    duration: Annotated[float, typer.Option(min=0.1, help="Seconds per measure")] = 5.0,
+    rounds: Annotated[int, typer.Option(min=1, help="Turns of each comparison")] = 3,
     heads: Annotated[str, typer.Option(help="K heads per request (the largest sets how many are loaded)")] = "1,2,4,8",
     batch_sizes: Annotated[str, typer.Option(help="Texts per request")] = "1,32",
     baseline: Annotated[Path | None, typer.Option(help="A checkout of an earlier version of this repository, "
@@ -267,10 +267,10 @@ def bench_sharing(
 @bench_app.command("repository")
 def bench_repository(
     model_repository: Path = Path("models"),
-    loads: Annotated[int, typer.Option(help="Loads (each followed by an unload) of a head onto the running backbone")
-                     ] = 10,
-    concurrency: Annotated[int, typer.Option(help="Clients while a model is reloaded and unloaded")] = 32,
-    duration: Annotated[float, typer.Option(help="Seconds of traffic around the reload and the unload")] = 9.0,
+    loads: Annotated[int, typer.Option(min=1, help="Loads (each followed by an unload) of a head onto the running "
+                                                   "backbone")] = 10,
+    concurrency: Annotated[int, typer.Option(min=1, help="Clients while a model is reloaded and unloaded")] = 32,
+    duration: Annotated[float, typer.Option(min=0.1, help="Seconds of traffic around the reload and the unload")] = 9.0,
     out: Annotated[Path, typer.Option(help="JSON result file")] = Path("bench-results/repository.json"),
 ) -> None:
     """Models at runtime: time to load a bundled-size head onto a running backbone, memory before, loaded and after
@@ -284,7 +284,7 @@ def bench_repository(
 def bench_train(
     datasets: Annotated[str, typer.Option(help="Comma-separated datasets of the bench")] = (
         "tweet-sentiment,tweet-polarity-3k,bbc-headlines,movie-reviews,bbc-news-topics"),
-    folds: Annotated[int | None, typer.Option(help="k-fold cross-validation for every dataset (default: each "
+    folds: Annotated[int | None, typer.Option(min=2, help="k-fold cross-validation for every dataset (default: each "
                                                    "dataset's own: 5 for the small ones, the sha1 split otherwise)")
                      ] = None,
     cache: Annotated[Path, typer.Option(help="Feature cache folder")] = Path(".cache/features"),
@@ -310,11 +310,12 @@ def bench_train(
 def bench_heads(
     model_repository: Path = Path("models"),
     heads: Annotated[str, typer.Option(help="Comma-separated numbers of heads drawn from (K)")] = "1,10,100,1000",
-    concurrency: Annotated[int, typer.Option(help="Closed-loop clients")] = 32,
-    duration: Annotated[float, typer.Option(help="Seconds per measure")] = 10.0,
-    rounds: Annotated[int, typer.Option(help="Turns of each comparison")] = 2,
-    budget_heads: Annotated[int, typer.Option(help="Head cache budget, in heads, of the second server")] = 100,
-    open_share: Annotated[float, typer.Option(help="Open-loop rate, as a share of the single-head texts/s")] = 0.7,
+    concurrency: Annotated[int, typer.Option(min=1, help="Closed-loop clients")] = 32,
+    duration: Annotated[float, typer.Option(min=0.1, help="Seconds per measure")] = 10.0,
+    rounds: Annotated[int, typer.Option(min=1, help="Turns of each comparison")] = 2,
+    budget_heads: Annotated[int, typer.Option(min=1, help="Head cache budget, in heads, of the second server")] = 100,
+    open_share: Annotated[float, typer.Option(min=0.01, help="Open-loop rate, as a share of the single-head "
+                                                             "texts/s")] = 0.7,
     out: Annotated[Path, typer.Option(help="JSON result file")] = Path("bench-results/heads.json"),
 ) -> None:
     """Many heads on one backbone: K perturbed copies of the bundled head served from one backbone, requests naming a
@@ -331,15 +332,15 @@ def bench_serve(
     model: Annotated[str, typer.Option(help="Bundled model to load")] = "tweet-sentiment",
     preset: Annotated[str | None, typer.Option(help="Dataset whose test split is sent (default: the model)")] = None,
     concurrency: Annotated[str, typer.Option(help="Concurrency levels")] = "1,8,32,64",
-    duration: Annotated[float, typer.Option(help="Seconds per level")] = 10.0,
-    n_texts: Annotated[int, typer.Option("--texts", help="Test-split texts to cycle through")] = 1000,
+    duration: Annotated[float, typer.Option(min=0.1, help="Seconds per level")] = 10.0,
+    n_texts: Annotated[int, typer.Option("--texts", min=1, help="Test-split texts to cycle through")] = 1000,
     model_repository: Path = Path("models"),
     device: str = "cpu",
-    max_wait_ms: Annotated[float, typer.Option(help="The servers' setting")] = Settings.model_fields[
+    max_wait_ms: Annotated[float, typer.Option(min=0, help="The servers' setting")] = Settings.model_fields[
         "max_wait_ms"].default,
-    max_batch_size: Annotated[int, typer.Option(help="The servers' setting; the offline limit is the best of the "
-                                                     "offline batch sizes up to it")] = Settings.model_fields[
-        "max_batch_size"].default,
+    max_batch_size: Annotated[int, typer.Option(min=1, help="The servers' setting; the offline limit is the best of "
+                                                            "the offline batch sizes up to it")] = (
+        Settings.model_fields["max_batch_size"].default),
     offline_batch_sizes: Annotated[str, typer.Option(help="Batch sizes of the offline engine (those above "
                                                           "--max-batch-size are reported beside the limit)")] = (
         "1,8,16,32,64"),
@@ -347,15 +348,15 @@ def bench_serve(
     threads: Annotated[str, typer.Option(help="Extra servers at concurrency 32: threads:wait-policy pairs "
                                               "(auto = usable CPUs, default = the runtime's wait policy)")] = (
         "1:default,auto:passive,1:passive"),
-    long_chars: Annotated[int, typer.Option(help="Characters of the long text for the interference figure "
+    long_chars: Annotated[int, typer.Option(min=0, help="Characters of the long text for the interference figure "
                                                  "(0: skip)")] = 20000,
     model_process: Annotated[bool, typer.Option("--model-process/--no-model-process",
                                                 help="The servers' setting (a server with the other one and "
                                                      "one without batching are measured beside it in turns at "
                                                      "concurrency 32)")] = True,
-    rounds: Annotated[int, typer.Option(help="Turns of served vs. offline, and of the servers side by "
+    rounds: Annotated[int, typer.Option(min=1, help="Turns of served vs. offline, and of the servers side by "
                                                    "side, at concurrency 32")] = 3,
-    replicas: Annotated[int, typer.Option(help="Also a server with this many processes of the model, side by "
+    replicas: Annotated[int, typer.Option(min=0, help="Also a server with this many processes of the model, side by "
                                                "side and against as many offline (0: skip)")] = 2,
     other_settings: Annotated[bool, typer.Option("--other-settings/--no-other-settings",
                                                  help="Also the servers without batching, with the thread "
@@ -366,7 +367,7 @@ def bench_serve(
     open_loop: Annotated[str, typer.Option(help="Open-loop (Poisson) rates of the peer comparison, as fractions "
                                                 "of this service's best closed-loop throughput ('' to skip)")] = (
         "0.5,0.9"),
-    peer_rounds: Annotated[int, typer.Option(help="Turns of the peer comparison")] = 2,
+    peer_rounds: Annotated[int, typer.Option(min=1, help="Turns of the peer comparison")] = 2,
     baseline: Annotated[Path | None, typer.Option(help="A checkout of this repository (e.g. a git worktree of "
                                                        "an earlier commit) to serve beside the peers")] = None,
     out: Annotated[Path, typer.Option(help="JSON result file")] = Path("bench-results/serve.json"),
@@ -421,13 +422,14 @@ def bench_serve(
 def bench_explain(
     model: Annotated[str, typer.Option(help="Bundled model to load")] = "tweet-sentiment",
     preset: Annotated[str | None, typer.Option(help="Dataset whose test split is used (default: the model)")] = None,
-    n_texts: Annotated[int, typer.Option("--texts", help="Texts for the cost measurement")] = 256,
-    n_faithful: Annotated[int, typer.Option("--faithfulness-texts", help="Texts for faithfulness (0: skip)")] = 300,
-    n_timed: Annotated[int, typer.Option("--timed-texts", help="Texts for the time per explanation")] = 50,
-    batch_size: int = 32,
-    rounds: int = 3,
-    ig_steps: Annotated[int, typer.Option(help="Layer Integrated Gradients steps")] = 50,
-    max_occlusion: Annotated[int, typer.Option(help="Leave-one-out occlusion of at most this many tokens per "
+    n_texts: Annotated[int, typer.Option("--texts", min=1, help="Texts for the cost measurement")] = 256,
+    n_faithful: Annotated[int, typer.Option("--faithfulness-texts", min=0,
+                                            help="Texts for faithfulness (0: skip)")] = 300,
+    n_timed: Annotated[int, typer.Option("--timed-texts", min=1, help="Texts for the time per explanation")] = 50,
+    batch_size: Annotated[int, typer.Option(min=1)] = 32,
+    rounds: Annotated[int, typer.Option(min=1)] = 3,
+    ig_steps: Annotated[int, typer.Option(min=1, help="Layer Integrated Gradients steps")] = 50,
+    max_occlusion: Annotated[int, typer.Option(min=1, help="Leave-one-out occlusion of at most this many tokens per "
                                                     "text (a seeded sample beyond it)")] = 128,
     model_repository: Path = Path("models"),
     device: str = "cpu",

@@ -30,3 +30,11 @@ def test_a_list_option_that_is_no_list_of_numbers_exits_2(args: list[str], no_pe
 def test_thread_settings_are_pairs(no_peers: None) -> None:
     res = CliRunner().invoke(app, ["bench", "serve", "--threads", "1"])
     assert res.exit_code == 2 and "threads:wait-policy pairs" in " ".join(res.output.replace("│", " ").split())
+
+
+@pytest.mark.parametrize("args", [["serve", "--duration", "0"], ["serve", "--texts", "0"], ["heads", "--rounds", "0"],
+                                  ["train", "--folds", "1"], ["explain", "--timed-texts", "0"],
+                                  ["routing", "--repeats", "0"]])
+def test_a_count_or_duration_out_of_range_exits_2(args: list[str]) -> None:
+    res = CliRunner().invoke(app, ["bench", *args])
+    assert res.exit_code == 2 and f"Invalid value for '{args[1]}'" in " ".join(res.output.replace("│", " ").split())
