@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from service.bench.report import echo, table, write_json
+from service.files import replace_file
 from service.modeling.backbone import Backbone
 from service.modeling.head import RoutingHead
 from service.training.config import TrainConfig
@@ -146,11 +147,9 @@ class FinishedParts:
 
     def keep(self, key: str, part: dict[str, Any]) -> None:
         self.parts[key] = part
-        if self.path is not None:  # written whole and renamed: a stop while writing leaves the previous file
+        if self.path is not None:  # written whole: a stop while writing leaves the previous file
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_name(self.path.name + ".tmp")
-            tmp.write_text(json.dumps({"parts": self.parts}))
-            tmp.replace(self.path)
+            replace_file(self.path, json.dumps({"parts": self.parts}).encode())
 
     def done(self) -> None:
         """The dataset's results are written: its finished parts are no longer needed."""

@@ -4,12 +4,13 @@ repository's folders, without torch: the server's front reads them, the backbone
 from __future__ import annotations
 
 import json
-import os
 import re
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from service.files import replace_file
 
 MANIFEST = "manifest.json"
 WEIGHTS = "head.safetensors"
@@ -92,20 +93,5 @@ def discover(repository: Path) -> list[str]:
 
 
 def write_manifest(folder: Path, manifest: Manifest) -> None:
-    """Write ``folder/manifest.json`` whole (see :func:`replace_file`)."""
+    """Write ``folder/manifest.json`` whole (:func:`service.files.replace_file`)."""
     replace_file(folder / MANIFEST, (json.dumps(manifest.model_dump(), indent=2) + "\n").encode())
-
-
-def replace_file(path: Path, data: bytes) -> None:
-    """Write ``path`` so that a reader sees the old file or the new one, never a part: the bytes go to a hidden file
-    beside it, which then replaces it. Its mode is an ordinary new file's (0666 less the umask), so that a server
-    running as another user (a container's) can read what was written here."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with tmp.open("wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)

@@ -9,6 +9,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save
 
+from service.files import replace_file
 from service.modeling.backbone import Backbone, BackboneError
 from service.modeling.classifier import RoutingClassifier
 from service.modeling.head import RoutingHead
@@ -21,7 +22,6 @@ from service.modeling.manifest import (
     ModelLoadError,
     discover,
     read_manifest,
-    replace_file,
     write_manifest,
 )
 
@@ -85,8 +85,8 @@ def load_model(folder: Path, device: str | torch.device = "cpu", dtype: torch.dt
 
 def save_model(folder: Path, manifest: Manifest, head: RoutingHead) -> None:
     """Write ``head.safetensors`` (contiguous float32 tensors), then ``manifest.json``, each replacing its old file
-    whole (:func:`replace_file`): a server watching the folder reloads once the manifest lands, and never reads a
-    file half written. (safetensors' own ``save_file`` leaves the file readable by its owner alone.)"""
+    whole (:func:`service.files.replace_file`): a server watching the folder reloads once the manifest lands, and
+    never reads a file half written. (safetensors' own ``save_file`` leaves the file readable by its owner alone.)"""
     folder.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().float().contiguous().cpu() for k, v in head.state_dict().items()}
     replace_file(folder / WEIGHTS, save(state))

@@ -4,13 +4,13 @@
 from __future__ import annotations
 
 import hashlib
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from service.files import replacing
 from service.modeling.backbone import Backbone
 from service.training.progress import progress
 
@@ -84,12 +84,8 @@ def extract(backbone: Backbone, texts: list[str], batch_size: int = 64, cache_di
                      torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]))
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # whole or not at all: a stopped run leaves no part
-        try:
+        with replacing(path) as tmp:  # whole or not at all: a stopped run leaves no part
             torch.save({"flat": feats.flat, "offsets": feats.offsets}, tmp)
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
         print(f"{desc}: cached in {path} ({path.stat().st_size / 2**20:,.1f} MiB; --cache sets the folder)", flush=True)
     return feats
 
