@@ -32,13 +32,14 @@ def new_request_id() -> str:
 
 
 MAX_REQUEST_ID = 200  # characters of a client's X-Request-ID kept (echoed, and logged with the request's errors)
+_UNPRINTABLE = bytes(c for c in range(256) if not 0x21 <= c <= 0x7E)  # left out of a client's X-Request-ID
 
 
 def request_id_of(headers: list[tuple[bytes, bytes]]) -> str:
     """The client's ``X-Request-ID`` (printable ASCII, at most ``MAX_REQUEST_ID`` characters; anything else
     is left out), or a new one when it sends none that is usable."""
     given = next((v for k, v in headers if k == b"x-request-id"), b"")
-    kept = bytes(c for c in given[:MAX_REQUEST_ID] if 0x21 <= c <= 0x7E).decode("ascii")
+    kept = given[:MAX_REQUEST_ID].translate(None, _UNPRINTABLE).decode("ascii")
     return kept or new_request_id()
 
 
