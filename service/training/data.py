@@ -209,11 +209,11 @@ def make_dataset(pairs: list[tuple[str, str]], source: str) -> Dataset:
         name = "test" if bucket == 0 else "validation" if bucket == 1 else "train"
         splits[name].texts.append(t)
         splits[name].labels.append(index[next(iter(labs))])
-    empty = [name for name, split in splits.items() if not split.texts]
-    if empty or len(set(splits["train"].labels)) < 2:
+    train_labels = len(set(splits["train"].labels))
+    if any(not split.texts for split in splits.values()) or train_labels < 2:
         sizes = ", ".join(f"{name} {len(split.texts)}" for name, split in splits.items())
         raise DatasetError(f"{source}: too few examples to train and evaluate ({sizes} texts; "
-                           f"{len(set(splits['train'].labels))} labels in train): each split needs texts and the "
+                           f"{train_labels} labels in train): each split needs texts and the "
                            "training split two labels (a text's split is its sha1 % 10: about a tenth each validate "
                            "and test)")
     return Dataset(labels, splits["train"], splits["validation"], splits["test"], source,
