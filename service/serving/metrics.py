@@ -8,11 +8,14 @@ Buckets cover both CPU (tens of ms to seconds) and GPU (milliseconds) serving.
 from __future__ import annotations
 
 import contextlib
+import gc
+import time
 from collections import Counter as Tally
 from collections.abc import Callable, Iterable, Sequence
+from typing import ClassVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from service.serving.contract import Answer, ChunkWork
@@ -64,6 +67,42 @@ class _BackboneProcessCollector(Collector):
         return [fam]
 
 
+class _GcCollector(Collector):
+    """This process's garbage collector: collections and the seconds they took per generation (from gc's callbacks,
+    installed once per process, counting from then), and the objects frozen out of its collections (``gc.freeze``).
+    """
+
+    collections: ClassVar[list[int]] = [0, 0, 0]  # one timer per process, whatever the apps
+    seconds: ClassVar[list[float]] = [0.0, 0.0, 0.0]
+    _started: ClassVar[float | None] = None
+
+    @classmethod
+    def install(cls) -> None:
+        if cls._time not in gc.callbacks:
+            gc.callbacks.append(cls._time)
+
+    @classmethod
+    def _time(cls, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            cls._started = time.perf_counter()
+        elif cls._started is not None:
+            cls.collections[info["generation"]] += 1
+            cls.seconds[info["generation"]] += time.perf_counter() - cls._started
+            cls._started = None
+
+    def collect(self) -> Iterable[CounterMetricFamily | GaugeMetricFamily]:
+        collections = CounterMetricFamily("routing_process_gc_collections", "Garbage collections of the server's "
+                                          "process", labels=["generation"])
+        seconds = CounterMetricFamily("routing_process_gc_seconds", "Time the server's process spent in garbage "
+                                      "collections (its event loop waits meanwhile)", labels=["generation"])
+        for generation, (n, s) in enumerate(zip(self.collections, self.seconds, strict=True)):
+            collections.add_metric([str(generation)], n)
+            seconds.add_metric([str(generation)], s)
+        frozen = GaugeMetricFamily("routing_process_gc_frozen_objects", "Objects of the server's start left out of "
+                                   "garbage collections", value=gc.get_freeze_count())
+        return [collections, seconds, frozen]
+
+
 class Metrics:
     """The service's metrics, registered in their own registry (one per app)."""
 
@@ -71,6 +110,8 @@ class Metrics:
                  backbone_memory: BackboneMemory | None = None) -> None:
         r = self.registry = CollectorRegistry()
         ProcessCollector(namespace="routing", registry=r)  # routing_process_resident_memory_bytes, cpu, fds
+        _GcCollector.install()
+        r.register(_GcCollector())
         if device_memory is not None:
             r.register(_DeviceMemoryCollector(device_memory))
         if backbone_memory is not None:

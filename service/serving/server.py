@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import gc
 import logging
 import socket
 import sys
@@ -81,6 +82,17 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
+def freeze_startup_objects() -> None:
+    """Leave the objects alive once the models have loaded (the libraries' modules, the tokenizers, the app: about
+    400,000 here) out of the garbage collector's full collections from now on. Requests' objects that live through
+    two young collections (those in flight) trigger a full collection every second or two under load, and one over
+    every object of the process took about 30 ms of the event loop each. What the startup objects would leave as
+    cyclic garbage (a model unloaded at runtime) stays in memory."""
+    gc.collect()
+    gc.freeze()
+    log.debug("garbage collector: %d startup objects frozen", gc.get_freeze_count())
+
+
 def run_server(settings: Settings) -> None:
     """Serve until SIGTERM; exit 1 if the models could not be loaded, 3 if the address cannot be bound."""
     setup_logging(settings)
@@ -107,6 +119,8 @@ def run_server(settings: Settings) -> None:
                 await asyncio.sleep(0.1)
             if state.lifecycle.failed:
                 server.should_exit = True
+            else:
+                freeze_startup_objects()
 
         watcher = asyncio.create_task(exit_if_load_fails())
         await server.serve()
