@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import os
 from collections.abc import Callable, Iterator
@@ -152,7 +153,7 @@ def train(
         "Train twelve heads (learning rate x0.5/x1/x2, step budget x1/x3, crop 1/0.6) and keep the best on "
         "validation; every point's scores go into the manifest"))] = False,
 ) -> None:
-    """Train a routing head on a frozen backbone, evaluate it against the baseline, write a model folder."""
+    """Train a routing head on a frozen backbone, evaluate it against two linear probes, write a model folder."""
     from service.training.pipeline import DataSpec, train_model
 
     with extras("train", "train"):  # the probes the head is compared with
@@ -199,7 +200,8 @@ def evaluate(
     data: Annotated[Path | None, typer.Option(help="Where the model's training data file is now, when it moved "
                                                    "(recorded in the manifest)")] = None,
 ) -> None:
-    """Accuracy, macro-F1, confusion matrix and the logistic baseline on the test split, into the manifest."""
+    """Accuracy, macro-F1 and confusion matrix on the test split, beside two linear probes and McNemar's test
+    against the all-layer one, into the manifest."""
     from service.training.pipeline import evaluate_model
 
     with extras("evaluate", "train"):  # the probes the head is compared with
@@ -443,3 +445,10 @@ def bench_explain(
         from service.bench import explain as eb
     eb.run(model, preset or model, model_repository, n_texts, n_faithful, n_timed, batch_size, rounds, ig_steps,
            max_occlusion, device, out)
+
+
+for _command in [*app.registered_commands, *bench_app.registered_commands]:
+    # the list of commands shows each one's summary, the first paragraph of its docstring, as one line (typer's
+    # rich help keeps the docstring's line breaks there, mid-sentence)
+    if _command.short_help is None and _command.callback is not None and _command.callback.__doc__:
+        _command.short_help = " ".join(inspect.cleandoc(_command.callback.__doc__).split("\n\n")[0].split())
