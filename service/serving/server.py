@@ -114,7 +114,7 @@ def run_server(settings: Settings) -> None:
     server = DrainingServer(config, state)
 
     async def main() -> None:
-        async def exit_if_load_fails() -> None:
+        async def after_loading() -> None:  # exit if the models could not load; else freeze what the start made
             while state.lifecycle.loading:
                 await asyncio.sleep(0.1)
             if state.lifecycle.failed:
@@ -122,7 +122,7 @@ def run_server(settings: Settings) -> None:
             else:
                 freeze_startup_objects()
 
-        watcher = asyncio.create_task(exit_if_load_fails())
+        watcher = asyncio.create_task(after_loading())
         await server.serve()
         watcher.cancel()
 
