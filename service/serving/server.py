@@ -87,7 +87,7 @@ YOUNG_COLLECTION_THRESHOLD = 10_000  # tracked objects allocated (net) before a 
 
 def tune_garbage_collector() -> None:
     """Once the models have loaded: leave the objects alive then (the libraries' modules, the tokenizers, the app:
-    about 400,000 here) out of the garbage collector's full collections from now on, and collect the young
+    about 75,000 tracked here) out of the garbage collector's full collections from now on, and collect the young
     generation less often. Requests' objects that live through two young collections (those in flight) set off a
     full collection every second or two under load, and one over every object of the process held the event loop
     about 30 ms; and a request's short-lived objects (a parsed body, a response) passed Python's 700 often enough
