@@ -97,6 +97,9 @@ def install(app: FastAPI) -> None:
         _count(request, REASONS.get(exc.status_code))
         if exc.status_code == 404 and message == "Not Found":
             message = f"no route {request.method} {request.url.path}"
+        allow = (getattr(exc, "headers", None) or {}).get("Allow")
+        if exc.status_code == 405 and allow:
+            message = f"{request.method} is not allowed on {request.url.path}; use {allow}"
         return error_response(exc.status_code, message, headers=getattr(exc, "headers", None), path=request.url.path)
 
     @app.exception_handler(Exception)

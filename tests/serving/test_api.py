@@ -173,8 +173,9 @@ def test_unknown_model_route_method_and_media_type(tiny: Server) -> None:
     assert_error(post(tiny, "/v1/models/nope/classify", {"inputs": ["a"]}), 404, "not_found", "nope")
     assert_error(httpx.get(f"{tiny.url}/v1/models/nope"), 404, "not_found", "nope")
     assert_error(httpx.get(f"{tiny.url}/nowhere"), 404, "not_found")
-    assert_error(httpx.get(f"{tiny.url}/v1/classify"), 405, "method_not_allowed")
-    assert_error(httpx.put(f"{tiny.url}/v1/models"), 405, "method_not_allowed")
+    assert_error(httpx.get(f"{tiny.url}/v1/classify"), 405, "method_not_allowed",
+                 "GET is not allowed on /v1/classify; use POST")
+    assert_error(httpx.put(f"{tiny.url}/v1/models"), 405, "method_not_allowed", "use GET")
     r = httpx.post(f"{tiny.url}/v1/classify", content=b"hello", headers={"Content-Type": "text/plain"})
     assert_error(r, 415, "unsupported_media_type")
     r = httpx.post(f"{tiny.url}/v1/classify", content=b'{"inputs": ["\xff\xfe"]}',
