@@ -48,6 +48,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     errors.install(app)
     app.include_router(inference.router)
     app.include_router(kserve.router)
+    app.include_router(kserve.verbs)  # before /v1/models/{model}, which would take "x:verb" for a name
     app.include_router(models.router)
     app.include_router(health.router)
     app.include_router(v2.router)

@@ -141,3 +141,13 @@ def test_kserve_v1_predict_and_explain_equal_our_routes(tiny: Server) -> None:
     bad = httpx.post(f"{tiny.url}/v1/models/tiny:predict", json={"instances": []})
     assert bad.status_code == 422 and bad.json()["error"]["code"] == "validation_error"
     assert httpx.post(f"{tiny.url}/v1/models/nope:predict", json={"instances": ["a"]}).status_code == 404
+
+
+def test_kserve_v1_verbs_misused_are_explained(tiny: Server) -> None:
+    """GET on a verb, or a verb KServe V1 does not have: not 'unknown model tiny:predict' nor 'use GET'."""
+    r = httpx.get(f"{tiny.url}/v1/models/tiny:predict")
+    assert r.status_code == 405 and r.headers["allow"] == "POST", r.text
+    assert r.json()["error"]["message"] == "GET is not allowed on /v1/models/tiny:predict; use POST"
+    r = httpx.post(f"{tiny.url}/v1/models/tiny:predcit", json={"instances": ["a"]})
+    assert r.status_code == 404 and "no KServe V1 verb ':predcit'" in r.json()["error"]["message"], r.text
+    assert httpx.get(f"{tiny.url}/v1/models/tiny").status_code == 200  # a model's own path is still its metadata

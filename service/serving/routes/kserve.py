@@ -8,12 +8,15 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat
 
+from service.serving.errors import APIError
 from service.serving.routes import inference
 from service.serving.routes.deps import State, require_json, require_key
 from service.serving.schemas import ClassifyRequest, CreditOptions, ExplainRequest, ExplainResult, NonBlank
 
 router = APIRouter(prefix="/v1", tags=["kserve v1"], dependencies=[Depends(require_key), Depends(require_json)],
                    responses=inference.ERRORS)
+verbs = APIRouter(prefix="/v1", dependencies=[Depends(require_key)], include_in_schema=False)  # after ``router``
+VERBS = ("predict", "explain")
 
 
 class TextInstance(BaseModel):
@@ -69,3 +72,14 @@ async def explain(request: Request, state: State, model: str, body: ExplainInsta
                          contrast=body.contrast)
     (res,) = await inference.explain(request, state, [model], req)
     return ExplainInstancesResponse(explanations=res.results)
+
+
+@verbs.api_route("/models/{model}:{verb}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
+async def other_verb(request: Request, model: str, verb: str) -> None:
+    """What no route above takes on a verb's path (no model name has a colon): another verb than KServe V1's is
+    404, and one of them with another method than POST 405 (else GET /v1/models/{model} would take the path for a
+    model's name, and POST on it would be told to use GET)."""
+    if verb in VERBS:
+        raise APIError(405, f"{request.method} is not allowed on {request.url.path}; use POST",
+                       headers={"Allow": "POST"})
+    raise APIError(404, f"no KServe V1 verb ':{verb}'; POST /v1/models/{model}:predict or /v1/models/{model}:explain")
