@@ -44,10 +44,19 @@ class HeadCache:
         return sum(self._recent.values())
 
     def start(self) -> None:
-        """Count the heads loaded at start (the pinned ones)."""
+        """Count the heads loaded at start (the pinned ones), and say what room the budget leaves beside them."""
         for name in self.app.inference.models:
             self._recent[name] = self._weight_bytes(name)
         self._export()
+        pinned = self.resident_bytes
+        head = max(self._recent.values(), default=0)  # a head's size, as the pinned ones weigh
+        if head and self.budget - pinned < head:
+            log.warning("head cache: a budget of %d bytes leaves no room beside the pinned heads (%d bytes): every "
+                        "other head is loaded for each request that names it and evicted after it "
+                        "(ROUTING_HEAD_CACHE_BYTES sets the budget)", self.budget, pinned)
+        else:
+            log.info("head cache: a budget of %d bytes, %d of them for the pinned heads: room for about %d heads "
+                     "of %d bytes beside them", self.budget, pinned, (self.budget - pinned) // max(head, 1), head)
 
     def known(self, name: str) -> None:
         """Check that ``name`` is a model the server can serve: loaded, or a folder of the repository (400/404 as

@@ -75,6 +75,16 @@ async def test_start_up_loads_only_the_pinned_heads(state: AppState) -> None:
     assert metric(page(state), "routing_head_cache_resident_heads") == 1
 
 
+@pytest.mark.parametrize(("heads", "said"), [(3.5, "room for about 2 heads"), (1.5, "leaves no room beside")])
+async def test_start_up_says_what_room_the_budget_leaves(repo: Path, head_bytes: int, heads: float, said: str,
+                                                         caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("INFO", logger="service.cache"):
+        async with loaded(Settings(model_repository=repo, default_model=NAMES[0], model_process=False,
+                                   head_cache_bytes=int(heads * head_bytes))):
+            pass
+    assert said in caplog.text, caplog.text
+
+
 async def test_every_answer_is_its_heads_alone_and_the_budget_holds(state: AppState, head_bytes: int,
                                                                      alone: dict[str, list]) -> None:
     rng = random.Random(0)
