@@ -99,7 +99,7 @@ def install(app: FastAPI) -> None:
             message = f"no route {request.method} {request.url.path}"
         allow = (getattr(exc, "headers", None) or {}).get("Allow")
         if exc.status_code == 405 and allow:
-            message = f"{request.method} is not allowed on {request.url.path}; use {allow}"
+            message = not_allowed(request, allow)
         return error_response(exc.status_code, message, headers=getattr(exc, "headers", None), path=request.url.path)
 
     @app.exception_handler(Exception)
@@ -108,6 +108,11 @@ def install(app: FastAPI) -> None:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
         return error_response(500, "internal error; the request id identifies it in the server log",
                               path=request.url.path)
+
+
+def not_allowed(request: Request, allow: str) -> str:
+    """A 405's message: the request's method, its path and the methods the route takes (its Allow header)."""
+    return f"{request.method} is not allowed on {request.url.path}; use {allow}"
 
 
 def unavailable(message: str, why: str) -> APIError:

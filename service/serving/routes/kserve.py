@@ -8,7 +8,7 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat
 
-from service.serving.errors import APIError
+from service.serving.errors import APIError, not_allowed
 from service.serving.routes import inference
 from service.serving.routes.deps import State, require_json, require_key
 from service.serving.schemas import ClassifyRequest, CreditOptions, ExplainRequest, ExplainResult, NonBlank
@@ -80,6 +80,5 @@ async def other_verb(request: Request, model: str, verb: str) -> None:
     404, and one of them with another method than POST 405 (else GET /v1/models/{model} would take the path for a
     model's name, and POST on it would be told to use GET)."""
     if verb in VERBS:
-        raise APIError(405, f"{request.method} is not allowed on {request.url.path}; use POST",
-                       headers={"Allow": "POST"})
+        raise APIError(405, not_allowed(request, "POST"), headers={"Allow": "POST"})
     raise APIError(404, f"no KServe V1 verb ':{verb}'; POST /v1/models/{model}:predict or /v1/models/{model}:explain")
