@@ -97,10 +97,10 @@ def install(app: FastAPI) -> None:
         _count(request, REASONS.get(exc.status_code))
         if exc.status_code == 404 and message == "Not Found":
             message = f"no route {request.method} {request.url.path}"
-        allow = (getattr(exc, "headers", None) or {}).get("Allow")
-        if exc.status_code == 405 and allow:
-            message = not_allowed(request, allow)
-        return error_response(exc.status_code, message, headers=getattr(exc, "headers", None), path=request.url.path)
+        headers = exc.headers  # Starlette's HTTPException always has them (None when it sets none)
+        if exc.status_code == 405 and headers and "Allow" in headers:
+            message = not_allowed(request, headers["Allow"])
+        return error_response(exc.status_code, message, headers=headers, path=request.url.path)
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:
