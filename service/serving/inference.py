@@ -180,7 +180,8 @@ class Inference:
         if unknown and self.cache is not None:  # with a head cache, any model folder of the repository
             return list(names)  # (checked as it is brought in)
         if unknown:
-            raise APIError(404, f"unknown model(s) {unknown}; available: {sorted(self.models)}")
+            hint = '; "models": "all" (not in a list) asks every loaded model' if "all" in unknown else ""
+            raise APIError(404, f"unknown model(s) {unknown}; available: {sorted(self.models)}{hint}")
         return list(names)
 
     def credit_spec(self, model: str, target: Target = None, method: Method = "contribution", contrast: bool = True,

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StringConstraints
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictFloat, StringConstraints
+from pydantic_core import PydanticCustomError
 
 from service.serving.contract import Method
 from service.serving.lifecycle import Status
@@ -20,10 +21,49 @@ class _Request(BaseModel):
                                     "the server's default applies when absent and its maximum caps it")
 
 
-ModelNames = Annotated[list[Annotated[str, StringConstraints(min_length=1)]] | Literal["all"] | None, Field(
-    min_length=1, description='Only on /v1/classify and /v1/explain: several models (or "all": every loaded one) in '
+def _json_kind(value: Any) -> str:
+    """What a JSON value is, in a client's words (for errors about a field of the wrong kind)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return f"a boolean ({str(value).lower()})"
+    if isinstance(value, int | float):
+        return f"a number ({value})"
+    if isinstance(value, str):
+        return f"the string {value!r}"
+    return "an object" if isinstance(value, dict) else "a list"
+
+
+def _names(value: Any, expected: str, one: str | None) -> Any:
+    """``value`` unchanged when it is null, a string or a list of strings, else a clear error (pydantic's union
+    errors name each branch: 'models.list[constrained-str]: Input should be a valid list; models.literal['all']:
+    ...'). ``one``: the hint for a lone string that is not accepted (None: a lone string is)."""
+    if value is None or (isinstance(value, str) and (one is None or value == "all")):
+        return value
+    if isinstance(value, str):
+        raise PydanticCustomError("names_type", "{expected}; got {got} ({one})",
+                                  {"expected": expected, "got": _json_kind(value), "one": one.format(value)})
+    if not isinstance(value, list) or not value:
+        raise PydanticCustomError("names_type", "{expected}; got {got}",
+                                  {"expected": expected, "got": _json_kind(value) if value != [] else "an empty list"})
+    bad = next((k for k, v in enumerate(value) if not isinstance(v, str) or not v), None)
+    if bad is not None:
+        raise PydanticCustomError("names_type", "{expected}; item {k} is {got}",
+                                  {"expected": expected, "k": bad, "got": _json_kind(value[bad]) if value[bad] != ""
+                                   else "empty"})
+    return value
+
+
+ModelNames = Annotated[
+    Annotated[list[Annotated[str, StringConstraints(min_length=1)]], Field(min_length=1)] | Literal["all"] | None,
+    BeforeValidator(lambda v: _names(v, 'a list of model names, or "all" for every loaded model', 'one model: ["{}"]')),
+    Field(description='Only on /v1/classify and /v1/explain: several models (or "all": every loaded one) in '
     "place of the default; the answer then holds each model's usual response, in the order asked. A text's encoder "
     "pass is shared by the models on one backbone", examples=[["tweet-sentiment", "bbc-news-topics"]])]
+
+Labels = Annotated[str | list[Annotated[str, StringConstraints(min_length=1)]] | None,
+                   BeforeValidator(lambda v: _names(v, 'a label, a list of labels, or "all"', None))]
+"""The labels a request explains (its ``target``)."""
 
 
 class CreditOptions(BaseModel):
@@ -42,7 +82,7 @@ class ClassifyRequest(CreditOptions, _Request):
 
 
 class ExplainRequest(CreditOptions, _Request):
-    target: str | list[Annotated[str, StringConstraints(min_length=1)]] | None = Field(
+    target: Labels = Field(
         None, description='Label(s) to explain: a label, a list of labels, or "all" (default: the predicted one); '
         'with several models, "all" or none, for each model')
     models: ModelNames = None

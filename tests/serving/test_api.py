@@ -153,6 +153,30 @@ def test_invalid_target_is_422(tiny: Server) -> None:
     assert_error(post(tiny, "/v1/explain", {"inputs": ["ok"], "target": []}), 422, "validation_error", "target")
 
 
+@pytest.mark.parametrize(("path", "body", "message"), [
+    ("/v1/classify", {"models": "tiny"}, 'models: a list of model names, or "all" for every loaded model; got the '
+                                         'string \'tiny\' (one model: ["tiny"])'),
+    ("/v1/classify", {"models": 3}, 'models: a list of model names, or "all" for every loaded model; got a number (3)'),
+    ("/v1/explain", {"models": ["tiny", None]}, "models: a list of model names, or \"all\" for every loaded model; "
+                                                "item 1 is null"),
+    ("/v1/explain", {"target": 2}, 'target: a label, a list of labels, or "all"; got a number (2)'),
+    ("/v1/explain", {"target": ["pos", ""]}, 'target: a label, a list of labels, or "all"; item 1 is empty'),
+])
+def test_models_and_targets_of_the_wrong_kind_say_what_is_expected(tiny: Server, path: str, body: dict,
+                                                                  message: str) -> None:
+    # one message per field, not one per branch of the field's type ('models.list[constrained-str]: Input should be
+    # a valid list; models.literal['all']: Input should be 'all'')
+    r = post(tiny, path, {"inputs": ["ok"], **body})
+    assert_error(r, 422, "validation_error")
+    assert r.json()["error"]["message"] == message
+    assert [d["field"] for d in r.json()["error"]["details"]] == [message.split(":")[0]]
+
+
+def test_all_in_a_list_of_models_is_404_with_the_way_to_ask_every_model(tiny: Server) -> None:
+    r = post(tiny, "/v1/classify", {"inputs": ["ok"], "models": ["all"]})
+    assert_error(r, 404, "not_found", '"models": "all" (not in a list) asks every loaded model')
+
+
 def test_invalid_json_is_422(tiny: Server) -> None:
     r = httpx.post(f"{tiny.url}/v1/classify", content=b"{nope", headers={"Content-Type": "application/json"})
     assert_error(r, 422, "validation_error")

@@ -141,6 +141,10 @@ def test_kserve_v1_predict_and_explain_equal_our_routes(tiny: Server) -> None:
     bad = httpx.post(f"{tiny.url}/v1/models/tiny:predict", json={"instances": []})
     assert bad.status_code == 422 and bad.json()["error"]["code"] == "validation_error"
     assert httpx.post(f"{tiny.url}/v1/models/nope:predict", json={"instances": ["a"]}).status_code == 404
+    for target, got in (([], "got an empty list"), (7, "got a number (7)")):  # as on /v1/.../explain, not a 500
+        bad = httpx.post(f"{tiny.url}/v1/models/tiny:explain", json={"instances": ["a"], "target": target})
+        assert bad.status_code == 422, bad.text
+        assert bad.json()["error"]["message"] == f'target: a label, a list of labels, or "all"; {got}'
 
 
 def test_kserve_v1_verbs_misused_are_explained(tiny: Server) -> None:

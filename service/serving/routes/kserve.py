@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictFloat
 from service.serving.errors import APIError, not_allowed
 from service.serving.routes import inference
 from service.serving.routes.deps import State, require_json, require_key
-from service.serving.schemas import ClassifyRequest, CreditOptions, ExplainRequest, ExplainResult, NonBlank
+from service.serving.schemas import ClassifyRequest, CreditOptions, ExplainRequest, ExplainResult, Labels, NonBlank
 
 router = APIRouter(prefix="/v1", tags=["kserve v1"], dependencies=[Depends(require_key), Depends(require_json)],
                    responses=inference.ERRORS)
@@ -37,7 +37,7 @@ class PredictRequest(BaseModel):
 
 
 class ExplainInstancesRequest(CreditOptions, PredictRequest):
-    target: str | list[Annotated[str, Field(min_length=1)]] | None = Field(
+    target: Labels = Field(
         None, description='Label(s) to explain: a label, a list of labels, or "all" (default: the predicted one)')
 
 
