@@ -21,6 +21,11 @@ class _Request(BaseModel):
                                     "the server's default applies when absent and its maximum caps it")
 
 
+def _short(text: str, limit: int = 60) -> str:
+    """``text``, cut to ``limit`` characters (an error message does not echo a whole body back)."""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def _json_kind(value: Any) -> str:
     """What a JSON value is, in a client's words (for errors about a field of the wrong kind)."""
     if value is None:
@@ -30,7 +35,7 @@ def _json_kind(value: Any) -> str:
     if isinstance(value, int | float):
         return f"a number ({value})"
     if isinstance(value, str):
-        return f"the string {value!r}"
+        return f"the string {_short(value)!r}"
     return "an object" if isinstance(value, dict) else "a list"
 
 
@@ -42,7 +47,7 @@ def _names(value: Any, expected: str, one: str | None) -> Any:
         return value
     if isinstance(value, str):
         raise PydanticCustomError("names_type", "{expected}; got {got} ({one})",
-                                  {"expected": expected, "got": _json_kind(value), "one": one.format(value)})
+                                  {"expected": expected, "got": _json_kind(value), "one": one.format(_short(value))})
     if not isinstance(value, list) or not value:
         raise PydanticCustomError("names_type", "{expected}; got {got}",
                                   {"expected": expected, "got": _json_kind(value) if value != [] else "an empty list"})
@@ -54,7 +59,7 @@ def _names(value: Any, expected: str, one: str | None) -> Any:
     return value
 
 
-ModelNames = Annotated[
+ModelNames = Annotated[  # (an empty list is refused by _names; min_length is for the OpenAPI schema)
     Annotated[list[Annotated[str, StringConstraints(min_length=1)]], Field(min_length=1)] | Literal["all"] | None,
     BeforeValidator(lambda v: _names(v, 'a list of model names, or "all" for every loaded model', 'one model: ["{}"]')),
     Field(description='Only on /v1/classify and /v1/explain: several models (or "all": every loaded one) in '

@@ -161,6 +161,8 @@ def test_invalid_target_is_422(tiny: Server) -> None:
                                                 "item 1 is null"),
     ("/v1/explain", {"target": 2}, 'target: a label, a list of labels, or "all"; got a number (2)'),
     ("/v1/explain", {"target": ["pos", ""]}, 'target: a label, a list of labels, or "all"; item 1 is empty'),
+    ("/v1/classify", {"models": "m" * 100}, 'models: a list of model names, or "all" for every loaded model; got the '
+                                           f"string '{'m' * 57}...' (one model: [\"{'m' * 57}...\"])"),
 ])
 def test_models_and_targets_of_the_wrong_kind_say_what_is_expected(tiny: Server, path: str, body: dict,
                                                                   message: str) -> None:
