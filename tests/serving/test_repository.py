@@ -202,6 +202,21 @@ def test_a_linked_model_folder_loads_reloads_when_relinked_and_unloads(client: t
     assert not client.is_model_ready("linked", headers=AS_USER)
 
 
+@pytest.mark.parametrize(("verb", "body", "message"), [
+    ("load", {"parameters": 5}, "parameters must be a JSON object, not int"),  # a 500 before
+    ("load", {"parameters": ["config"]}, "parameters must be a JSON object, not list"),  # a 500 before
+    ("load", {"parameters": {"config": "{}"}}, "load parameters ['config'] are not supported"),
+    ("unload", {"parameters": "x"}, "parameters must be a JSON object, not str"),  # ignored before
+    ("unload", {"parameters": {"unload_dependents": "yes"}}, "parameters.unload_dependents must be a bool"),
+    ("unload", {"parameters": {"force": True}}, "unload parameters ['force'] are not supported"),
+])
+def test_control_parameters_are_checked(server: Server, verb: str, body: dict, message: str) -> None:
+    r = httpx.post(f"{server.url}/v2/repository/models/tiny/{verb}", json=body, headers=AS_ADMIN)
+    assert r.status_code == 400 and message in r.json()["error"], r.text
+    assert httpx.post(f"{server.url}/v2/models/tiny/infer", headers=AS_USER, json={"inputs": [
+        {"name": "text", "datatype": "BYTES", "shape": [1], "data": ["still served"]}]}).status_code == 200
+
+
 @pytest.mark.parametrize(("name", "status"), [("..", 404), ("UPPER", 400), (".hidden", 400), ("a..b", 400),
                                               ("nope", 404), ("a" * 300, 400)])  # a 500 before
 def test_names_that_leave_the_repository_are_refused(server: Server, name: str, status: int) -> None:

@@ -45,6 +45,16 @@ def _controlled(state: State) -> None:
         raise APIError(503, f"models are {state.lifecycle.describe()}")
 
 
+def _parameters(body: dict[str, Any]) -> dict[str, Any]:
+    """The request's ``parameters`` (Triton's repository extension: a JSON object), or a 400."""
+    params = body.get("parameters")
+    if params is None:
+        return {}
+    if not isinstance(params, dict):
+        raise APIError(400, f"parameters must be a JSON object, not {type(params).__name__}")
+    return params
+
+
 @repository.post("/index", summary="Every model folder of the repository, with its state")
 async def index(request: Request, state: State) -> list[dict[str, str]]:
     ready = (await _body(request)).get("ready", False)
@@ -55,7 +65,7 @@ async def index(request: Request, state: State) -> list[dict[str, str]]:
 
 @repository.post("/models/{model}/load", summary="Load a model from its folder, or reload it")
 async def load(request: Request, state: State, model: str) -> dict[str, Any]:
-    params = (await _body(request)).get("parameters") or {}
+    params = _parameters(await _body(request))
     if params:
         raise APIError(400, f"load parameters {sorted(params)} are not supported: a model loads from its folder "
                             "in the repository")
@@ -66,7 +76,11 @@ async def load(request: Request, state: State, model: str) -> dict[str, Any]:
 
 @repository.post("/models/{model}/unload", summary="Unload a model (what it accepted is answered first)")
 async def unload(request: Request, state: State, model: str) -> dict[str, Any]:
-    await _body(request)
+    params = _parameters(await _body(request))
+    if not isinstance(params.get("unload_dependents", False), bool):  # Triton's one unload parameter (no model here
+        raise APIError(400, "parameters.unload_dependents must be a bool")  # has dependents: nothing more to unload)
+    if params.keys() - {"unload_dependents"}:
+        raise APIError(400, f"unload parameters {sorted(params.keys() - {'unload_dependents'})} are not supported")
     _controlled(state)
     await state.control.unload(model)
     return {}
