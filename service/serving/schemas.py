@@ -26,7 +26,7 @@ def _short(text: str, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _json_kind(value: Any) -> str:
+def json_kind(value: Any) -> str:
     """What a JSON value is, in a client's words (for errors about a field of the wrong kind)."""
     if value is None:
         return "null"
@@ -47,14 +47,14 @@ def _names(value: Any, expected: str, one: str | None) -> Any:
         return value
     if isinstance(value, str):
         raise PydanticCustomError("names_type", "{expected}; got {got} ({one})",
-                                  {"expected": expected, "got": _json_kind(value), "one": one.format(_short(value))})
+                                  {"expected": expected, "got": json_kind(value), "one": one.format(_short(value))})
     if not isinstance(value, list) or not value:
         raise PydanticCustomError("names_type", "{expected}; got {got}",
-                                  {"expected": expected, "got": _json_kind(value) if value != [] else "an empty list"})
+                                  {"expected": expected, "got": json_kind(value) if value != [] else "an empty list"})
     bad = next((k for k, v in enumerate(value) if not isinstance(v, str) or not v), None)
     if bad is not None:
         raise PydanticCustomError("names_type", "{expected}; item {k} is {got}",
-                                  {"expected": expected, "k": bad, "got": _json_kind(value[bad]) if value[bad] != ""
+                                  {"expected": expected, "k": bad, "got": json_kind(value[bad]) if value[bad] != ""
                                    else "empty"})
     return value
 

@@ -203,10 +203,10 @@ def test_a_linked_model_folder_loads_reloads_when_relinked_and_unloads(client: t
 
 
 @pytest.mark.parametrize(("verb", "body", "message"), [
-    ("load", {"parameters": 5}, "parameters must be a JSON object, not int"),  # a 500 before
-    ("load", {"parameters": ["config"]}, "parameters must be a JSON object, not list"),  # a 500 before
+    ("load", {"parameters": 5}, "parameters must be a JSON object, not a number (5)"),  # a 500 before
+    ("load", {"parameters": ["config"]}, "parameters must be a JSON object, not a list"),  # a 500 before
     ("load", {"parameters": {"config": "{}"}}, "load parameters ['config'] are not supported"),
-    ("unload", {"parameters": "x"}, "parameters must be a JSON object, not str"),  # ignored before
+    ("unload", {"parameters": "x"}, "parameters must be a JSON object, not the string 'x'"),  # ignored before
     ("unload", {"parameters": {"unload_dependents": "yes"}}, "parameters.unload_dependents must be a bool"),
     ("unload", {"parameters": {"force": True}}, "unload parameters ['force'] are not supported"),
 ])

@@ -12,6 +12,7 @@ from fastapi import APIRouter, Depends, Request
 from service.serving.errors import APIError
 from service.serving.routes.deps import State, require_admin, require_key
 from service.serving.routes.v2 import ERRORS, ErrorV2, check_version
+from service.serving.schemas import json_kind
 
 repository = APIRouter(prefix="/v2/repository", tags=["model repository (v2 extension)"],
                        dependencies=[Depends(require_admin)],
@@ -51,7 +52,7 @@ def _parameters(body: dict[str, Any]) -> dict[str, Any]:
     if params is None:
         return {}
     if not isinstance(params, dict):
-        raise APIError(400, f"parameters must be a JSON object, not {type(params).__name__}")
+        raise APIError(400, f"parameters must be a JSON object, not {json_kind(params)}")
     return params
 
 
