@@ -46,13 +46,18 @@ def _controlled(state: State) -> None:
         raise APIError(503, f"models are {state.lifecycle.describe()}")
 
 
-def _parameters(body: dict[str, Any]) -> dict[str, Any]:
-    """The request's ``parameters`` (Triton's repository extension: a JSON object), or a 400."""
+def _parameters(body: dict[str, Any], verb: str, accepted: frozenset[str] = frozenset(), why: str = ""
+                ) -> dict[str, Any]:
+    """The request's ``parameters`` (Triton's repository extension: a JSON object), or a 400 for another kind of
+    value or a parameter ``verb`` does not take (``why``: what the message adds)."""
     params = body.get("parameters")
     if params is None:
         return {}
     if not isinstance(params, dict):
         raise APIError(400, f"parameters must be a JSON object, not {json_kind(params)}")
+    unsupported = sorted(params.keys() - accepted)
+    if unsupported:
+        raise APIError(400, f"{verb} parameters {unsupported} are not supported{why}")
     return params
 
 
@@ -66,10 +71,7 @@ async def index(request: Request, state: State) -> list[dict[str, str]]:
 
 @repository.post("/models/{model}/load", summary="Load a model from its folder, or reload it")
 async def load(request: Request, state: State, model: str) -> dict[str, Any]:
-    params = _parameters(await _body(request))
-    if params:
-        raise APIError(400, f"load parameters {sorted(params)} are not supported: a model loads from its folder "
-                            "in the repository")
+    _parameters(await _body(request), "load", why=": a model loads from its folder in the repository")
     _controlled(state)
     await state.control.load(model)
     return {}
@@ -77,11 +79,9 @@ async def load(request: Request, state: State, model: str) -> dict[str, Any]:
 
 @repository.post("/models/{model}/unload", summary="Unload a model (what it accepted is answered first)")
 async def unload(request: Request, state: State, model: str) -> dict[str, Any]:
-    params = _parameters(await _body(request))
-    if not isinstance(params.get("unload_dependents", False), bool):  # Triton's one unload parameter (no model here
-        raise APIError(400, "parameters.unload_dependents must be a bool")  # has dependents: nothing more to unload)
-    if params.keys() - {"unload_dependents"}:
-        raise APIError(400, f"unload parameters {sorted(params.keys() - {'unload_dependents'})} are not supported")
+    params = _parameters(await _body(request), "unload", frozenset({"unload_dependents"}))  # Triton's one
+    if not isinstance(params.get("unload_dependents", False), bool):  # (no model here has dependents to unload)
+        raise APIError(400, "parameters.unload_dependents must be a bool")
     _controlled(state)
     await state.control.unload(model)
     return {}
