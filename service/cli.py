@@ -329,6 +329,27 @@ def bench_heads(
               open_share, out)
 
 
+@bench_app.command("profile")
+def bench_profile(
+    concurrency: Annotated[str, typer.Option(help="Closed-loop levels, a server profiled at each")] = "8,32",
+    duration: Annotated[float, typer.Option(min=1, help="Seconds profiled per level (after 5 s of warm-up)")] = 40.0,
+    rate: Annotated[int, typer.Option(min=1, max=1000, help="Samples per second (py-spy's --rate)")] = 100,
+    out: Annotated[Path, typer.Option(help="JSON result file")] = Path("bench-results/profile.json"),
+) -> None:
+    """Where the served model's CPU goes: the server's process and the backbone's process sampled by py-spy under
+    a closed loop (tweet-sentiment), each sample put in its part of the serving path (HTTP stack, middleware and
+    metrics, request parsing, tokenizing, inference layer, batcher, pipe and pickling, response building, model
+    compute)."""
+    with extras("bench profile", "bench"):
+        from service.bench import profile
+    levels = numbers(concurrency, "--concurrency")
+    spy = profile.py_spy()
+    if spy is None:
+        typer.echo("bench profile needs the py-spy program of the bench extra (pip install -e '.[bench]')", err=True)
+        raise typer.Exit(2)
+    profile.run(spy, levels, duration, rate, out)
+
+
 @bench_app.command("serve")
 def bench_serve(
     model: Annotated[str, typer.Option(help="Bundled model to load")] = "tweet-sentiment",

@@ -157,9 +157,11 @@ class ServerProcess:
 class LocalServer(ServerProcess):
     """Start the service with ``ROUTING_<NAME>=value`` for every keyword setting; log to ``log_dir``.
     ``checkout``: run the service's code of another checkout of this repository (its root folder) instead of
-    this one's, to compare two versions side by side."""
+    this one's, to compare two versions side by side. ``wrap``: a command the service runs under (e.g. a profiler's,
+    ending in ``--``)."""
 
-    def __init__(self, log_dir: Path, checkout: Path | None = None, **settings: object) -> None:
+    def __init__(self, log_dir: Path, checkout: Path | None = None, wrap: list[str] | None = None,
+                 **settings: object) -> None:
         port = free_port()
         env = {k: v for k, v in os.environ.items() if not k.startswith("ROUTING_")}
         env.update({"ROUTING_HOST": "127.0.0.1", "ROUTING_PORT": str(port), "HF_HUB_OFFLINE": "1",
@@ -167,7 +169,8 @@ class LocalServer(ServerProcess):
         env.update({f"ROUTING_{k.upper()}": str(v) for k, v in settings.items()})
         if checkout is not None:  # ``-m`` finds the package in the working folder first
             env["PYTHONPATH"] = str(checkout.resolve())
-        super().__init__(log_dir, [sys.executable, "-m", "service", "serve"], env, "server", port, cwd=checkout)
+        super().__init__(log_dir, [*(wrap or []), sys.executable, "-m", "service", "serve"], env, "server", port,
+                         cwd=checkout)
 
     def cpu(self) -> dict[str, float] | None:
         """CPU seconds used so far by the server's process (HTTP, tokenizer, batcher) and by its children

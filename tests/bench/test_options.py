@@ -20,6 +20,7 @@ def no_peers(monkeypatch: pytest.MonkeyPatch) -> None:
     ["serve", "--concurrency", "abc"], ["serve", "--concurrency", "0"], ["serve", "--concurrency", ","],
     ["serve", "--peer-concurrency", "8,x"], ["serve", "--open-loop", "half"], ["heads", "--heads", "0"],
     ["sharing", "--heads", "1,-2"], ["sharing", "--batch-sizes", ""], ["routing", "--factors", "1.5"],
+    ["profile", "--concurrency", "8,0"],
 ])
 def test_a_list_option_that_is_no_list_of_numbers_exits_2(args: list[str], no_peers: None) -> None:
     res = CliRunner().invoke(app, ["bench", *args])

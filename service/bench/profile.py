@@ -1,0 +1,154 @@
+"""`routing-service bench profile`: where the served model's CPU goes, by part of the serving path.
+
+The sampling profiler py-spy (the ``bench`` extra) starts the service as its child, so that it may read the
+process without privileges, and samples the server's process and the backbone's process (``--subprocesses``;
+threads waiting in the kernel are not sampled) while a closed loop of clients sends one text per request.
+A sample belongs to the part of its deepest frame that matches one of :data:`PARTS` (a tokenizer call inside
+a route counts as tokenizing, not as the route); samples of the server's start (imports, loading the model)
+are left out. A part's cost is its share of its process's samples, and its time per text served (samples /
+rate / texts answered, warm-up included): the time of the process's Python threads, which in the backbone's
+process is its main thread (torch's OpenMP threads beside it are not sampled). The profiler takes CPU of
+its own on the same cores: the throughput under it is printed beside the shares, which compare parts, not
+servers.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+import shutil
+import signal
+import sys
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from service.bench.report import echo, table, write_json
+from service.bench.serve import closed_loop, run_async
+from service.bench.server import LocalServer, children
+from service.training.data import sample_test_texts
+
+STARTUP = ("_find_and_load", "Engine.load", "lifespan", "load_backbone", "_load_head")
+"""Frames of the server's start: a sample with one of them on its stack is left out."""
+
+PARTS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("tokenize", ("service/modeling/tokenizer.py", "tokenizers/")),
+    ("pipe and pickling", ("multiprocessing/connection.py", "pickle", "copyreg.py")),
+    ("request parsing", ("model_validate_json", "request_body_to_args", "service/serving/schemas.py")),
+    ("response building", ("service/serving/render.py", "serialize_response", "serialize_json",
+                           "starlette/responses.py")),
+    ("model compute", ("service/serving/engine.py", "torch/", "transformers/", "service/modeling/",
+                       "service/routing/")),
+    ("batcher", ("service/serving/batcher.py",)),
+    ("inference layer", ("service/serving/inference.py", "service/serving/planner.py", "service/serving/routes/")),
+    ("middleware and metrics", ("service/serving/middleware.py", "service/serving/metrics.py", "prometheus_client/",
+                                "logging/")),
+    ("HTTP stack", ("uvicorn/", "starlette/", "fastapi/", "service/serving/protocol.py", "h11/")),
+    ("event loop and threads", ("asyncio/", "uvloop/", "concurrent/futures/", "threading.py")),
+)
+"""Each part of the serving path and the frames (substrings of py-spy's ``function (file:line)``) that are it."""
+
+OTHER = "other"
+SERVER, MODEL = "server's process", "backbone's process"
+
+
+def part_of(frames: list[str]) -> str | None:
+    """The part a sample belongs to: that of its deepest frame matching :data:`PARTS` (:data:`OTHER` if none);
+    None for a sample of the server's start."""
+    if any(s in f for f in frames for s in STARTUP):
+        return None
+    for f in reversed(frames):
+        for name, marks in PARTS:
+            if any(m in f for m in marks):
+                return name
+    return OTHER
+
+
+def split(lines: Iterable[str]) -> tuple[dict[str, collections.Counter[str]], dict[str, collections.Counter[str]]]:
+    """Samples per process (:data:`SERVER`, :data:`MODEL`) and part, and the :data:`OTHER` samples per process and
+    deepest frame, from py-spy's raw (collapsed) output with ``--subprocesses``: ``process <pid>:"<command>";
+    frame;...;frame <count>`` per line, a child's process frame under its parent's."""
+    out: dict[str, collections.Counter[str]] = {SERVER: collections.Counter(), MODEL: collections.Counter()}
+    other: dict[str, collections.Counter[str]] = {SERVER: collections.Counter(), MODEL: collections.Counter()}
+    for line in lines:
+        stack, _, count = line.rstrip("\n").rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        frames = stack.split(";")
+        processes = [f for f in frames if f.startswith("process ")]
+        if not processes:
+            continue
+        code = [f for f in frames if not f.startswith("process ")]
+        part = part_of(code)
+        if part is None:
+            continue
+        proc = MODEL if "service.serving.worker" in processes[-1] else SERVER
+        out[proc][part] += int(count)
+        if part == OTHER:
+            other[proc][code[-1] if code else "(no Python frame)"] += int(count)
+    return out, other
+
+
+def _stop(server: LocalServer) -> None:
+    """Stop the service under py-spy (its child) with SIGTERM, so that it drains, and wait for py-spy to write."""
+    for pid in children(server.proc.pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    server.proc.wait(120)
+
+
+def py_spy() -> str | None:
+    """The py-spy program: on the PATH, or beside this Python (a virtual environment not activated)."""
+    beside = Path(sys.executable).parent / "py-spy"
+    return shutil.which("py-spy") or (str(beside) if beside.exists() else None)
+
+
+def profile_level(spy_path: str, concurrency: int, seconds: float, rate: int, texts: list[str], log_dir: Path
+                  ) -> dict[str, Any]:
+    """One server profiled under ``concurrency`` clients for ``seconds`` (after 5 s of warm-up)."""
+    raw = log_dir / f"profile-c{concurrency}.txt"
+    spy = [spy_path, "record", "--subprocesses", "--nonblocking", "--rate", str(rate), "--format", "raw",
+           "--output", str(raw), "--"]
+    server = LocalServer(log_dir, wrap=spy)
+    try:
+        server.wait_ready()
+        warm = run_async(closed_loop(server.url, "/v1/classify", texts, concurrency, 5.0))
+        level = run_async(closed_loop(server.url, "/v1/classify", texts, concurrency, seconds))
+    finally:
+        _stop(server)
+    if not raw.exists():
+        raise RuntimeError(f"py-spy wrote no profile:\n{server.log()}")
+    samples, other = split(raw.read_text().splitlines())
+    served = warm.texts + level.texts
+    parts = {proc: {name: {"samples": n, "share": n / max(1, sum(c.values())),
+                           "ms_per_text": 1000 * n / rate / max(1, served)}
+                    for name, n in c.most_common()}
+             for proc, c in samples.items()}
+    return {"concurrency": concurrency, "texts_per_s": level.texts / level.seconds,
+            "mean_batch": level.batch_sum / max(1, level.batch_count), "texts_served": served, "parts": parts,
+            "other_frames": {proc: dict(c.most_common(10)) for proc, c in other.items()}}
+
+
+def run(spy_path: str, levels: list[int], seconds: float, rate: int, out: Path) -> None:
+    texts = sample_test_texts("tweet-sentiment", 1000)
+    results = []
+    with tempfile.TemporaryDirectory(prefix="bench-profile-") as tmp:
+        for c in levels:
+            echo(f"profiling a server at concurrency {c} for {seconds:g} s ...", err=True)
+            results.append(profile_level(spy_path, c, seconds, rate, texts, Path(tmp)))
+    for r in results:
+        echo(f"\nconcurrency {r['concurrency']}: {r['texts_per_s']:.1f} texts/s under the profiler, "
+             f"mean batch {r['mean_batch']:.1f}")
+        for proc, parts in r["parts"].items():
+            rows = [{"part": name, "share": f"{p['share']:.1%}", "ms / text": p["ms_per_text"]}
+                    for name, p in parts.items()]
+            echo(f"{proc}: {sum(p['ms_per_text'] for p in parts.values()):.2f} ms of its Python threads' "
+                 "time per text")
+            echo(table(rows, ["part", "share", "ms / text"]))
+    path = write_json(out, "profile", {"levels": levels, "seconds": seconds, "rate_hz": rate,
+                                       "command": " ".join(sys.argv)}, results,
+                      {str(r["concurrency"]): {proc: {k: round(v["share"], 4) for k, v in parts.items()}
+                                               for proc, parts in r["parts"].items()} for r in results})
+    echo(f"\nwrote {path}", err=True)

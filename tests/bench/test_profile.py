@@ -1,0 +1,53 @@
+"""`bench profile` puts each py-spy sample in its part of the serving path: the deepest frame that belongs to a
+part decides, the server's start is left out, and the backbone's process is told from the server's."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from service.bench import profile
+from service.bench.profile import MODEL, OTHER, SERVER, part_of, split
+from service.cli import app
+
+SERVER_PROC = 'process 101:"/venv/bin/python3 -m service serve"'
+MODEL_PROC = 'process 102:"/venv/bin/python3 -m service.serving.worker 7"'
+ROUTE = "classify_default (service/serving/routes/inference.py:83)"
+HTTP = "RequestResponseCycle.run_asgi (uvicorn/protocols/http/httptools_impl.py:416)"
+
+
+def test_the_deepest_frame_of_a_part_decides() -> None:
+    tokenizing = [HTTP, ROUTE, "Planner.encode (service/serving/planner.py:108)",
+                  "ChunkTokenizer.encode_lengths (service/modeling/tokenizer.py:91)"]
+    assert part_of(tokenizing) == "tokenize"
+    assert part_of(tokenizing[:3]) == "inference layer"
+    assert part_of([HTTP, "Observe.__call__ (service/serving/middleware.py:99)",
+                    "Logger.info (logging/__init__.py:1489)"]) == "middleware and metrics"
+    assert part_of([HTTP, "serialize_response (fastapi/routing.py:358)"]) == "response building"
+    assert part_of(["_recv_bytes (multiprocessing/connection.py:430)"]) == "pipe and pickling"
+    assert part_of(["Runner.run (asyncio/runners.py:118)"]) == "event loop and threads"
+    assert part_of(["<module> (somewhere.py:1)"]) == OTHER
+    assert part_of(["serve (service/cli.py:90)", "_find_and_load (<frozen importlib._bootstrap>:1176)"]) is None
+
+
+def test_samples_split_by_process_and_part() -> None:
+    lines = [
+        f"{SERVER_PROC};{HTTP};{ROUTE} 7",
+        f"{SERVER_PROC};{HTTP};serialize_response (fastapi/routing.py:358) 2",
+        f"{SERVER_PROC};{MODEL_PROC};_serve (service/serving/worker.py:131);run (service/serving/engine.py:200);"
+        "forward (torch/nn/modules/linear.py:125) 40",
+        f"{SERVER_PROC};{MODEL_PROC};_serve (service/serving/worker.py:130);recv (multiprocessing/connection.py:250) 3",
+        f"{SERVER_PROC};{MODEL_PROC};Engine.load (service/serving/engine.py:90) 500",
+        f"{SERVER_PROC};<lambda> (odd.py:3) 1",
+        "not a sample line",
+    ]
+    parts, other = split(lines)
+    assert parts[SERVER] == {"inference layer": 7, "response building": 2, OTHER: 1}
+    assert parts[MODEL] == {"model compute": 40, "pipe and pickling": 3}  # loading left out
+    assert other[SERVER] == {"<lambda> (odd.py:3)": 1} and not other[MODEL]
+
+
+def test_without_py_spy_it_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(profile, "py_spy", lambda: None)
+    res = CliRunner().invoke(app, ["bench", "profile", "--duration", "1"])
+    assert res.exit_code == 2 and "py-spy" in res.output and ".[bench]" in res.output, res.output
