@@ -24,6 +24,8 @@ def test_the_deepest_frame_of_a_part_decides() -> None:
     assert part_of([HTTP, "Observe.__call__ (service/serving/middleware.py:99)",
                     "Logger.info (logging/__init__.py:1489)"]) == "middleware and metrics"
     assert part_of([HTTP, "serialize_response (fastapi/routing.py:358)"]) == "response building"
+    assert part_of([ROUTE, "explain_result (service/serving/render.py:60)",
+                    "words (service/modeling/views.py:40)"]) == "response building"  # not the model's code
     assert part_of(["_recv_bytes (multiprocessing/connection.py:430)"]) == "pipe and pickling"
     assert part_of(["Runner.run (asyncio/runners.py:118)"]) == "event loop and threads"
     assert part_of(["<module> (somewhere.py:1)"]) == OTHER
