@@ -30,7 +30,7 @@ from service.bench.serve import closed_loop, run_async
 from service.bench.server import LocalServer, children
 from service.training.data import sample_test_texts
 
-STARTUP = ("_find_and_load", "Engine.load", "lifespan", "load_backbone", "_load_head")
+STARTUP = ("_find_and_load", "Engine.load", "lifespan", "load_backbone", "_load_head", "tune_garbage_collector")
 """Frames of the server's start: a sample with one of them on its stack is left out."""
 
 PARTS: tuple[tuple[str, tuple[str, ...]], ...] = (

@@ -30,6 +30,8 @@ def test_the_deepest_frame_of_a_part_decides() -> None:
     assert part_of(["Runner.run (asyncio/runners.py:118)"]) == "event loop and threads"
     assert part_of(["<module> (somewhere.py:1)"]) == OTHER
     assert part_of(["serve (service/cli.py:90)", "_find_and_load (<frozen importlib._bootstrap>:1176)"]) is None
+    assert part_of(["Runner.run (asyncio/runners.py:118)",  # the full collection once the models have loaded
+                    "tune_garbage_collector (service/serving/server.py:96)"]) is None
 
 
 def test_samples_split_by_process_and_part() -> None:
