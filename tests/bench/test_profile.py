@@ -3,6 +3,8 @@ part decides, the server's start is left out, and the backbone's process is told
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from typer.testing import CliRunner
 
@@ -55,3 +57,16 @@ def test_without_py_spy_it_says_what_to_install(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(profile, "py_spy", lambda: None)
     res = CliRunner().invoke(app, ["bench", "profile", "--duration", "1"])
     assert res.exit_code == 2 and "py-spy" in res.output and ".[bench]" in res.output, res.output
+
+
+def test_the_pipe_and_its_pickling_are_timed_per_batch(tiny_repo: Path) -> None:
+    texts = ["a short text", "another text, a little longer than the first one", "three"] * 4
+    rows = profile.pipe_cost(tiny_repo / "tiny", [1, 8], texts, repeats=5)
+    assert [r["batch_size"] for r in rows] == [1, 8]
+    one, eight = rows
+    assert eight["request_bytes"] > 4 * one["request_bytes"] and eight["answer_bytes"] > one["answer_bytes"]
+    for r in rows:
+        assert r["pickling_ms"] > 0 and r["pipe_round_trip_ms"] > 0 and r["compute_ms"] > 0
+        per_batch = r["pickling_ms"] + r["pipe_round_trip_ms"]
+        assert r["ms_per_text"] == pytest.approx(per_batch / r["batch_size"])
+        assert r["share_of_compute"] == pytest.approx(per_batch / r["compute_ms"])
