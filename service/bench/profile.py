@@ -2,14 +2,15 @@
 
 The sampling profiler py-spy (the ``bench`` extra) starts the service as its child, so that it may read the
 process without privileges, and samples the server's process and the backbone's process (``--subprocesses``;
-threads waiting in the kernel are not sampled) while a closed loop of clients sends one text per request.
+threads py-spy finds idle are left out) while a closed loop of clients sends one text per request.
 A sample belongs to the part of its deepest frame that matches one of :data:`PARTS` (a tokenizer call inside
 a route counts as tokenizing, not as the route); samples of the server's start (imports, loading the model)
 are left out. A part's cost is its share of its process's samples, and its time per text served (samples /
 rate / texts answered, warm-up included): the time of the process's Python threads, which in the backbone's
 process is its main thread (torch's OpenMP threads beside it are not sampled). The profiler takes CPU of
 its own on the same cores: the throughput under it is printed beside the shares, which compare parts, not
-servers.
+servers. The pipe and its pickling are also measured directly (:func:`pipe_cost`): py-spy's idle test misses
+some of the time a thread waits in the pipe, which the sampled share then counts.
 """
 
 from __future__ import annotations
