@@ -32,7 +32,7 @@ from typing import Any
 import aiohttp
 import httpx
 
-from service.bench.report import echo, table, write_json
+from service.bench.report import echo, median_ms, table, write_json
 from service.bench.repository import MIB, copy_model
 from service.bench.serve import Level, closed_loop, in_turns, open_loop, run_async
 from service.bench.server import LocalServer
@@ -52,15 +52,6 @@ def make_heads(source: Path, repo: Path, k: int) -> list[str]:
     return names
 
 
-def _median_ms(fn: Callable[[], object], reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return 1000 * statistics.median(times)
-
-
 def head_step(repo: Path, model: str, names: list[str], texts: list[str], batch: int, reps: int, rounds: int
               ) -> dict[str, Any]:
     """One batch's backbone alone and its whole step on one head (``model``), on a head per text (by head,
@@ -78,11 +69,11 @@ def head_step(repo: Path, model: str, names: list[str], texts: list[str], batch:
             engine.gather_heads = gather
             plans = [[w for plan in engine.plan(tasks) for w in plan] for _ in range(reps + 1)]
             engine.run_chunks(plans.pop())  # warm-up at this shape
-            return _median_ms(lambda: engine.run_chunks(plans.pop()), reps)
+            return median_ms(lambda: engine.run_chunks(plans.pop()), reps)
         return measure
 
     ids = [list(w.ids) for plan in engine.plan(workloads["one head"]) for w in plan]
-    measures = {"backbone alone": lambda: _median_ms(lambda: engine.backbone.run_chunks(ids), reps),
+    measures = {"backbone alone": lambda: median_ms(lambda: engine.backbone.run_chunks(ids), reps),
                 "one head": step(workloads["one head"], False),
                 "a head per text, by head": step(workloads["a head per text"], False),
                 "a head per text, gathered": step(workloads["a head per text"], True)}

@@ -25,13 +25,13 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from service.bench.report import echo, table, write_json
+from service.bench.report import echo, median_ms, table, write_json
 from service.bench.serve import closed_loop, run_async
 from service.bench.server import LocalServer, children
 from service.serving.contract import ChunkWork, Computed, RunBatch
@@ -149,15 +149,6 @@ def _reply(conn: Connection, answer: bytes) -> None:
             conn.send_bytes(answer)
 
 
-def _median_s(fn: Callable[[], object], repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def _batch_pipe_cost(engine: Engine, size: int, texts: list[str], repeats: int) -> dict[str, float]:
     """:func:`pipe_cost` for one batch of ``size`` texts."""
     from service.serving.engine import Task
@@ -176,10 +167,10 @@ def _batch_pipe_cost(engine: Engine, size: int, texts: list[str], repeats: int) 
     compute_s = statistics.median(computes)
     answer = Computed(answers, engine.device_memory(), 0)
     answer_bytes = bytes(ForkingPickler.dumps(answer))
-    pickling_s = (_median_s(lambda: ForkingPickler.dumps(request), repeats)
-                  + _median_s(lambda: ForkingPickler.loads(request_bytes), repeats)
-                  + _median_s(lambda: ForkingPickler.dumps(answer), repeats)
-                  + _median_s(lambda: ForkingPickler.loads(answer_bytes), repeats))
+    pickling_s = (median_ms(lambda: ForkingPickler.dumps(request), repeats)
+                  + median_ms(lambda: ForkingPickler.loads(request_bytes), repeats)
+                  + median_ms(lambda: ForkingPickler.dumps(answer), repeats)
+                  + median_ms(lambda: ForkingPickler.loads(answer_bytes), repeats)) / 1000
     ours, theirs = multiprocessing.get_context("spawn").Pipe()
     child = multiprocessing.get_context("spawn").Process(target=_reply, args=(theirs, answer_bytes), daemon=True)
     child.start()
@@ -190,7 +181,7 @@ def _batch_pipe_cost(engine: Engine, size: int, texts: list[str], repeats: int) 
 
     try:
         round_trip()  # the child has started
-        pipe_s = _median_s(round_trip, repeats)
+        pipe_s = median_ms(round_trip, repeats) / 1000
     finally:
         ours.close()
         child.join(10)

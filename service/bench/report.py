@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 import os
 import platform
+import statistics
 import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
@@ -91,3 +93,13 @@ def in_worker_thread(fn: Callable[[], T]) -> T:
     if "error" in box:
         raise box["error"]
     return box["value"]
+
+
+def median_ms(fn: Callable[[], object], repeats: int) -> float:
+    """The median time of ``repeats`` calls of ``fn``, in milliseconds."""
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return 1000 * statistics.median(times)
