@@ -17,6 +17,7 @@ import uvicorn
 from service.config import Settings
 from service.serving.app import create_app
 from service.serving.logs import setup_logging
+from service.serving.metrics import freeze_garbage_collection
 from service.serving.protocol import HttpLimits, guarded_protocol
 from service.serving.state import AppState
 
@@ -94,9 +95,9 @@ def tune_garbage_collector() -> None:
     for a young collection every few requests. What the startup objects would leave as cyclic garbage (a model
     unloaded at runtime) stays in memory."""
     gc.collect()
-    gc.freeze()
+    frozen = freeze_garbage_collection()
     gc.set_threshold(YOUNG_COLLECTION_THRESHOLD, *gc.get_threshold()[1:])
-    log.debug("garbage collector: %d startup objects frozen", gc.get_freeze_count())
+    log.debug("garbage collector: %d startup objects frozen", frozen)
 
 
 def run_server(settings: Settings) -> None:
