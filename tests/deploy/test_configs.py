@@ -59,6 +59,25 @@ def test_dockerfile_lints_clean() -> None:
     assert "TORCH_VARIANT" in text
 
 
+def test_a_change_of_the_code_leaves_the_dependencies_layers_cached() -> None:
+    """The environment the image runs (torch, the backbone, the service's dependencies) is built from
+    ``pyproject.toml`` alone, and the service's code is a layer of its own: a change of the code rebuilds in
+    seconds instead of reinstalling every dependency and copying the whole environment again."""
+    text = (ROOT / "Dockerfile").read_text()
+    stages = {m.group(2): (m.group(1), m.group(3)) for m in re.finditer(  # name -> (built on, instructions)
+        r"^FROM (\S+) AS (\S+)\n(.*?)(?=^FROM |\Z)", text, flags=re.M | re.S)}
+
+    def lineage(name: str) -> list[str]:  # the stage and those it is built on
+        on = stages[name][0]
+        return [*(lineage(on) if on in stages else []), name]
+
+    shipped = re.findall(r"^COPY --from=(\S+) (\S+)", stages["runtime"][1], flags=re.M)
+    venv = next(stage for stage, path in shipped if path == "/opt/venv")
+    copied = [c for s in lineage(venv) for c in re.findall(r"^COPY (.+)$", stages[s][1], flags=re.M)]
+    assert copied == ["pyproject.toml ./"]
+    assert ("builder", "/opt/service") in shipped and "COPY service" in stages["builder"][1]
+
+
 def test_prometheus_config_is_valid() -> None:
     out = subprocess.run([tool("promtool"), "check", "config", str(ROOT / "docker/prometheus.yml")],
                          capture_output=True, text=True)
