@@ -17,7 +17,7 @@ import pytest
 from service.bench import serve
 from service.bench.server import children, cpu_seconds
 from service.modeling.backbone import Backbone
-from tests.serving.server import Server
+from tests.serving.server import Server, side_by_side
 
 
 def test_long_text_has_one_token_per_character(tiny_backbone_dir: Path) -> None:
@@ -74,8 +74,8 @@ def test_paired_rounds_alternate_served_and_offline(tiny_repo: Path, tmp_path: P
 
 def test_alternating_measures_every_server_every_round(tiny_repo: Path, tmp_path: Path) -> None:
     texts = ["a short text", "another one"]
-    servers = [Server(tmp_path, model_repository=tiny_repo, default_model="tiny", model_process=own).wait_ready()
-               for own in (True, False)]
+    servers = side_by_side(tmp_path, *({"model_repository": tiny_repo, "default_model": "tiny", "model_process": own}
+                                       for own in (True, False)))
     try:
         out = serve.alternating({"process": servers[0].url, "thread": servers[1].url}, texts, 2, 0.3, 2)
     finally:

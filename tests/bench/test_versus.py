@@ -18,7 +18,7 @@ from service.bench import serve, versus
 from service.bench.serve import Offline, metrics_stats
 from service.bench.server import ServerProcess, children, free_port
 from service.bench.server import process_state as state
-from tests.serving.server import Server
+from tests.serving.server import side_by_side
 
 
 def test_pause_stops_the_server_and_every_process_it_started_until_resume(tmp_path: Path) -> None:
@@ -44,8 +44,8 @@ def test_pause_stops_the_server_and_every_process_it_started_until_resume(tmp_pa
 
 
 def test_each_contender_is_measured_while_the_others_are_paused(tiny_repo: Path, tmp_path: Path) -> None:
-    servers = [Server(tmp_path, model_repository=tiny_repo, default_model="tiny", model_process=own).wait_ready()
-               for own in (True, False)]
+    servers = side_by_side(tmp_path, *({"model_repository": tiny_repo, "default_model": "tiny", "model_process": own}
+                                       for own in (True, False)))
     contenders = [versus.Contender(f"s{k}", s, "/v1/classify", metrics_stats(s.url), s.cpu)
                   for k, s in enumerate(servers)]
     seen: list[tuple[str, list[str]]] = []
@@ -98,7 +98,7 @@ def test_the_engine_alone_computes_the_clients_batches_and_each_server_gets_its_
     assert batches == [texts[:4], texts[:4], texts[4:8], texts[8:]]
     monkeypatch.setattr(Engine, "run", run)
 
-    servers = [Server(tmp_path, model_repository=tiny_repo, default_model="tiny").wait_ready() for _ in range(2)]
+    servers = side_by_side(tmp_path, *[{"model_repository": tiny_repo, "default_model": "tiny"}] * 2)
     contenders = [versus.Contender(name, s, "/v1/classify", metrics_stats(s.url), s.cpu)
                   for name, s in zip((versus.THIS, "other"), servers, strict=True)]
     try:

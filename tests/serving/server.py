@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import threading
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 
 import httpx
 
@@ -16,7 +17,23 @@ from service.config import Settings
 from service.serving.metrics import Metrics
 from service.serving.state import AppState
 
-__all__ = ["Server", "free_port", "in_flight", "loaded", "metric"]
+__all__ = ["Server", "free_port", "in_flight", "loaded", "metric", "side_by_side"]
+
+
+def side_by_side(log_dir: Path, *settings: dict[str, object]) -> list[Server]:
+    """A server for each of ``settings``, started together (each starts in about 5 s, mostly on one core) and
+    ready; if one fails, every one is stopped."""
+    servers: list[Server] = []
+    try:
+        for s in settings:
+            servers.append(Server(log_dir, **s))
+        for server in servers:
+            server.wait_ready()
+    except BaseException:
+        for server in servers:
+            server.stop()
+        raise
+    return servers
 
 
 @contextlib.asynccontextmanager

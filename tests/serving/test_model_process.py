@@ -20,7 +20,7 @@ import pytest
 from service.serving.contract import CreditSpec, Task, answers_of
 from service.serving.engine import Engine
 from service.serving.worker import BackboneProcess, ModelProcessError
-from tests.serving.server import Server
+from tests.serving.server import Server, side_by_side
 
 TEXTS = ["a short text", "Long one. " * 30, "and a third, somewhat longer text than the first"]
 
@@ -114,15 +114,15 @@ def test_a_model_that_cannot_load_says_why(tiny_repo: Path, tmp_path: Path) -> N
 
 def test_the_api_answers_alike_in_either_process(tiny_repo: Path, tmp_path: Path) -> None:
     body = {"inputs": TEXTS, "explain": True}
-    answers = []
-    for own in (True, False):
-        srv = Server(tmp_path, model_repository=tiny_repo, default_model="tiny", model_process=own).wait_ready()
-        try:
-            r = httpx.post(f"{srv.url}/v1/classify", json=body, timeout=60)
-        finally:
+    servers = side_by_side(tmp_path, *({"model_repository": tiny_repo, "default_model": "tiny", "model_process": own}
+                                       for own in (True, False)))
+    try:
+        replies = [httpx.post(f"{srv.url}/v1/classify", json=body, timeout=60) for srv in servers]
+    finally:
+        for srv in servers:
             srv.stop()
-        assert r.status_code == 200, r.text
-        answers.append(r.json()["results"])
+    assert all(r.status_code == 200 for r in replies), [r.text for r in replies]
+    answers = [r.json()["results"] for r in replies]
     for a, b in zip(*answers, strict=True):
         assert a["label"] == b["label"] and close(list(a["scores"].values()), list(b["scores"].values()))
         credit = [[t["credit"] for t in x["explanation"]["tokens"]] for x in (a, b)]
