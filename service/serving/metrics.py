@@ -107,7 +107,7 @@ class _GcCollector(Collector):
 def freeze_garbage_collection() -> int:
     """Leave every object alive now out of the garbage collector's collections from now on (``gc.freeze``), and
     count them once for ``routing_process_gc_frozen_objects``: counting walks every one of them, and a scrape that
-    counted again held the event loop 2-4 ms (the bundled models' server; 10 ms for 108,000 objects in one
+    counted again held the event loop 1-4 ms longer (the bundled models' server; 10 ms for 108,000 objects in one
     measure). The count is returned."""
     gc.freeze()
     _GcCollector.frozen = gc.get_freeze_count()

@@ -138,7 +138,7 @@ def test_the_garbage_collectors_collections_and_time_are_counted() -> None:
 
 
 def test_a_scrape_reports_the_frozen_objects_counted_when_they_were_frozen(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Counting the frozen objects walks every one of them (2-4 ms of the event loop for the bundled models'
+    """Counting the frozen objects walks every one of them (1-4 ms of the event loop for the bundled models'
     server): the count is taken once, when they are frozen, not on every scrape."""
     registry = Metrics().registry
     try:
