@@ -1,7 +1,6 @@
 """The batcher on its own: fake models, no torch, no HTTP."""
 
 import asyncio
-import itertools
 import threading
 import time
 from collections.abc import Callable
@@ -343,7 +342,9 @@ async def test_arrivals_that_do_not_follow_answers_are_not_kept_waiting() -> Non
     # arrivals, not clients answered): the next batch goes as soon as the runner is free, without waiting
     # for followers that do not come
     starts: list[float] = []
-    b, _ = make(lambda ps: (starts.append(time.monotonic()), time.sleep(0.2), ps)[2], max_wait_s=0.05)
+    ends: list[float] = []
+    b, _ = make(lambda ps: (starts.append(time.monotonic()), time.sleep(0.2), ends.append(time.monotonic()), ps)[3],
+                max_wait_s=0.05)
     b.start()
     pending = [asyncio.ensure_future(b.submit(["0"], [1], later()))]
     for k in range(1, 6):
@@ -352,7 +353,7 @@ async def test_arrivals_that_do_not_follow_answers_are_not_kept_waiting() -> Non
         pending.append(asyncio.ensure_future(b.submit([str(k)], [1], later())))
     await asyncio.gather(*pending)
     await b.stop(1)
-    gaps = [nxt - (start + 0.2) for start, nxt in itertools.pairwise(starts)]
+    gaps = [nxt - end for end, nxt in zip(ends, starts[1:], strict=False)]  # from each batch's real end
     assert len(gaps) == 5 and all(g < 0.03 for g in gaps), gaps  # not max_wait (0.05 s) after each
 
 
@@ -361,7 +362,9 @@ async def test_steady_arrivals_that_also_follow_batch_ends_are_not_kept_waiting(
     # end, but no faster than while it computed, so they do not follow answers: each batch goes when the runner
     # is free (waiting while they keep coming 20 ms apart would idle it up to 50 ms per batch)
     starts: list[float] = []
-    b, _ = make(lambda ps: (starts.append(time.monotonic()), time.sleep(0.1), ps)[2], max_wait_s=0.05)
+    ends: list[float] = []
+    b, _ = make(lambda ps: (starts.append(time.monotonic()), time.sleep(0.1), ends.append(time.monotonic()), ps)[3],
+                max_wait_s=0.05)
     b.start()
     pending = []
     for k in range(60):
@@ -369,5 +372,6 @@ async def test_steady_arrivals_that_also_follow_batch_ends_are_not_kept_waiting(
         await asyncio.sleep(0.02)
     await asyncio.gather(*pending)
     await b.stop(1)
-    gaps = [nxt - (start + 0.1) for start, nxt in itertools.pairwise(starts)][3:]
-    assert len(gaps) >= 6 and max(gaps) < 0.03, gaps
+    gaps = sorted(nxt - end for end, nxt in list(zip(ends, starts[1:], strict=False))[3:])  # from each real end
+    # waiting for them would hold every batch 40-50 ms; a machine that stalls the loop once may delay one batch
+    assert len(gaps) >= 6 and gaps[len(gaps) // 2] < 0.01 and gaps[-2] < 0.03, gaps
