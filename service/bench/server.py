@@ -10,8 +10,9 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Self
+from typing import Self, TypeVar
 
 import httpx
 
@@ -152,6 +153,26 @@ class ServerProcess:
             return self.proc.wait()
         finally:
             self._log.close()
+
+
+S = TypeVar("S", bound=ServerProcess)
+
+
+def ready_together(starts: Sequence[Callable[[], S]]) -> list[S]:
+    """A server from each of ``starts``, all started before any is waited for (each spends seconds importing and
+    loading, mostly on one core), returned once every one answers; if one fails to start, every one started is
+    stopped."""
+    servers: list[S] = []
+    try:
+        for start in starts:
+            servers.append(start())
+        for server in servers:
+            server.wait_ready()
+    except BaseException:
+        for server in servers:
+            server.stop()
+        raise
+    return servers
 
 
 class LocalServer(ServerProcess):

@@ -10,6 +10,7 @@ that function can exceed on this machine at that concurrency."""
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from importlib.metadata import version
@@ -18,7 +19,7 @@ from typing import Any
 
 from service.bench.report import echo
 from service.bench.serve import Level, Stats, closed_loop, metrics_stats, open_loop, run_async
-from service.bench.server import LocalServer, PeerServer, ServerProcess
+from service.bench.server import LocalServer, PeerServer, ServerProcess, ready_together
 
 THIS = "routing-service"
 ENGINE = "engine alone"  # the model function with no server, on the batches the clients form
@@ -48,20 +49,14 @@ def start(peers: list[str], repository: Path, model: str, device: str, max_batch
     """This service (defaults but the batch settings), the baseline's and each peer, all up and answering."""
     settings = {"model_repository": repository.resolve(), "models": model, "default_model": model,
                 "max_queue": 100000, "device": device, "max_batch_size": max_batch_size, "max_wait_ms": max_wait_ms}
-    out: list[Contender] = []
-    try:
-        for name, checkout in [(THIS, None), *([("baseline", baseline)] if baseline else [])]:
-            s = LocalServer(logs, checkout=checkout, **settings)
-            out.append(Contender(name, s, "/v1/classify", metrics_stats(s.url), s.cpu))
-        for peer in peers:
-            p = PeerServer(logs, peer, (repository / model).resolve(), device, max_batch_size, max_wait_ms)
-            out.append(Contender(peer, p, p.path, peer_stats(p), p.cpu))
-        for c in out:
-            c.server.wait_ready()
-    except BaseException:
-        stop(out)
-        raise
-    return out
+    local = [(THIS, None), *([("baseline", baseline)] if baseline else [])]
+    servers = ready_together([
+        *(functools.partial(LocalServer, logs, checkout=checkout, **settings) for _, checkout in local),
+        *(functools.partial(PeerServer, logs, peer, (repository / model).resolve(), device, max_batch_size,
+                            max_wait_ms) for peer in peers)])
+    return [Contender(name, s, s.path, peer_stats(s), s.cpu) if isinstance(s, PeerServer)
+            else Contender(name, s, "/v1/classify", metrics_stats(s.url), s.cpu)
+            for name, s in zip([name for name, _ in local] + peers, servers, strict=True)]
 
 
 def stop(contenders: list[Contender]) -> None:

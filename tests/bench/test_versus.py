@@ -16,7 +16,7 @@ import pytest
 
 from service.bench import serve, versus
 from service.bench.serve import Offline, metrics_stats
-from service.bench.server import ServerProcess, children, free_port
+from service.bench.server import ServerProcess, children, free_port, ready_together
 from service.bench.server import process_state as state
 from tests.serving.server import side_by_side
 
@@ -41,6 +41,22 @@ def test_pause_stops_the_server_and_every_process_it_started_until_resume(tmp_pa
         server.stop(timeout=10)
         for pid in kids:
             os.kill(pid, signal.SIGKILL)
+
+
+def test_servers_started_together_are_all_stopped_when_one_fails_to_start(tmp_path: Path) -> None:
+    started: list[ServerProcess] = []
+
+    def sleeper() -> ServerProcess:
+        started.append(ServerProcess(tmp_path, [sys.executable, "-c", "import time; time.sleep(60)"],
+                                     dict(os.environ), "sleeper", free_port()))
+        return started[-1]
+
+    def broken() -> ServerProcess:
+        raise RuntimeError("cannot start")
+
+    with pytest.raises(RuntimeError, match="cannot start"):
+        ready_together([sleeper, sleeper, broken])
+    assert len(started) == 2 and all(s.proc.poll() is not None for s in started)
 
 
 def test_each_contender_is_measured_while_the_others_are_paused(tiny_repo: Path, tmp_path: Path) -> None:

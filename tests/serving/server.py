@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import threading
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -12,7 +13,7 @@ from pathlib import Path
 import httpx
 
 from service.bench.server import LocalServer as Server
-from service.bench.server import free_port
+from service.bench.server import free_port, ready_together
 from service.config import Settings
 from service.serving.metrics import Metrics
 from service.serving.state import AppState
@@ -21,19 +22,8 @@ __all__ = ["Server", "free_port", "in_flight", "loaded", "metric", "side_by_side
 
 
 def side_by_side(log_dir: Path, *settings: dict[str, object]) -> list[Server]:
-    """A server for each of ``settings``, started together (each starts in about 5 s, mostly on one core) and
-    ready; if one fails, every one is stopped."""
-    servers: list[Server] = []
-    try:
-        for s in settings:
-            servers.append(Server(log_dir, **s))
-        for server in servers:
-            server.wait_ready()
-    except BaseException:
-        for server in servers:
-            server.stop()
-        raise
-    return servers
+    """A server for each of ``settings``, started together and ready (see ``ready_together``)."""
+    return ready_together([functools.partial(Server, log_dir, **s) for s in settings])
 
 
 @contextlib.asynccontextmanager
