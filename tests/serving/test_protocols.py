@@ -57,6 +57,26 @@ def test_infer_equals_v1_classify(client: triton.InferenceServerClient, tiny: Se
     assert res.as_numpy("credit") is None  # no credit unless asked for
 
 
+def test_tensor_data_flat_or_nested_as_its_shape(tiny: Server) -> None:
+    """The protocol lets ``data`` nest as the tensor's dimensions: ``[n, 1]`` nested gives the flat answers; data
+    nested otherwise than its shape is a 400."""
+    url = f"{tiny.url}/v2/models/tiny/infer"
+
+    def infer(shape: list[int], data: list[object]) -> httpx.Response:
+        return httpx.post(url, json={"inputs": [{"name": "text", "datatype": "BYTES", "shape": shape, "data": data}]})
+
+    flat = infer([3], TEXTS)
+    assert flat.status_code == 200, flat.text
+    for shape, data in [([3, 1], TEXTS), ([3, 1], [[t] for t in TEXTS]), ([3, 1, 1], [[[t]] for t in TEXTS])]:
+        r = infer(shape, data)
+        assert r.status_code == 200, (shape, data, r.text)
+        assert r.json()["outputs"] == flat.json()["outputs"]
+    for shape, data in [([3], [[t] for t in TEXTS]), ([3, 1], [TEXTS]), ([3, 1], [[TEXTS[0]], [TEXTS[1]], TEXTS[2]]),
+                        ([3, 1], [[t, t] for t in TEXTS]), ([3, 1], [[[t]] for t in TEXTS])]:
+        r = infer(shape, data)
+        assert r.status_code == 400 and "shape" in r.json()["error"], (shape, data, r.text)
+
+
 def test_output_selection_and_credit_tensors(client: triton.InferenceServerClient, tiny: Server) -> None:
     only = client.infer("tiny", [text_input(TEXTS, False)],
                         outputs=[triton.InferRequestedOutput("probabilities", binary_data=False)])

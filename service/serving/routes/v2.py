@@ -208,7 +208,7 @@ def _texts(tensor: TensorIn, binary: bytes) -> list[str]:
         raise APIError(400, f"input 'text' must have shape [n] (n >= 1), got {tensor.shape}")
     size = (tensor.parameters or {}).get("binary_data_size")
     if tensor.data is not None:
-        items: list[Any] = tensor.data
+        items: list[Any] = _flattened(tensor.data, tensor.shape)
     elif isinstance(size, int) and 0 <= size <= len(binary):
         items = _unpack_bytes(binary[:size])
     else:
@@ -226,6 +226,26 @@ def _texts(tensor: TensorIn, binary: bytes) -> list[str]:
             raise APIError(422, f"inputs.0.data.{k}: a text must be a non-blank string")
         texts.append(item)
     return texts
+
+
+def _flattened(data: list[Any], shape: list[int]) -> list[Any]:
+    """The elements of JSON tensor ``data`` in row-major order: the protocol lets a client send them flat or nested
+    as the tensor's dimensions (``[["a"], ["b"]]`` for shape ``[2, 1]``); nested data must nest exactly so."""
+    if not any(isinstance(item, list) for item in data):
+        return data
+
+    def walk(level: list[Any], dims: list[int]) -> list[Any]:
+        if len(level) != dims[0]:
+            raise APIError(400, f"input 'text' has nested data that does not match its shape {shape}")
+        if len(dims) == 1:
+            if any(isinstance(item, list) for item in level):
+                raise APIError(400, f"input 'text' has data nested deeper than its shape {shape}")
+            return level
+        if not all(isinstance(item, list) for item in level):
+            raise APIError(400, f"input 'text' has nested data that does not match its shape {shape}")
+        return [x for item in level for x in walk(item, dims[1:])]
+
+    return walk(data, shape)
 
 
 def _unpack_bytes(blob: bytes) -> list[bytes]:
