@@ -24,6 +24,7 @@ import numpy as np
 import torch
 from torch import nn
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+from tqdm import tqdm
 
 from service.modeling.head import RoutingHead
 from service.training.config import TrainConfig
@@ -120,6 +121,14 @@ def improves(acc: float, loss: float, best: tuple[float, float] | None, select: 
     return loss < best[1] or (loss == best[1] and acc > best[0])
 
 
+def time_so_far(t0: float, step: int, steps: int) -> str:
+    """Time since ``t0`` (the run's start) and, at the pace so far, the most that ``steps - step`` more steps take
+    (an early stop ends sooner), as a validation line prints them."""
+    elapsed = time.time() - t0
+    left = elapsed / max(step, 1) * (steps - step)
+    return f"{tqdm.format_interval(elapsed)} elapsed, at most {tqdm.format_interval(left)} left"
+
+
 def step_plan(lengths: torch.Tensor, cfg: TrainConfig, rng: random.Random) -> list[list[list[int]]]:
     """The batches of each epoch: ``cfg.epochs`` whole epochs, or epochs until a budget of ``cfg.steps`` batches
     or ``cfg.min_epochs`` epochs' worth, whichever is more (the last epoch cut short)."""
@@ -188,7 +197,7 @@ def train_head(head: RoutingHead, train: Features, y_train: list[int], val: Feat
             cfg.history.append({"epoch": epoch, "step": step, "train_loss": total / len(part), "val_accuracy": acc,
                                 "val_loss": val_loss})
             print(f"step {step}/{steps} (epoch {epoch}): train loss {total / len(part):.4f}, validation accuracy "
-                  f"{acc:.4f}, validation loss {val_loss:.4f}", flush=True)
+                  f"{acc:.4f}, validation loss {val_loss:.4f}; {time_so_far(t0, step, steps)}", flush=True)
             if improves(acc, val_loss, best, cfg.select):
                 best, best_step, best_epoch = (acc, val_loss), step, epoch
                 best_state = copy.deepcopy(validated.state_dict())

@@ -5,6 +5,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import sys
 import time
 from dataclasses import replace
@@ -31,6 +32,7 @@ from service.training.trainer import (
     improves,
     mixup,
     predict_features,
+    time_so_far,
     train_head,
     train_with_extension,
     validation_scores,
@@ -434,6 +436,17 @@ def test_a_budget_that_ends_while_validation_still_improves_is_flagged(capsys: p
     assert "extended" not in summary
     out = capsys.readouterr().out
     assert "still improving at the last step (12)" in out and "(--steps 24)" in out
+
+
+def test_each_validation_line_says_the_time_spent_and_the_most_left(capsys: pytest.CaptureFixture[str]) -> None:
+    assert time_so_far(time.time() - 65.2, 100, 400) == "01:05 elapsed, at most 03:15 left"  # 300 steps at 0.65 s
+    assert time_so_far(time.time() - 3725.5, 50, 50) == "1:02:05 elapsed, at most 00:00 left"
+    feats, y = learnable(96, seed=2)
+    cfg = TrainConfig(steps=12, min_epochs=0, batch_size=8, eval_every=4, patience=3, max_lr=3e-2, ema=0)
+    train_head(tiny_head(), feats.subset(list(range(64))), y[:64], feats.subset(list(range(64, 96))), y[64:], cfg)
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    assert len(lines) == 3 and all(re.search(r"; \d\d:\d\d elapsed, at most \d\d:\d\d left$", line) for line in lines)
+    assert lines[-1].endswith("at most 00:00 left")
 
 
 def test_a_budget_that_ends_improving_is_trained_again_twice_as_long_and_the_better_kept() -> None:
