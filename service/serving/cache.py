@@ -55,8 +55,9 @@ class HeadCache:
                         "other head is loaded for each request that names it and evicted after it "
                         "(ROUTING_HEAD_CACHE_BYTES sets the budget)", self.budget, pinned)
         else:
-            log.info("head cache: a budget of %d bytes, %d of them for the pinned heads: room for about %d heads "
-                     "of %d bytes beside them", self.budget, pinned, (self.budget - pinned) // max(head, 1), head)
+            room = (self.budget - pinned) // max(head, 1)
+            log.info("head cache: a budget of %d bytes, %d of them for the pinned heads: room for about %d head%s "
+                     "of %d bytes beside them", self.budget, pinned, room, "" if room == 1 else "s", head)
 
     def known(self, name: str) -> None:
         """Check that ``name`` is a model the server can serve: loaded, or a folder of the repository (400/404 as

@@ -75,7 +75,8 @@ async def test_start_up_loads_only_the_pinned_heads(state: AppState) -> None:
     assert metric(page(state), "routing_head_cache_resident_heads") == 1
 
 
-@pytest.mark.parametrize(("heads", "said"), [(3.5, "room for about 2 heads"), (1.5, "leaves no room beside")])
+@pytest.mark.parametrize(("heads", "said"), [(3.5, "room for about 2 heads "), (2.5, "room for about 1 head "),
+                                             (1.5, "leaves no room beside")])
 async def test_start_up_says_what_room_the_budget_leaves(repo: Path, head_bytes: int, heads: float, said: str,
                                                          caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level("INFO", logger="service.cache"):
