@@ -121,10 +121,10 @@ def improves(acc: float, loss: float, best: tuple[float, float] | None, select: 
     return loss < best[1] or (loss == best[1] and acc > best[0])
 
 
-def time_so_far(t0: float, step: int, steps: int) -> str:
-    """Time since ``t0`` (the run's start) and, at the pace so far, the most that ``steps - step`` more steps take
-    (an early stop ends sooner), as a validation line prints them."""
-    elapsed = time.time() - t0
+def time_so_far(t0: float, step: int, steps: int, now: float | None = None) -> str:
+    """Time from ``t0`` (the run's start) to ``now`` (default: the present) and, at the pace so far, the most that
+    ``steps - step`` more steps take (an early stop ends sooner), as a validation line prints them."""
+    elapsed = (time.time() if now is None else now) - t0
     left = elapsed / max(step, 1) * (steps - step)
     return f"{tqdm.format_interval(elapsed)} elapsed, at most {tqdm.format_interval(left)} left"
 

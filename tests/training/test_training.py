@@ -439,8 +439,8 @@ def test_a_budget_that_ends_while_validation_still_improves_is_flagged(capsys: p
 
 
 def test_each_validation_line_says_the_time_spent_and_the_most_left(capsys: pytest.CaptureFixture[str]) -> None:
-    assert time_so_far(time.time() - 65.2, 100, 400) == "01:05 elapsed, at most 03:15 left"  # 300 steps at 0.65 s
-    assert time_so_far(time.time() - 3725.5, 50, 50) == "1:02:05 elapsed, at most 00:00 left"
+    assert time_so_far(1000.0, 100, 400, now=1065.2) == "01:05 elapsed, at most 03:15 left"  # 300 steps at 0.65 s
+    assert time_so_far(1000.0, 50, 50, now=4725.5) == "1:02:05 elapsed, at most 00:00 left"
     feats, y = learnable(96, seed=2)
     cfg = TrainConfig(steps=12, min_epochs=0, batch_size=8, eval_every=4, patience=3, max_lr=3e-2, ema=0)
     train_head(tiny_head(), feats.subset(list(range(64))), y[:64], feats.subset(list(range(64, 96))), y[64:], cfg)
