@@ -10,9 +10,12 @@ rule (lowest validation loss by default).
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
+
+from tqdm import tqdm
 
 from service.modeling.head import RoutingHead
 from service.training.config import TrainConfig
@@ -40,6 +43,7 @@ def search(make_head: Callable[[], RoutingHead], train: Features, y_train: list[
     points = grid(cfg)
     tried: list[dict[str, Any]] = []
     best: tuple[int, RoutingHead, dict[str, Any]] | None = None
+    t0 = time.time()
     for k, point in enumerate(points, 1):
         budget = f"{point.epochs} epochs" if point.epochs else f"{point.steps} steps"
         print(f"search {k}/{len(points)}: max_lr {point.max_lr:g}, {budget}, crop {point.crop:g}", flush=True)
@@ -47,9 +51,13 @@ def search(make_head: Callable[[], RoutingHead], train: Features, y_train: list[
         tried.append({"max_lr": point.max_lr, "steps": summary["steps"], "epochs": point.epochs, "crop": point.crop,
                       "best_val_loss": summary["best_val_loss"], "best_val_accuracy": summary["best_val_accuracy"],
                       "best_step": summary["best_step"], "train_seconds": summary["train_seconds"]})
-        if best is None or improves(summary["best_val_accuracy"], summary["best_val_loss"],
-                                    (best[2]["best_val_accuracy"], best[2]["best_val_loss"]), cfg.select):
+        better = best is None or improves(summary["best_val_accuracy"], summary["best_val_loss"],
+                                          (best[2]["best_val_accuracy"], best[2]["best_val_loss"]), cfg.select)
+        if better:
             best = (k - 1, head, summary)
+        print(f"search {k}/{len(points)}: validation loss {summary['best_val_loss']:.4f}, accuracy "
+              f"{summary['best_val_accuracy']:.4f}{' (the best so far)' if better else ''}; "
+              f"{tqdm.format_interval(time.time() - t0)} since the search began", flush=True)
     assert best is not None
     kept, head, summary = best
     print(f"search: kept point {kept + 1} (max_lr {tried[kept]['max_lr']:g}, crop {tried[kept]['crop']:g}; "

@@ -280,6 +280,10 @@ def test_search_trains_the_grid_and_keeps_the_best_on_validation(tmp_path: Path,
     assert kept["best_val_loss"] == min(t["best_val_loss"] for t in tried) == training["best_val_loss"]
     assert (training["max_lr"], training["crop"]) == (kept["max_lr"], kept["crop"])
     assert "search 12/12" in res.output and training["search"]["rule"] == "lowest validation loss"
+    done = [line for line in res.output.splitlines() if line.endswith("since the search began")]
+    assert len(done) == 12 and done[0].startswith("search 1/12: validation loss ") and "(the best so far)" in done[0]
+    # the kept point is the last to say it was the best so far
+    assert max(k for k, line in enumerate(done) if "(the best so far)" in line) == training["search"]["kept"]
 
 
 def test_train_extends_a_budget_that_ended_improving_and_no_extend_does_not(tmp_path: Path,
