@@ -104,6 +104,9 @@ def test_train_and_evaluate_commands(tmp_path: Path, tiny_backbone_dir: Path) ->
         res = runner.invoke(app, ["train", "toy", "--out", str(tmp_path / repo), *args])
         assert res.exit_code == 0, res.output
         assert "(epoch 1): train loss" in res.output and "batch/s" not in res.output  # a log: no short bars
+        wall = json.loads((tmp_path / repo / "toy" / "manifest.json").read_text())["training"]["wall_seconds"]
+        minutes, seconds = divmod(int(wall), 60)  # the manifest's time, as m:ss
+        assert f"wrote {tmp_path / repo / 'toy'} ({minutes:02d}:{seconds:02d} in all)" in res.output
     first, second = (load_file(tmp_path / repo / "toy" / "head.safetensors") for repo in ("repo", "again"))
     assert all(torch.equal(first[name], second[name]) for name in first)  # seeded: same data, same weights
     umask = os.umask(0)
