@@ -187,13 +187,9 @@ def train(
                       extend=extend)
     keep_freed_memory()  # a training step's tensors reuse the last step's memory (see service.allocator)
     with user_errors():
-        folder = train_model(name, spec, out, backbone_source=backbone, max_length=max_length, n_hid=n_hid,
-                             d_hid=d_hid, n_iters=n_iters, cfg=cfg, max_train=max_train, cache=cache,
-                             description=PRESETS[preset].description if preset in PRESETS else "", search=search)
-    from tqdm import tqdm
-
-    wall = json.loads((folder / MANIFEST).read_text())["training"]["wall_seconds"]  # as the manifest records it
-    typer.echo(f"wrote {folder} ({tqdm.format_interval(wall)} in all)")
+        train_model(name, spec, out, backbone_source=backbone, max_length=max_length, n_hid=n_hid, d_hid=d_hid,
+                    n_iters=n_iters, cfg=cfg, max_train=max_train, cache=cache,
+                    description=PRESETS[preset].description if preset in PRESETS else "", search=search)
 
 
 @app.command()

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from service.modeling.backbone import Backbone
 from service.modeling.head import RoutingHead
@@ -154,6 +155,7 @@ def train_model(name: str, data: DataSpec, out_dir: Path, backbone_source: str =
     manifest.training["wall_seconds"] = round(time.time() - t_start, 1)
     save_model(folder, manifest, head)  # once, complete: a server watching the repository loads it once
     _print_evaluation(name, evaluation)
+    print(f"wrote {folder} ({tqdm.format_interval(manifest.training['wall_seconds'])} in all)", flush=True)
     return folder
 
 
