@@ -337,14 +337,26 @@ async def test_one_client_at_a_time_is_not_kept_waiting() -> None:
     assert rec.batches == [["a"], ["b"]]
 
 
+def timed_run(seconds: float) -> tuple[Callable[[list], list], list[float], list[float]]:
+    """A runner that computes each batch for ``seconds``, and the times each batch started and ended."""
+    starts: list[float] = []
+    ends: list[float] = []
+
+    def run(payloads: list) -> list:
+        starts.append(time.monotonic())
+        time.sleep(seconds)
+        ends.append(time.monotonic())
+        return payloads
+
+    return run, starts, ends
+
+
 async def test_arrivals_that_do_not_follow_answers_are_not_kept_waiting() -> None:
     # one item arrives in the middle of each batch's compute and none right after it ends (independent
     # arrivals, not clients answered): the next batch goes as soon as the runner is free, without waiting
     # for followers that do not come
-    starts: list[float] = []
-    ends: list[float] = []
-    b, _ = make(lambda ps: (starts.append(time.monotonic()), time.sleep(0.2), ends.append(time.monotonic()), ps)[3],
-                max_wait_s=0.05)
+    run, starts, ends = timed_run(0.2)
+    b, _ = make(run, max_wait_s=0.05)
     b.start()
     pending = [asyncio.ensure_future(b.submit(["0"], [1], later()))]
     for k in range(1, 6):
@@ -361,10 +373,8 @@ async def test_steady_arrivals_that_also_follow_batch_ends_are_not_kept_waiting(
     # a request every 20 ms, each batch 0.1 s: one arrives within the fill's cap (50 ms) after every batch's
     # end, but no faster than while it computed, so they do not follow answers: each batch goes when the runner
     # is free (waiting while they keep coming 20 ms apart would idle it up to 50 ms per batch)
-    starts: list[float] = []
-    ends: list[float] = []
-    b, _ = make(lambda ps: (starts.append(time.monotonic()), time.sleep(0.1), ends.append(time.monotonic()), ps)[3],
-                max_wait_s=0.05)
+    run, starts, ends = timed_run(0.1)
+    b, _ = make(run, max_wait_s=0.05)
     b.start()
     pending = []
     for k in range(60):
