@@ -36,6 +36,9 @@ class Classify(ls.LitAPI):
 
 
 if __name__ == "__main__":
-    server = ls.LitServer(Classify(), accelerator="cpu", max_batch_size=int(setting("MAX_BATCH_SIZE", "32")),
-                          batch_timeout=float(setting("MAX_WAIT_MS", "5")) / 1000)
+    # one worker on the model's device (LitServe starts one per device it is given)
+    accelerator = "cuda" if setting("DEVICE", "cpu").startswith("cuda") else "cpu"
+    api = Classify(max_batch_size=int(setting("MAX_BATCH_SIZE", "32")),
+                   batch_timeout=float(setting("MAX_WAIT_MS", "5")) / 1000)
+    server = ls.LitServer(api, accelerator=accelerator, devices=1)
     server.run(host="127.0.0.1", port=int(setting("PORT", "8000")), generate_client_file=False)
