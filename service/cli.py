@@ -351,6 +351,45 @@ def bench_profile(
         profile.run(spy, levels, duration, rate, model_repository, out)
 
 
+@bench_app.command("engine")
+def bench_engine(
+    model: Annotated[str, typer.Option(help="Bundled model to load")] = "tweet-sentiment",
+    preset: Annotated[str | None, typer.Option(help="Dataset whose test texts are sent (default: the model)")] = None,
+    batch_sizes: Annotated[str, typer.Option(help="Batch sizes")] = "1,8,32,64",
+    n_texts: Annotated[int, typer.Option("--texts", min=1, help="Test-split texts per pass")] = 512,
+    seconds: Annotated[float, typer.Option(min=0.1, help="Least seconds of whole passes per batch size")] = 3.0,
+    profiled: Annotated[int, typer.Option(min=1, help="Batches profiled per batch size")] = 16,
+    device: Annotated[str, typer.Option(help="cpu | cuda[:n]")] = "cpu",
+    model_repository: Path = Path("models"),
+    out: Annotated[Path, typer.Option(help="JSON result file")] = Path("bench-results/engine.json"),
+) -> None:
+    """Where a batch's time goes in the engine alone: milliseconds per batch by batch size, the process's time in
+    each phase (planning, encoding, joining, heads, results) from a torch profile, and on a GPU the kernels launched
+    per batch and the device's busy time."""
+    from service.bench import engine_phases as bench
+    from service.bench import report
+    from service.serving.engine import Engine
+    from service.training.data import sample_test_texts
+
+    sizes = numbers(batch_sizes, "--batch-sizes")
+    with user_errors():
+        texts = sample_test_texts(preset or model, n_texts)
+        try:
+            engine = Engine.load(model_repository / model, device=device)
+        except ValueError as e:  # no such device
+            raise typer.BadParameter(str(e), param_hint="--device") from None
+    typer.echo(f"engine alone: {model} on {engine.device}, {len(texts)} test texts in sampled order, batch sizes "
+               f"{sizes}, at least {seconds:g} s each", err=True)
+    rows = bench.run(engine, texts, sizes, seconds, profiled)
+    flat = [bench.flat(r) for r in rows]
+    typer.echo(report.table(flat, list(flat[0]) if flat else ["batch_size"]))
+    path = report.write_json(out, "engine", {"model": model, "preset": preset or model, "texts": len(texts),
+                                             "batch_sizes": sizes, "seconds": seconds, "profiled_batches": profiled,
+                                             "device": str(engine.device)},
+                             rows, {str(r["batch_size"]): r["ms_per_batch"] for r in rows})
+    typer.echo(f"wrote {path}")
+
+
 @bench_app.command("serve")
 def bench_serve(
     model: Annotated[str, typer.Option(help="Bundled model to load")] = "tweet-sentiment",

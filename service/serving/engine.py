@@ -10,12 +10,14 @@ heads, or texts, share the batch."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch.profiler import record_function
 
 from service.config import DTYPES
 from service.modeling.backbone import Backbone, BackboneError, Encoded
@@ -38,6 +40,13 @@ from service.serving.contract import (
 from service.serving.planner import Planner, backbone_key, model_of
 
 __all__ = ["Ask", "ChunkWork", "CreditSpec", "Engine", "NonFiniteScores", "Planner", "Result", "Task"]
+
+
+def _phase(name: str) -> contextlib.AbstractContextManager[object]:
+    """A range named ``name`` in a torch profile (``routing-service bench engine`` reads them), and nothing while
+    no profiler runs (a range costs about 16 us even then)."""
+    return record_function(name) if torch._C._autograd._profiler_enabled() else contextlib.nullcontext()
+
 
 TORCH_DTYPES = {name: getattr(torch, name) for name in DTYPES}
 
@@ -191,14 +200,16 @@ class Engine(Planner):
 
     def run(self, tasks: list[Task]) -> list[Result]:
         """Classify a batch of whole texts, each on its own head (every chunk in this one call)."""
-        chunks = [w for plan in self.plan(tasks) for w in plan]
+        with _phase("engine.plan"):
+            chunks = [w for plan in self.plan(tasks) for w in plan]
         return [answer[0] for answer in answers_of(chunks, self.run_chunks(chunks))]
 
     @torch.inference_mode()
     def run_chunks(self, works: list[ChunkWork]) -> list[Answer | None]:
         """Encode a batch of chunks once; run each head on every text completed here that asked for it (in
         length groups) and answer each such text at its last chunk's place. The other places are None."""
-        states = self.backbone.run_chunks([list(w.ids) for w in works])
+        with _phase("engine.encode"):
+            states = self.backbone.run_chunks([list(w.ids) for w in works])
         done: dict[int, TextJob] = {}  # position in the batch -> text completed there
         for pos, (w, st) in enumerate(zip(works, states, strict=True)):
             w.job.states[w.k] = st
@@ -217,7 +228,8 @@ class Engine(Planner):
                 key = tuple(pos for pos, _ in chosen)
                 if key not in joined:  # heads asked of the same texts read the same joined states
                     jobs = [done[pos] for pos in key]
-                    joined[key] = self.backbone.join([j.encoding for j in jobs], [j.states for j in jobs])
+                    with _phase("engine.join"):
+                        joined[key] = self.backbone.join([j.encoding for j in jobs], [j.states for j in jobs])
                 asks = [done[pos].asks[a] for pos, a in chosen]
                 heads = [ask.model or self.default for ask in asks]
                 for place, res in zip(chosen, self._finish(heads, joined[key], [ask.credit for ask in asks]),
@@ -253,10 +265,12 @@ class Engine(Planner):
         else:  # rows of different heads of one shape: their parameters stacked, one row each
             head = stack_heads([self.classifiers[k].head for k in keys], self._stack_space)
         requests = [self._credit_request(len(self.manifests[k].labels), s) for k, s in zip(keys, specs, strict=True)]
-        pred = classify(head, enc, requests, return_phi=any(s is not None and s.phi for s in specs))
-        probs = pred.probs.cpu()  # one device-to-host copy per batch, not per text
-        return [self._result(self.manifests[k].name, self.manifests[k].labels, pred, probs, b, s)
-                for b, (k, s) in enumerate(zip(keys, specs, strict=True))]
+        with _phase("engine.heads"):
+            pred = classify(head, enc, requests, return_phi=any(s is not None and s.phi for s in specs))
+            probs = pred.probs.cpu()  # one device-to-host copy per batch, not per text
+        with _phase("engine.results"):
+            return [self._result(self.manifests[k].name, self.manifests[k].labels, pred, probs, b, s)
+                    for b, (k, s) in enumerate(zip(keys, specs, strict=True))]
 
     def _result(self, name: str, labels: list[str], pred: Prediction, probs: torch.Tensor, b: int,
                 spec: CreditSpec | None) -> Result:

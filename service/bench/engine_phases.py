@@ -1,0 +1,112 @@
+"""`routing-service bench engine`: where a batch's time goes in the engine alone (no server, no queue).
+
+For each batch size, batches of the sampled texts in their sampled order (as clients' requests arrive, not
+sorted by length) run through :meth:`Engine.run`:
+
+- ``ms_per_batch``: wall time per batch over whole passes of the texts, nothing else running (on a GPU, up to
+  the device's last kernel: the batch's one copy back waits for it);
+- per phase (the engine's profiler ranges, :data:`PHASES`): the process's time in it per batch, from a torch
+  profile of the first few batches (``profiled``: a profile of thousands of batches takes long to read).
+  ``plan`` (tokenizing and chunking) is the server's front's part; the other four are what the model's process
+  computes. On a GPU a phase's process time is the time to launch its kernels plus any wait for the device (the
+  heads' copy of the scores back waits for every kernel before it);
+- on a GPU, per batch: kernels launched and the device's busy time (the sum of its kernels' durations), and each
+  phase's device milliseconds. A device busy for a small share of the wall time is waiting on the process that
+  launches its kernels.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from service.serving.engine import Engine
+
+PHASES = ("engine.plan", "engine.encode", "engine.join", "engine.heads", "engine.results")
+
+
+def batches_of(texts: list[str], size: int) -> list[list[str]]:
+    """Consecutive whole batches of ``size`` texts (a short tail is left out: each batch has ``size`` texts)."""
+    return [texts[k : k + size] for k in range(0, len(texts) - size + 1, size)]
+
+
+def _sync(engine: Engine) -> Callable[[], None]:
+    import torch
+
+    return torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
+
+
+def ms_per_batch(engine: Engine, batches: list[list[str]], seconds: float) -> float:
+    """Wall milliseconds per batch over whole passes of ``batches`` lasting at least ``seconds``."""
+    from service.serving.engine import Task
+
+    sync = _sync(engine)
+    engine.run([Task(t) for t in batches[0]])  # warm-up at this size
+    sync()
+    n = 0
+    t0 = time.perf_counter()
+    while n == 0 or time.perf_counter() - t0 < seconds:
+        for batch in batches:
+            engine.run([Task(t) for t in batch])
+        n += len(batches)
+    sync()
+    return 1000 * (time.perf_counter() - t0) / n
+
+
+def phases(engine: Engine, batches: list[list[str]]) -> dict[str, Any]:
+    """Per batch, from a torch profile of ``batches``: each phase's process milliseconds, and on a GPU
+    the kernels launched, the device's busy milliseconds and each phase's device milliseconds."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    from service.serving.engine import Task
+
+    cuda = engine.device.type == "cuda"
+    sync = _sync(engine)
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+    with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        for batch in batches:
+            engine.run([Task(t) for t in batch])
+        sync()
+        wall = time.perf_counter() - t0
+    n = len(batches)
+    events = prof.events()
+    ranges = [e for e in events if e.name in PHASES and e.device_type == DeviceType.CPU]
+    out: dict[str, Any] = {"profiled_ms_per_batch": 1000 * wall / n,
+                           "process_ms": {p.removeprefix("engine."): sum(e.cpu_time_total for e in ranges
+                                                                           if e.name == p) / 1000 / n
+                                          for p in PHASES}}
+    if cuda:
+        device = [e for e in events if e.device_type == DeviceType.CUDA and e.name not in PHASES]
+        out["kernels_per_batch"] = sum(1 for e in device if not e.name.startswith(("Memcpy", "Memset"))) / n
+        out["device_busy_ms"] = sum(e.time_range.elapsed_us() for e in device) / 1000 / n
+        out["device_ms"] = {p.removeprefix("engine."): sum(e.device_time_total for e in ranges if e.name == p)
+                            / 1000 / n for p in PHASES}
+    return out
+
+
+def run(engine: Engine, texts: list[str], sizes: list[int], seconds: float, profiled: int = 16
+        ) -> list[dict[str, Any]]:
+    """One row per batch size (sizes with no whole batch in ``texts`` are left out); the phases from the first
+    ``profiled`` batches."""
+    rows = []
+    for size in sizes:
+        batches = batches_of(texts, size)
+        if not batches:
+            continue
+        wall = ms_per_batch(engine, batches, seconds)
+        rows.append({"batch_size": size, "ms_per_batch": wall, "texts_per_s": 1000 * size / wall,
+                     **phases(engine, batches[:profiled])})
+    return rows
+
+
+def flat(row: dict[str, Any]) -> dict[str, Any]:
+    """A row for the printed table: the phases' dicts spread into columns."""
+    out = {k: v for k, v in row.items() if not isinstance(v, dict)}
+    for kind in ("process_ms", "device_ms"):
+        for phase, ms in row.get(kind, {}).items():
+            out[f"{phase}_{kind.removesuffix('_ms')}_ms"] = ms
+    return out

@@ -1,0 +1,65 @@
+"""`bench engine`: the engine's batch time split by its profiler ranges, which cost nothing while no profiler runs."""
+
+import contextlib
+import json
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from service.bench.engine_phases import PHASES, batches_of, phases, run
+from service.cli import app
+from service.serving.engine import Engine, _phase
+
+TEXTS = [f"text number {k} " + "word " * (k % 7) for k in range(24)]
+
+
+def test_batches_are_whole_and_in_the_texts_order() -> None:
+    assert batches_of(list("abcdefg"), 3) == [["a", "b", "c"], ["d", "e", "f"]]
+    assert batches_of(list("ab"), 3) == []
+
+
+def test_a_phase_is_a_profiler_range_only_while_a_profiler_runs() -> None:
+    import torch
+    from torch.profiler import profile
+
+    assert isinstance(_phase("engine.encode"), contextlib.nullcontext)
+    with profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        assert not isinstance(_phase("engine.encode"), contextlib.nullcontext)
+
+
+def test_the_phases_cover_the_profiled_batch(tiny_repo: Path) -> None:
+    engine = Engine.load(tiny_repo / "tiny", device="cpu")
+    out = phases(engine, batches_of(TEXTS, 8))
+    parts = out["process_ms"]
+    assert set(parts) == {p.removeprefix("engine.") for p in PHASES}
+    assert all(parts[p] > 0 for p in ("plan", "encode", "join", "heads", "results")), parts
+    # the five ranges are the batch, one after another: their sum is most of it and never more
+    assert 0.6 * out["profiled_ms_per_batch"] < sum(parts.values()) <= out["profiled_ms_per_batch"], out
+    assert "kernels_per_batch" not in out  # on the CPU nothing is launched on a device
+
+
+def test_a_row_per_batch_size_with_a_whole_batch(tiny_repo: Path) -> None:
+    engine = Engine.load(tiny_repo / "tiny", device="cpu")
+    rows = run(engine, TEXTS, [1, 8, 100], seconds=0.1)
+    assert [r["batch_size"] for r in rows] == [1, 8]  # no batch of 100 in 24 texts
+    for r in rows:
+        assert abs(r["texts_per_s"] - 1000 * r["batch_size"] / r["ms_per_batch"]) < 1e-6
+
+
+def test_the_command_writes_a_row_per_batch_size(tiny_repo: Path, tmp_path: Path) -> None:
+    out = tmp_path / "engine.json"
+    res = CliRunner().invoke(app, ["bench", "engine", "--model", "tiny", "--preset", "tweet-sentiment",
+                                   "--model-repository", str(tiny_repo), "--batch-sizes", "1,4", "--texts", "16",
+                                   "--seconds", "0.1", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    data = json.loads(out.read_text())
+    assert [r["batch_size"] for r in data["results"]] == [1, 4] and data["settings"]["device"] == "cpu"
+    assert "encode_process_ms" in res.output
+
+
+def test_a_device_that_is_not_there_exits_2(tiny_repo: Path, tmp_path: Path) -> None:
+    res = CliRunner().invoke(app, ["bench", "engine", "--model", "tiny", "--preset", "tweet-sentiment",
+                                   "--model-repository", str(tiny_repo), "--device", "cuda",
+                                   "--out", str(tmp_path / "e.json")])
+    said = " ".join(res.output.replace("│", " ").split())
+    assert res.exit_code == 2 and "CUDA is not available" in said, res.output
