@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from tokenizers import Tokenizer
 from transformers import AutoModel, AutoTokenizer, PreTrainedTokenizerBase
@@ -143,13 +144,12 @@ class Backbone(torch.nn.Module):
     def join(self, encodings: list[Encoding], states: list[list[torch.Tensor]]) -> Encoded:
         """One batch from each text's chunk states (``states[b]``: its chunks' ``[L_c, d_depth, d_emb]`` in
         order), each text's real positions joined into one sequence and padded to the longest."""
-        joined = [torch.cat(p, dim=0) for p in states]  # per text [n_t, d_depth, d_emb]
-        n_max = max(len(j) for j in joined)
-        hidden = joined[0].new_zeros(len(encodings), n_max, self.d_depth, self.d_emb)  # [b n depth emb]
-        pad = torch.ones(len(encodings), n_max, dtype=torch.bool, device=hidden.device)  # [b n]
-        for b, j in enumerate(joined):
-            hidden[b, : len(j)] = j
-            pad[b, : len(j)] = False
+        # a text of one chunk is that chunk's states as they are; the batch is copied once, in one call (on a GPU a
+        # copy and a fill per text cost more than all the heads' kernels)
+        joined = [p[0] if len(p) == 1 else torch.cat(p, dim=0) for p in states]  # per text [n_t, d_depth, d_emb]
+        hidden = torch.nn.utils.rnn.pad_sequence(joined, batch_first=True)  # [b n depth emb], zeros past each text
+        lengths = torch.tensor([len(j) for j in joined])  # [b]
+        pad = (torch.arange(hidden.shape[1]) >= lengths[:, None]).to(hidden.device)  # [b n]
         token_ids = [torch.tensor([i for c in e.chunks for i in c]) for e in encodings]
         offsets = [torch.tensor(e.offsets, dtype=torch.long).reshape(-1, 2) for e in encodings]
         special = [torch.tensor(e.special, dtype=torch.bool) for e in encodings]
@@ -199,23 +199,25 @@ class Backbone(torch.nn.Module):
         out: list[torch.Tensor | None] = [None] * len(chunk_ids)
         per_call = max(1, self.chunk_batch_tokens // L)
         pad_id = self.tokenizer.pad_token_id or 0
+        arange = np.arange(L)  # [L]
         for first in range(0, len(rows), per_call):
             call = rows[first : first + per_call]
-            ids = torch.full((len(call), L), pad_id, dtype=torch.long)  # [r L]
-            pos = torch.zeros(len(call), L, dtype=torch.long)  # [r L] position within its chunk
-            seg = torch.full((len(call), L), -1, dtype=torch.long)  # [r L] which chunk of the row; -1 the tail
+            # built in numpy: a torch call per chunk costs more than the chunk's share of the encoder on a GPU
+            ids = np.full((len(call), L), pad_id, dtype=np.int64)  # [r L]
+            pos = np.zeros((len(call), L), dtype=np.int64)  # [r L] position within its chunk
+            seg = np.full((len(call), L), -1, dtype=np.int64)  # [r L] which chunk of the row; -1 the tail
             for r, row in enumerate(call):
                 start = 0
                 for s, k in enumerate(row):
-                    ids[r, start : start + lengths[k]] = torch.tensor(chunk_ids[k])
-                    pos[r, start : start + lengths[k]] = torch.arange(lengths[k])
+                    ids[r, start : start + lengths[k]] = chunk_ids[k]
+                    pos[r, start : start + lengths[k]] = arange[: lengths[k]]
                     seg[r, start : start + lengths[k]] = s
                     start += lengths[k]
             if bool((seg == 0).all()):  # one whole chunk per row: nothing to mask, positions as usual
-                hs = self._encode_rows(ids, None)  # [r L depth emb]
+                hs = self._encode_rows(torch.from_numpy(ids), None)  # [r L depth emb]
             else:
-                mask = (seg[:, :, None] == seg[:, None, :])[:, None]  # [r 1 L L] True: attends
-                hs = self._encode_rows(ids, mask, pos)  # [r L depth emb]
+                mask = torch.from_numpy(seg[:, None, :, None] == seg[:, None, None, :])  # [r 1 L L] True: attends
+                hs = self._encode_rows(torch.from_numpy(ids), mask, torch.from_numpy(pos))  # [r L depth emb]
             for r, row in enumerate(call):
                 start = 0
                 for k in row:

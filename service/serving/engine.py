@@ -268,16 +268,18 @@ class Engine(Planner):
         with _phase("engine.heads"):
             pred = classify(head, enc, requests, return_phi=any(s is not None and s.phi for s in specs))
             probs = pred.probs.cpu()  # one device-to-host copy per batch, not per text
-        with _phase("engine.results"):
-            return [self._result(self.manifests[k].name, self.manifests[k].labels, pred, probs, b, s)
+        with _phase("engine.results"):  # the batch's scores read once, not a few torch calls per text
+            scores, finite, best = probs.tolist(), torch.isfinite(probs).all(dim=-1).tolist(), probs.argmax(-1).tolist()
+            return [self._result(self.manifests[k].name, self.manifests[k].labels, pred, scores[b], finite[b],
+                                 best[b], b, s)
                     for b, (k, s) in enumerate(zip(keys, specs, strict=True))]
 
-    def _result(self, name: str, labels: list[str], pred: Prediction, probs: torch.Tensor, b: int,
-                spec: CreditSpec | None) -> Result:
-        if not bool(torch.isfinite(probs[b]).all()):
+    def _result(self, name: str, labels: list[str], pred: Prediction, scores: list[float], finite: bool, k: int,
+                b: int, spec: CreditSpec | None) -> Result:
+        """Text ``b``'s result: its ``scores`` (``k``: the highest) when all are ``finite``, else an error."""
+        if not finite:
             return Result(label="", scores={}, error=f"model {name} produced non-finite scores for this text")
-        k = int(probs[b].argmax())
-        res = Result(label=labels[k], scores=dict(zip(labels, probs[b].tolist(), strict=True)))
+        res = Result(label=labels[k], scores=dict(zip(labels, scores, strict=True)))
         explained = pred.explained[b]
         if spec is not None and explained is not None:
             res.credit = self._credit(labels, pred, b, explained, spec, k)
