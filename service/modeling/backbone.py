@@ -7,6 +7,7 @@ padding) are joined back into one sequence, as the paper does for IMDB.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,22 +35,38 @@ class Encoded:
     Attributes:
         hidden: ``[b, n, d_depth, d_emb]`` hidden states (embeddings output, then every layer).
         pad: bool ``[b, n]``, True at padding positions.
-        token_ids: per text, ``[n_t]`` token ids of its real positions.
-        offsets: per text, ``[n_t, 2]`` character span of each token in the text ((0, 0) for specials).
-        special: per text, bool ``[n_t]``, True at special tokens.
-        word_ids: per text, ``[n_t]`` index of the word each token belongs to (-1 for specials).
+        encodings: each text's :class:`Encoding` (its tokens, their spans and words), from which the per-text
+            tensors below are built when first read (classifying reads none of them).
     """
 
     hidden: torch.Tensor
     pad: torch.Tensor
-    token_ids: list[torch.Tensor]
-    offsets: list[torch.Tensor]
-    special: list[torch.Tensor]
-    word_ids: list[torch.Tensor]
+    encodings: list[Encoding]
 
     @property
     def lengths(self) -> list[int]:
-        return [len(t) for t in self.token_ids]
+        """Each text's real positions (special tokens of every chunk included)."""
+        return [e.n_tokens for e in self.encodings]
+
+    @functools.cached_property
+    def token_ids(self) -> list[torch.Tensor]:
+        """Per text, ``[n_t]`` token ids of its real positions."""
+        return [torch.tensor([i for c in e.chunks for i in c]) for e in self.encodings]
+
+    @functools.cached_property
+    def offsets(self) -> list[torch.Tensor]:
+        """Per text, ``[n_t, 2]`` character span of each token in the text ((0, 0) for specials)."""
+        return [torch.tensor(e.offsets, dtype=torch.long).reshape(-1, 2) for e in self.encodings]
+
+    @functools.cached_property
+    def special(self) -> list[torch.Tensor]:
+        """Per text, bool ``[n_t]``, True at special tokens."""
+        return [torch.tensor(e.special, dtype=torch.bool) for e in self.encodings]
+
+    @functools.cached_property
+    def word_ids(self) -> list[torch.Tensor]:
+        """Per text, ``[n_t]`` index of the word each token belongs to (-1 for specials)."""
+        return [torch.tensor(e.word_ids, dtype=torch.long) for e in self.encodings]
 
 
 class Backbone(torch.nn.Module):
@@ -150,11 +167,7 @@ class Backbone(torch.nn.Module):
         hidden = torch.nn.utils.rnn.pad_sequence(joined, batch_first=True)  # [b n depth emb], zeros past each text
         lengths = torch.tensor([len(j) for j in joined])  # [b]
         pad = (torch.arange(hidden.shape[1]) >= lengths[:, None]).to(hidden.device)  # [b n]
-        token_ids = [torch.tensor([i for c in e.chunks for i in c]) for e in encodings]
-        offsets = [torch.tensor(e.offsets, dtype=torch.long).reshape(-1, 2) for e in encodings]
-        special = [torch.tensor(e.special, dtype=torch.bool) for e in encodings]
-        word_ids = [torch.tensor(e.word_ids, dtype=torch.long) for e in encodings]
-        return Encoded(hidden, pad, token_ids, offsets, special, word_ids)
+        return Encoded(hidden, pad, list(encodings))
 
     @torch.inference_mode()
     def run_chunks(self, chunk_ids: list[list[int]]) -> list[torch.Tensor]:

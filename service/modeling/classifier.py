@@ -119,12 +119,12 @@ def classify(head: RoutingHead, enc: Encoded, explain: Sequence[CreditRequest | 
     """Scores and the credit ``explain[b]`` asks of each text ``b`` (None: none) from ``head`` (a stacked head: row
     ``b`` on its head ``b``) on hidden states ``enc`` the backbone has computed. Credit is computed only for the
     texts that ask for it, one batched pass per method."""
-    texts = enc.token_ids
+    n_texts = len(enc.encodings)
     hidden = enc.hidden.to(dtype=next(head.parameters()).dtype)  # [b n e d]
     out = head(hidden, enc.pad)
     probs = out.scores.float().softmax(dim=-1)  # [b k]
-    explained: list[Explained | None] = [None] * len(texts)
-    requests = list(explain or [None] * len(texts))
+    explained: list[Explained | None] = [None] * n_texts
+    requests = list(explain or [None] * n_texts)
     predicted = probs.argmax(dim=-1).tolist()
     groups: dict[tuple[Method, bool], list[int]] = {}
     for b, req in enumerate(requests):

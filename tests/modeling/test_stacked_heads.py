@@ -8,6 +8,7 @@ import torch
 
 from service.modeling.backbone import Encoded
 from service.modeling.classifier import CreditRequest, classify
+from service.modeling.encoding import Encoding
 from service.modeling.head import RoutingHead, StackSpace, stack_heads
 
 D_DEPTH, D_EMB = 3, 16
@@ -30,14 +31,14 @@ def encoded(lengths: list[int]) -> Encoded:
     n = max(lengths)
     pad = torch.arange(n)[None, :] >= torch.tensor(lengths)[:, None]  # [b n]
     hidden = torch.randn(len(lengths), n, D_DEPTH, D_EMB).masked_fill(pad[..., None, None], 0.0)  # [b n e d]
-    return Encoded(hidden=hidden, pad=pad, token_ids=[torch.zeros(k, dtype=torch.long) for k in lengths],
-                   offsets=[], special=[], word_ids=[])
+    return Encoded(hidden=hidden, pad=pad, encodings=[Encoding(chunks=((0,) * k,), offsets=((0, 0),) * k,
+                                                               special=(False,) * k, word_ids=(0,) * k)
+                                                      for k in lengths])
 
 
 def one_row(enc: Encoded, b: int) -> Encoded:
     n = enc.lengths[b]
-    return Encoded(hidden=enc.hidden[b : b + 1, :n], pad=enc.pad[b : b + 1, :n], token_ids=[enc.token_ids[b]],
-                   offsets=[], special=[], word_ids=[])
+    return Encoded(hidden=enc.hidden[b : b + 1, :n], pad=enc.pad[b : b + 1, :n], encodings=[enc.encodings[b]])
 
 
 REQUESTS = [None, CreditRequest(), CreditRequest(targets=(0, 3), contrast=False), CreditRequest(method="shares"),
