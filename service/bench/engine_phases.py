@@ -21,6 +21,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from service.bench.report import whole_passes
+
 if TYPE_CHECKING:
     from service.serving.engine import Engine
 
@@ -45,14 +47,14 @@ def ms_per_batch(engine: Engine, batches: list[list[str]], seconds: float) -> fl
     sync = _sync(engine)
     engine.run([Task(t) for t in batches[0]])  # warm-up at this size
     sync()
-    n = 0
-    t0 = time.perf_counter()
-    while n == 0 or time.perf_counter() - t0 < seconds:
+
+    def one_pass() -> None:
         for batch in batches:
             engine.run([Task(t) for t in batch])
-        n += len(batches)
-    sync()
-    return 1000 * (time.perf_counter() - t0) / n
+        sync()
+
+    size = len(batches[0])
+    return 1000 * size / whole_passes(one_pass, size * len(batches), seconds)
 
 
 def phases(engine: Engine, batches: list[list[str]]) -> dict[str, Any]:

@@ -27,7 +27,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from service.bench import report
-from service.bench.report import echo, in_worker_thread
+from service.bench.report import echo, in_worker_thread, whole_passes
 from service.bench.server import LocalServer
 from service.training.data import sample_test_texts
 
@@ -226,17 +226,6 @@ class Offline:
         """Texts/s in batches of ``bs`` consecutive texts as given: the batches a closed loop of ``bs`` clients
         forms when every batch holds them all (client ``w`` sends texts ``w``, ``w + bs``, ...)."""
         return self._throughput(self.texts, bs, seconds)
-
-
-def whole_passes(one_pass: Callable[[], None], n_texts: int, seconds: float) -> float:
-    """Texts per second over whole passes of the texts, at least ``seconds`` (cut short, the shortest
-    texts, which come first, would count more)."""
-    n = 0
-    t0 = time.perf_counter()
-    while n == 0 or time.perf_counter() - t0 < seconds:
-        one_pass()
-        n += n_texts
-    return n / (time.perf_counter() - t0)
 
 
 class ReplicasOffline:
