@@ -26,15 +26,15 @@ class HeadOutput:
         absent: bool ``[..., i]``, True for the padding rows of ``phi1``.
         stack: the three routings with their inputs, ``phi`` and ``n`` (see :class:`credit.Routed`); the
             first routing's inputs as given, padding included (:meth:`RoutingHead.contributions` masks it).
-        x_lin: ``[..., i, d_emb]`` the first routing's inputs less the per-depth bias ``B``: the part
-            that depends on the hidden states (padding rows unmasked, as above).
+        normed: ``[..., n, d_depth, d_emb]`` the hidden states layer-normed at each depth, from which
+            :meth:`RoutingHead.x_lin` builds the part of the first routing's inputs that depends on them.
     """
 
     scores: torch.Tensor
     phi: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     absent: torch.Tensor
     stack: tuple[credit.Routed, credit.Routed, credit.Routed]
-    x_lin: torch.Tensor
+    normed: torch.Tensor
 
     def rows(self, idx: torch.Tensor, head: RoutingHead | None = None) -> HeadOutput:
         """The same output for the batch rows ``idx [b']`` only (``head``: the head of those rows, for a stacked
@@ -44,7 +44,7 @@ class HeadOutput:
         routings = [None] * 3 if head is None else list(head.route)
         stack = tuple(r.rows(idx, routing) for r, routing in zip(self.stack, routings, strict=True))
         return HeadOutput(scores=self.scores[idx], phi=tuple(p[idx] for p in self.phi),  # type: ignore[arg-type]
-                          absent=self.absent[idx], stack=stack, x_lin=self.x_lin[idx])  # type: ignore[arg-type]
+                          absent=self.absent[idx], stack=stack, normed=self.normed[idx])  # type: ignore[arg-type]
 
 
 @dataclass
@@ -97,9 +97,8 @@ class RoutingHead(nn.Module):
         if pad is None:
             pad = torch.zeros(hidden.shape[:-2], dtype=torch.bool, device=hidden.device)  # [...n]
         W, B = self.W.unsqueeze(-3), self.B.unsqueeze(-3)  # [1ed] (stacked: [b1ed])
-        x_lin = nn.functional.layer_norm(hidden, (self.d_emb,)) * W  # [...ned] per-depth norm and scale
-        x = (x_lin + B).flatten(-3, -2)  # [...id] plus each depth's bias; positions x depths
-        x_lin = x_lin.flatten(-3, -2)  # [...id]
+        normed = nn.functional.layer_norm(hidden, (self.d_emb,))  # [...ned] each depth normed
+        x = torch.addcmul(B, normed, W).flatten(-3, -2)  # [...id] scaled, plus each depth's bias; positions x depths
         absent = pad[..., None].expand(*pad.shape, self.d_depth).flatten(-2)  # [...i]
         mask = absent[..., None].expand(*absent.shape, self.n_hid) if bool(pad.any()) else None  # [...ij]
         r1 = self.route[0](x, mask=mask)
@@ -112,7 +111,7 @@ class RoutingHead(nn.Module):
                  credit.Routed(self.route[1], r1["x_out"], r2["phi"], n_hid, r2["x_out_raw"]),
                  credit.Routed(self.route[2], r2["x_out"], r3["phi"], n_hid, r3["x_out_raw"]))
         return HeadOutput(scores=scores, phi=(r1["phi"], r2["phi"], r3["phi"]), absent=absent, stack=stack,
-                          x_lin=x_lin)
+                          normed=normed)
 
     def contributions(self, out: HeadOutput, targets: torch.Tensor, contrast: bool = True) -> Contribution:
         """Exact value-path credit of ``targets`` over (position, depth), in logit units.
@@ -137,11 +136,18 @@ class RoutingHead(nn.Module):
         # the first routing's inputs less x_lin are each depth's bias B, the same for every sample
         n = out.absent.shape[-1] // self.d_depth
         x_const = self.B.unsqueeze(-3).expand(*self.B.shape[:-2], n, -1, -1).flatten(-3, -2)  # [id] (stacked: [bid])
-        contrib, baseline = credit.value_path(out.stack, out.x_lin, readout[..., None], x_const)  # [...ti], [...t]
+        x_lin = self.x_lin(out)  # [...id]
+        contrib, baseline = credit.value_path(out.stack, x_lin, readout[..., None], x_const)  # [...ti], [...t]
         # padding takes no part (its phi is 0), but whatever it holds must not turn 0 * value into NaN
         contrib = contrib.masked_fill(out.absent[..., None, :], 0.0)  # [...ti]
         logit = torch.einsum("...tk,...k->...t", readout, out.scores)  # [...t]
         return Contribution(credit=contrib.unflatten(-1, (-1, self.d_depth)), baseline=baseline, logit=logit)
+
+    def x_lin(self, out: HeadOutput) -> torch.Tensor:
+        """``[..., i, d_emb]`` the first routing's inputs of ``out`` (this head's forward pass) less the per-depth bias
+        ``B``: the part that depends on the hidden states (padding rows unmasked). Built when credit asks for it:
+        classifying alone computes the inputs in one pass, scale and bias together."""
+        return (out.normed * self.W.unsqueeze(-3)).flatten(-3, -2)  # [...id]
 
     @property
     def stacked(self) -> bool:

@@ -84,6 +84,13 @@ class EfficientVectorRouting(nn.Module):
         return (torch.einsum("...id,...jd->...ij", x_inp, use.weight) + use.bias[..., None, :],  # [...ij]
                 torch.einsum("...id,...jd->...ij", x_inp, ign.weight) + ign.bias[..., None, :])  # [...ij]
 
+    def _activations(self, x_inp: torch.Tensor) -> torch.Tensor:
+        """``[..., i]`` each input's dot product with its row of ``W_A`` (one row shared by every input when ``n``
+        is variable: then a matrix-vector product, without an ``[..., i, d]`` product in between)."""
+        if self.W_A.shape[-2] == 1:
+            return (x_inp @ self.W_A.transpose(-1, -2))[..., 0]  # [...i]
+        return (x_inp * self.W_A).sum(dim=-1)  # [...i]
+
     def _check(self, x_inp: torch.Tensor) -> None:
         if x_inp.dim() < 2 or x_inp.shape[-1] != self.d_inp:
             raise ValueError(f"x_inp must be [..., n_inp, d_inp={self.d_inp}], got {list(x_inp.shape)}")
@@ -109,12 +116,15 @@ class EfficientVectorRouting(nn.Module):
         x_inp = zero_absent(x_inp, m)  # [...id]
         beta_use, beta_ign = self._betas(x_inp)  # [...ij], [...ij]
         n = x_inp.new_tensor(float(x_inp.shape[-2])) if m is None else m.n  # [] or [...11]
-        xs = x_inp * n.rsqrt()  # [...id] scaled inputs, F1's 1/sqrt(n)
-        a_inp = (xs * self.W_A).sum(dim=-1) + self.B_A  # [...i]
+        # F1 scales the inputs by 1/sqrt(n); what is linear in them is scaled after contracting over d or i
+        # instead (the same values up to rounding, and no pass over [..., i, d] for it)
+        scale = n.rsqrt()  # [] or [...11]
+        scale_i = scale if scale.dim() == 0 else scale[..., 0]  # [] or [...1]
+        a_inp = torch.addcmul(self.B_A, self._activations(x_inp), scale_i)  # [...i]
         f_a = torch.sigmoid(a_inp)[..., None]  # [...i1]
         V = None
         if not self.memory_efficient:
-            V = torch.einsum("...id,...jd,...dh->...ijh", xs, self.W_F1, self.W_F2)  # [...ijh]
+            V = torch.einsum("...id,...jd,...dh->...ijh", x_inp * scale, self.W_F1, self.W_F2)  # [...ijh]
             V = V + self.B_F2.unsqueeze(-3)  # [...ijh]
 
         pred_x_inp = S = None
@@ -126,9 +136,9 @@ class EfficientVectorRouting(nn.Module):
             # M-step: "bang per bit" coefficients, then contract the votes.
             phi = beta_use * D_use - beta_ign * D_ign  # [...ij]
             if V is None:
-                phi_x = torch.einsum("...ij,...id->...jd", phi, xs)  # [...jd] contract over i first
+                phi_x = torch.einsum("...ij,...id->...jd", phi, x_inp)  # [...jd] contract over i first
                 x_out = torch.einsum("...jd,...jd,...dh->...jh", phi_x, self.W_F1, self.W_F2)  # [...jh]
-                x_out = x_out + phi.sum(dim=-2)[..., None] * self.B_F2  # [...jh]
+                x_out = torch.addcmul(phi.sum(dim=-2)[..., None] * self.B_F2, x_out, scale)  # [...jh] scaled, + bias
             else:
                 x_out = torch.einsum("...ij,...ijh->...jh", phi, V)  # [...jh]
 
