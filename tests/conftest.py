@@ -7,6 +7,7 @@ encoder weights are random and tiny, so the tests never need the network.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ import torch
 from service.modeling.backbone import resolve_source
 from service.modeling.head import RoutingHead
 from service.modeling.repository import BackboneSpec, HeadSpec, Manifest, save_model
+from tests.serving.server import Server, running
 
 TINY = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 64,
         "max_position_embeddings": 64}
@@ -63,3 +65,19 @@ def edit_manifest(folder: Path, **changes: object) -> None:
     data = json.loads(path.read_text())
     data.update(changes)
     path.write_text(json.dumps(data))
+
+
+@pytest.fixture(scope="session")
+def tiny(tiny_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """The tiny model's server with small limits, one for the whole session (each start costs seconds of imports):
+    the tests using it count what changes in /metrics, never the totals, and leave it as they found it."""
+    yield from running(tmp_path_factory.mktemp("logs-tiny"), model_repository=tiny_repo, default_model="tiny",
+                       max_inputs=8, max_chars=2000, max_body_bytes=20000, max_explain_elements=5000, max_wait_ms=20)
+
+
+@pytest.fixture(scope="session")
+def keyed(tiny_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """The tiny model's server with two API keys (``k1``, ``second-key``) and its other settings the defaults, one
+    for the whole session."""
+    yield from running(tmp_path_factory.mktemp("logs-keyed"), model_repository=tiny_repo, default_model="tiny",
+                       api_keys="k1,second-key")

@@ -8,7 +8,6 @@ import subprocess
 from pathlib import Path
 
 import httpx
-import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -105,16 +104,9 @@ def test_dashboard_is_provisioned_with_the_datasource() -> None:
         assert topic in titles, topic
 
 
-@pytest.fixture(scope="module")
-def server(tiny_repo: Path, tmp_path_factory: pytest.TempPathFactory):
-    s = Server(tmp_path_factory.mktemp("logs"), model_repository=tiny_repo, default_model="tiny").wait_ready()
-    yield s
-    s.stop()
-
-
-def test_every_dashboard_metric_exists_in_real_metrics_output(server: Server) -> None:
-    httpx.post(f"{server.url}/v1/classify", json={"inputs": ["hello"]})
-    text = httpx.get(f"{server.url}/metrics").text
+def test_every_dashboard_metric_exists_in_real_metrics_output(tiny: Server) -> None:
+    httpx.post(f"{tiny.url}/v1/classify", json={"inputs": ["hello"]})
+    text = httpx.get(f"{tiny.url}/metrics").text
     exported = set()
     for fam in text_string_to_metric_families(text):
         exported.add(fam.name)

@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import functools
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -18,7 +18,16 @@ from service.config import Settings
 from service.serving.metrics import Metrics
 from service.serving.state import AppState
 
-__all__ = ["Server", "free_port", "in_flight", "loaded", "metric", "side_by_side"]
+__all__ = ["Server", "free_port", "in_flight", "loaded", "metric", "running", "side_by_side"]
+
+
+def running(log_dir: Path, **settings: object) -> Iterator[Server]:
+    """A server with ``settings``, ready, for a ``for`` loop or a fixture to ``yield from``; stopped afterwards."""
+    server = Server(log_dir, **settings).wait_ready()
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 def side_by_side(log_dir: Path, *settings: dict[str, object]) -> list[Server]:

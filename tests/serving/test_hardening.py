@@ -16,8 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from service.bench.server import children, process_state
 from tests.conftest import write_tiny_model
-from tests.serving.conftest import running
-from tests.serving.server import Server, in_flight, metric
+from tests.serving.server import Server, in_flight, metric, running
 
 
 @pytest.fixture(scope="module")

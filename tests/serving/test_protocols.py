@@ -3,15 +3,12 @@ a real server: the same answers as the service's own /v1 routes."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import httpx
 import numpy as np
 import pytest
 import tritonclient.http as triton
 from tritonclient.utils import InferenceServerException
 
-from tests.serving.conftest import running
 from tests.serving.server import Server
 
 TEXTS = ["the first text", "a second, somewhat longer text. It has two sentences!", "x"]
@@ -138,14 +135,13 @@ def test_errors_in_the_protocols_shape(client: triton.InferenceServerClient, tin
     assert set(httpx.get(f"{tiny.url}/v2/models/tiny/versions/2").json()) == {"error"}
 
 
-def test_v2_needs_the_api_key_but_health_does_not(tiny_repo: Path, logs: Path) -> None:
-    for server in running(logs, model_repository=tiny_repo, default_model="tiny", api_keys="k1"):
-        body = {"inputs": [{"name": "text", "datatype": "BYTES", "shape": [1], "data": ["hi"]}]}
-        r = httpx.post(f"{server.url}/v2/models/tiny/infer", json=body)
-        assert r.status_code == 401 and set(r.json()) == {"error"}
-        ok = httpx.post(f"{server.url}/v2/models/tiny/infer", json=body, headers={"Authorization": "Bearer k1"})
-        assert ok.status_code == 200
-        assert httpx.get(f"{server.url}/v2/health/ready").json() == {"ready": True}
+def test_v2_needs_the_api_key_but_health_does_not(keyed: Server) -> None:
+    body = {"inputs": [{"name": "text", "datatype": "BYTES", "shape": [1], "data": ["hi"]}]}
+    r = httpx.post(f"{keyed.url}/v2/models/tiny/infer", json=body)
+    assert r.status_code == 401 and set(r.json()) == {"error"}
+    ok = httpx.post(f"{keyed.url}/v2/models/tiny/infer", json=body, headers={"Authorization": "Bearer k1"})
+    assert ok.status_code == 200
+    assert httpx.get(f"{keyed.url}/v2/health/ready").json() == {"ready": True}
 
 
 def test_kserve_v1_predict_and_explain_equal_our_routes(tiny: Server) -> None:

@@ -7,8 +7,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.serving.conftest import running
-from tests.serving.server import Server, in_flight, metric
+from tests.serving.server import Server, in_flight, metric, running
 
 
 @pytest.fixture(scope="module")
@@ -58,23 +57,23 @@ def test_client_disconnect_drops_queued_texts(slow: Server) -> None:
     assert httpx.post(f"{slow.url}/v1/classify", json={"inputs": ["still fine"]}, timeout=30).status_code == 200
 
 
-def test_api_keys(tiny_repo: Path, logs: Path) -> None:
-    for server in running(logs, model_repository=tiny_repo, default_model="tiny", api_keys="k1,second-key"):
-        url = f"{server.url}/v1/classify"
-        body = {"inputs": ["hi"]}
-        r = httpx.post(url, json=body)
-        assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
-        assert r.json()["error"]["code"] == "unauthorized"
-        assert httpx.post(url, json=body, headers={"Authorization": "Bearer wrong"}).status_code == 401
-        assert httpx.post(url, json=body, headers={"Authorization": "Basic k1"}).status_code == 401
-        assert httpx.post(url, json=body, headers={"Authorization": "Bearer k1"}).status_code == 200
-        assert httpx.post(url, json=body, headers={"Authorization": "Bearer second-key"}).status_code == 200
-        assert httpx.get(f"{server.url}/v1/models").status_code == 401
-        assert httpx.get(f"{server.url}/healthz").status_code == 200
-        assert httpx.get(f"{server.url}/readyz").status_code == 200
-        assert httpx.get(f"{server.url}/metrics").status_code == 200
-        page = httpx.get(f"{server.url}/metrics").text
-        assert metric(page, "routing_failures_total", reason="auth") == 4
+def test_api_keys(keyed: Server) -> None:
+    url = f"{keyed.url}/v1/classify"
+    body = {"inputs": ["hi"]}
+    before = metric(httpx.get(f"{keyed.url}/metrics").text, "routing_failures_total", reason="auth")
+    r = httpx.post(url, json=body)
+    assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+    assert r.json()["error"]["code"] == "unauthorized"
+    assert httpx.post(url, json=body, headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert httpx.post(url, json=body, headers={"Authorization": "Basic k1"}).status_code == 401
+    assert httpx.post(url, json=body, headers={"Authorization": "Bearer k1"}).status_code == 200
+    assert httpx.post(url, json=body, headers={"Authorization": "Bearer second-key"}).status_code == 200
+    assert httpx.get(f"{keyed.url}/v1/models").status_code == 401
+    assert httpx.get(f"{keyed.url}/healthz").status_code == 200
+    assert httpx.get(f"{keyed.url}/readyz").status_code == 200
+    assert httpx.get(f"{keyed.url}/metrics").status_code == 200
+    page = httpx.get(f"{keyed.url}/metrics").text
+    assert metric(page, "routing_failures_total", reason="auth") == before + 4
 
 
 def test_protected_metrics(tiny_repo: Path, logs: Path) -> None:
