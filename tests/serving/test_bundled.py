@@ -12,8 +12,7 @@ import pytest
 
 from service.bench.server import children
 from service.training.data import make_dataset, preset_path, read_examples
-from tests.serving.conftest import running
-from tests.serving.server import Server
+from tests.serving.server import Server, running
 
 ROOT = Path(__file__).resolve().parents[2]
 SPORT = ("Arsenal beat Chelsea 2-1 in a thrilling Premiership match at Highbury on Saturday, with the striker "
