@@ -16,7 +16,7 @@ import torch
 from service.modeling.backbone import resolve_source
 from service.modeling.head import RoutingHead
 from service.modeling.repository import BackboneSpec, HeadSpec, Manifest, save_model
-from tests.serving.server import Server, running
+from tests.serving.server import Server, running, side_by_side
 
 TINY = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 64,
         "max_position_embeddings": 64}
@@ -81,3 +81,15 @@ def keyed(tiny_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     for the whole session."""
     yield from running(tmp_path_factory.mktemp("logs-keyed"), model_repository=tiny_repo, default_model="tiny",
                        api_keys="k1,second-key")
+
+
+@pytest.fixture(scope="session")
+def pair(tiny_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Server]]:
+    """Two servers of the tiny model with the default settings, started together: the model in a process of its own
+    (the default), and in a thread of the server's process. Tests may pause and resume them; they are stopped once,
+    at the end of the session, and must exit cleanly."""
+    servers = side_by_side(tmp_path_factory.mktemp("logs-pair"), *(
+        {"model_repository": tiny_repo, "default_model": "tiny", "model_process": own} for own in (True, False)))
+    yield servers
+    codes = [s.stop() for s in servers]
+    assert codes == [0, 0], [s.log() for s in servers]

@@ -17,7 +17,7 @@ import pytest
 from service.bench import serve
 from service.bench.server import children, cpu_seconds
 from service.modeling.backbone import Backbone
-from tests.serving.server import Server, side_by_side
+from tests.serving.server import Server
 
 
 def test_long_text_has_one_token_per_character(tiny_backbone_dir: Path) -> None:
@@ -72,15 +72,9 @@ def test_paired_rounds_alternate_served_and_offline(tiny_repo: Path, tmp_path: P
     assert out["ratio"] == pytest.approx(sum(out["served"]) / sum(out["offline"]))
 
 
-def test_alternating_measures_every_server_every_round(tiny_repo: Path, tmp_path: Path) -> None:
+def test_alternating_measures_every_server_every_round(pair: list[Server]) -> None:
     texts = ["a short text", "another one"]
-    servers = side_by_side(tmp_path, *({"model_repository": tiny_repo, "default_model": "tiny", "model_process": own}
-                                       for own in (True, False)))
-    try:
-        out = serve.alternating({"process": servers[0].url, "thread": servers[1].url}, texts, 2, 0.3, 2)
-    finally:
-        for srv in servers:
-            srv.stop()
+    out = serve.alternating({"process": pair[0].url, "thread": pair[1].url}, texts, 2, 0.3, 2)
     assert set(out["throughput"]) == {"process", "thread"} and all(len(v) == 2 for v in out["throughput"].values())
     assert all(v > 0 for v in out["mean"].values())
     assert out["mean"]["thread"] == pytest.approx(sum(out["throughput"]["thread"]) / 2)

@@ -12,13 +12,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from service.bench import serve, versus
 from service.bench.serve import Offline, metrics_stats
 from service.bench.server import ServerProcess, children, free_port, ready_together
 from service.bench.server import process_state as state
-from tests.serving.server import side_by_side
+from tests.serving.server import Server
 
 
 def test_pause_stops_the_server_and_every_process_it_started_until_resume(tmp_path: Path) -> None:
@@ -59,9 +60,8 @@ def test_servers_started_together_are_all_stopped_when_one_fails_to_start(tmp_pa
     assert len(started) == 2 and all(s.proc.poll() is not None for s in started)
 
 
-def test_each_contender_is_measured_while_the_others_are_paused(tiny_repo: Path, tmp_path: Path) -> None:
-    servers = side_by_side(tmp_path, *({"model_repository": tiny_repo, "default_model": "tiny", "model_process": own}
-                                       for own in (True, False)))
+def test_each_contender_is_measured_while_the_others_are_paused(pair: list[Server]) -> None:
+    servers = pair  # stopped at the end of the session, where they must exit cleanly after these pauses
     contenders = [versus.Contender(f"s{k}", s, "/v1/classify", metrics_stats(s.url), s.cpu)
                   for k, s in enumerate(servers)]
     seen: list[tuple[str, list[str]]] = []
@@ -77,14 +77,9 @@ def test_each_contender_is_measured_while_the_others_are_paused(tiny_repo: Path,
         seen.append((versus.ENGINE, [state(p) for s in servers for p in (s.proc.pid, *children(s.proc.pid))]))
         return 2.0
 
-    try:
-        per, alone = versus.rows_in_turns(contenders, measure, 2, "test", ["a short text", "another one"])
-        with_engine, engine_rounds = versus.rows_in_turns(contenders, measure, 3, "test", ["a short text"],
-                                                          engine=engine)
-        after = [state(p) for s in servers for p in (s.proc.pid, *children(s.proc.pid))]
-    finally:
-        for s in servers:
-            s.stop()
+    per, alone = versus.rows_in_turns(contenders, measure, 2, "test", ["a short text", "another one"])
+    with_engine, engine_rounds = versus.rows_in_turns(contenders, measure, 3, "test", ["a short text"], engine=engine)
+    after = [state(p) for s in servers for p in (s.proc.pid, *children(s.proc.pid))]
     e = versus.ENGINE
     # every round, the order rotating; the engine's turn rotates with the servers'
     assert [name for name, _ in seen] == ["s0", "s1", "s1", "s0", "s0", "s1", e, "s1", e, "s0", e, "s0", "s1"]
@@ -92,11 +87,12 @@ def test_each_contender_is_measured_while_the_others_are_paused(tiny_repo: Path,
     assert "T" not in after  # all going on again
     assert {n: len(rows) for n, rows in per.items()} == {"s0": 2, "s1": 2} and alone == []
     assert {n: len(rows) for n, rows in with_engine.items()} == {"s0": 3, "s1": 3} and engine_rounds == [2.0] * 3
-    assert all(s.proc.returncode == 0 for s in servers)  # stopped cleanly after being paused
+    assert all(httpx.post(f"{s.url}/v1/classify", json={"inputs": ["hi"]}, timeout=30).status_code == 200
+               for s in servers)  # serving again after the pauses
 
 
 def test_the_engine_alone_computes_the_clients_batches_and_each_server_gets_its_share(
-        tiny_repo: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tiny_repo: Path, pair: list[Server], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from service.serving.engine import Engine
 
     texts = [f"text number {k}" + " more" * (k % 5) for k in range(12)]
@@ -114,15 +110,10 @@ def test_the_engine_alone_computes_the_clients_batches_and_each_server_gets_its_
     assert batches == [texts[:4], texts[:4], texts[4:8], texts[8:]]
     monkeypatch.setattr(Engine, "run", run)
 
-    servers = side_by_side(tmp_path, *[{"model_repository": tiny_repo, "default_model": "tiny"}] * 2)
     contenders = [versus.Contender(name, s, "/v1/classify", metrics_stats(s.url), s.cpu)
-                  for name, s in zip((versus.THIS, "other"), servers, strict=True)]
-    try:
-        result = versus.compare(contenders, texts, [1, 2], 0.3, 1, [],
-                                engine={1: functools.partial(offline.in_order, 1, 0.3)})
-    finally:
-        for s in servers:
-            s.stop()
+                  for name, s in zip((versus.THIS, "other"), pair, strict=True)]
+    result = versus.compare(contenders, texts, [1, 2], 0.3, 1, [],
+                            engine={1: functools.partial(offline.in_order, 1, 0.3)})
     one, two = result["closed"][1], result["closed"][2]
     limit = one[versus.ENGINE]["throughput"]
     assert limit > 0 and len(one[versus.ENGINE]["rounds"]) == 1

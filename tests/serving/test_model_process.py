@@ -20,7 +20,7 @@ import pytest
 from service.serving.contract import CreditSpec, Task, answers_of
 from service.serving.engine import Engine
 from service.serving.worker import BackboneProcess, ModelProcessError
-from tests.serving.server import Server, side_by_side
+from tests.serving.server import Server
 
 TEXTS = ["a short text", "Long one. " * 30, "and a third, somewhat longer text than the first"]
 
@@ -112,15 +112,9 @@ def test_a_model_that_cannot_load_says_why(tiny_repo: Path, tmp_path: Path) -> N
         BackboneProcess(folder, device="cpu")
 
 
-def test_the_api_answers_alike_in_either_process(tiny_repo: Path, tmp_path: Path) -> None:
+def test_the_api_answers_alike_in_either_process(pair: list[Server]) -> None:
     body = {"inputs": TEXTS, "explain": True}
-    servers = side_by_side(tmp_path, *({"model_repository": tiny_repo, "default_model": "tiny", "model_process": own}
-                                       for own in (True, False)))
-    try:
-        replies = [httpx.post(f"{srv.url}/v1/classify", json=body, timeout=60) for srv in servers]
-    finally:
-        for srv in servers:
-            srv.stop()
+    replies = [httpx.post(f"{srv.url}/v1/classify", json=body, timeout=60) for srv in pair]
     assert all(r.status_code == 200 for r in replies), [r.text for r in replies]
     answers = [r.json()["results"] for r in replies]
     for a, b in zip(*answers, strict=True):
