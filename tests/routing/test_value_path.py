@@ -104,9 +104,10 @@ def test_value_path_computes_the_constant_part_itself_when_not_given() -> None:
         out = head(h.masked_fill(pad[..., None, None], 0.0), pad)
         readout = torch.nn.functional.one_hot(torch.tensor([[1, 3], [0, 2]]), 4).to(torch.float64)[..., None]
         n = out.absent.shape[-1] // head.d_depth
-        given = credit.value_path(out.stack, head.x_lin(out), readout, head.B.repeat(n, 1))
-        computed = credit.value_path(out.stack, head.x_lin(out), readout)
-        without = credit.value_path(out.stack, head.x_lin(out), readout, torch.zeros_like(head.B.repeat(n, 1)))
+        x_lin = head.x_lin(out)  # [bid]
+        given = credit.value_path(out.stack, x_lin, readout, head.B.repeat(n, 1))
+        computed = credit.value_path(out.stack, x_lin, readout)
+        without = credit.value_path(out.stack, x_lin, readout, torch.zeros_like(head.B.repeat(n, 1)))
     for a, b in zip(given, computed, strict=True):
         torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)
     assert (without[1] - computed[1]).abs().min() > 1e-6  # the constant part moves the baseline
