@@ -1,6 +1,7 @@
 """The compose stack's CPU profile, brought up with podman-compose: Prometheus (Debian's package
 standing in for the upstream image, which no registry here can serve) scrapes the service on the
-compose network. Grafana's image cannot be had here and is left out. Run alone with -m container."""
+compose network and loads the alerting rules. Grafana's image cannot be had here and is left out.
+Run alone with -m container."""
 
 from __future__ import annotations
 
@@ -42,16 +43,22 @@ def stack() -> Iterator[dict[str, str]]:
         compose("--profile", "cpu", "down", "-v", "-t", "20", env=env, check=False)
 
 
-def prometheus_query(query: str) -> list[dict]:
-    """Ask Prometheus's HTTP API from inside its own container (no host port is needed); an empty
-    result while Prometheus is not answering yet (the callers poll)."""
-    url = f"http://127.0.0.1:9090/api/v1/query?query={query}"
-    out = podman.cli("exec", "routing-ci_prometheus_1", "wget", "-qO-", url, check=False)
+def prometheus_api(path: str) -> dict | None:
+    """Ask Prometheus's HTTP API from inside its own container (no host port is needed); None while
+    Prometheus is not answering yet (the callers poll)."""
+    out = podman.cli("exec", "routing-ci_prometheus_1", "wget", "-qO-", f"http://127.0.0.1:9090/api/v1/{path}",
+                     check=False)
     if out.returncode != 0:
-        return []
+        return None
     doc = json.loads(out.stdout)
     assert doc["status"] == "success", doc
-    return doc["data"]["result"]
+    return doc["data"]
+
+
+def prometheus_query(query: str) -> list[dict]:
+    """A query's result; empty while Prometheus is not answering yet."""
+    data = prometheus_api(f"query?query={query}")
+    return [] if data is None else data["result"]
 
 
 def test_prometheus_scrapes_the_service_on_the_compose_network(stack: dict[str, str]) -> None:
@@ -80,3 +87,6 @@ def test_prometheus_scrapes_the_service_on_the_compose_network(stack: dict[str, 
             break
         time.sleep(2)
     assert seen and float(seen[0]["value"][1]) >= 1, seen
+    rules = prometheus_api("rules")  # the alerting rules compose mounts beside the configuration
+    loaded = {r["name"] for g in (rules or {"groups": []})["groups"] for r in g["rules"]}
+    assert {"RoutingServiceDown", "RoutingInternalErrors"} <= loaded, rules

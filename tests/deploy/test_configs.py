@@ -1,5 +1,6 @@
 """What CI can check of the deployment without a Docker engine: the compose file, the Dockerfile,
-the Prometheus configuration, and the Grafana dashboard against the service's real /metrics."""
+the Prometheus configuration and its alerting rules, and the Grafana dashboard and the rules against the
+service's real /metrics."""
 
 import json
 import re
@@ -8,6 +9,7 @@ import subprocess
 from pathlib import Path
 
 import httpx
+import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -78,14 +80,37 @@ def test_a_change_of_the_code_leaves_the_dependencies_layers_cached() -> None:
 
 
 def test_prometheus_config_is_valid() -> None:
+    """The configuration, and the alerting rules it loads (``promtool check config`` reads its rule files)."""
     out = subprocess.run([tool("promtool"), "check", "config", str(ROOT / "docker/prometheus.yml")],
                          capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
+    assert "prometheus-alerts.yml" in out.stdout and "SUCCESS: 7 rules found" in out.stdout, out.stdout
 
 
-def dashboard_metrics() -> set[str]:
-    dash = json.loads(DASHBOARD.read_text())
-    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+def test_alerts_fire_on_their_cases_and_only_there() -> None:
+    """``promtool test rules``: each alert of ``docker/prometheus-alerts.yml`` fires on series that should raise it,
+    with its labels and text, and stays quiet on traffic that should not (``tests/deploy/alerts-test.yml``)."""
+    out = subprocess.run([tool("promtool"), "test", "rules", "tests/deploy/alerts-test.yml"], capture_output=True,
+                         text=True, cwd=ROOT)
+    assert out.returncode == 0 and "SUCCESS" in out.stdout, out.stdout + out.stderr
+    cases = yaml.safe_load((ROOT / "tests/deploy/alerts-test.yml").read_text())["tests"]
+    tested = {t["alertname"] for case in cases for t in case["alert_rule_test"] if t["exp_alerts"]}
+    assert tested == set(alert_rules()), "every alert has a case where it fires"
+
+
+def alert_rules() -> dict[str, str]:
+    """Each alert of ``docker/prometheus-alerts.yml``: its expression."""
+    groups = yaml.safe_load((ROOT / "docker/prometheus-alerts.yml").read_text())["groups"]
+    return {r["alert"]: r["expr"] for g in groups for r in g["rules"]}
+
+
+def queried_metrics(source: str) -> set[str]:
+    """The service's metric names that the Grafana dashboard's queries, or the alerting rules, read."""
+    if source == "dashboard":
+        dash = json.loads(DASHBOARD.read_text())
+        exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    else:
+        exprs = list(alert_rules().values())
     assert exprs
     names = set()
     for e in exprs:
@@ -104,7 +129,8 @@ def test_dashboard_is_provisioned_with_the_datasource() -> None:
         assert topic in titles, topic
 
 
-def test_every_dashboard_metric_exists_in_real_metrics_output(tiny: Server) -> None:
+@pytest.mark.parametrize("source", ["dashboard", "alerts"])
+def test_every_queried_metric_exists_in_real_metrics_output(tiny: Server, source: str) -> None:
     httpx.post(f"{tiny.url}/v1/classify", json={"inputs": ["hello"]})
     text = httpx.get(f"{tiny.url}/metrics").text
     exported = set()
@@ -113,5 +139,5 @@ def test_every_dashboard_metric_exists_in_real_metrics_output(tiny: Server) -> N
         exported |= {s.name for s in fam.samples}
     exported |= set(re.findall(r"^# TYPE (\S+)", text, re.MULTILINE))  # families without samples (CUDA on CPU)
     exported |= {n + suffix for n in list(exported) for suffix in ("_bucket", "_sum", "_count")}
-    missing = sorted(dashboard_metrics() - exported)
-    assert not missing, f"dashboard queries metrics the service does not export: {missing}"
+    missing = sorted(queried_metrics(source) - exported)
+    assert not missing, f"the {source} queries metrics the service does not export: {missing}"

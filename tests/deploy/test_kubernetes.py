@@ -112,3 +112,14 @@ def test_custom_resources_agree_with_the_deployment() -> None:
     assert pc["readinessProbe"]["httpGet"]["path"] == "/readyz"
     models = {p.name for p in (ROOT / "models").iterdir() if (p / "manifest.json").is_file()}
     assert isvc["metadata"]["name"] in models  # KServe V1 paths name the model: /v1/models/<name>:predict
+
+
+def test_prometheus_rule_holds_the_compose_stacks_alerting_rules() -> None:
+    """``extras/alerts.yaml`` is the Prometheus Operator's form of ``docker/prometheus-alerts.yml``: the same groups
+    (tested by ``promtool test rules`` there), so that the two deployments alert alike."""
+    (rule,) = docs(K8S / "extras/alerts.yaml")
+    assert (rule["apiVersion"], rule["kind"]) == ("monitoring.coreos.com/v1", "PrometheusRule")
+    with pytest.raises(kubernetes_validate.SchemaNotFoundError):  # not a built-in kind: checked here instead
+        kubernetes_validate.validate(rule, VERSIONS[-1], strict=True)
+    assert rule["metadata"]["labels"].items() <= base()["Deployment"]["metadata"]["labels"].items()
+    assert rule["spec"]["groups"] == yaml.safe_load((ROOT / "docker/prometheus-alerts.yml").read_text())["groups"]
