@@ -23,7 +23,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     """Build the app; models load in the background once it starts (see /readyz)."""
     settings = settings or Settings()
     metrics = Metrics(lambda: app.state.app_state.device_memory(),  # both read at scrape time
-                      lambda: app.state.app_state.backbone_memory())
+                      lambda: app.state.app_state.backbone_processes())
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -30,7 +30,7 @@ RATIO_BUCKETS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 FAILURE_REASONS = ("validation", "overloaded", "deadline", "disconnected", "auth", "internal", "draining")
 
 DeviceMemory = Callable[[], Iterable[dict[str, float | str]]]
-BackboneMemory = Callable[[], Iterable[tuple[str, float]]]
+BackboneProcesses = Callable[[], Iterable[tuple[str, float, int]]]  # (backbone, resident bytes, restarts)
 
 CHUNK = "(a text, or max_length tokens of a longer one)"
 
@@ -52,19 +52,22 @@ class _DeviceMemoryCollector(Collector):
 
 
 class _BackboneProcessCollector(Collector):
-    """Resident memory of each backbone's own process (where its weights and its heads are), read at scrape
-    time."""
+    """Each backbone's own processes (where its weights and its heads are): their resident memory, and the times
+    they were started again after exiting, read at scrape time."""
 
-    def __init__(self, read: BackboneMemory) -> None:
+    def __init__(self, read: BackboneProcesses) -> None:
         self.read = read
 
-    def collect(self) -> Iterable[GaugeMetricFamily]:
-        fam = GaugeMetricFamily("routing_backbone_process_resident_memory_bytes",
-                                "Resident memory of a backbone's own processes, its heads included (replicas "
-                                "summed)", labels=["backbone"])
-        for backbone, rss in self.read():
-            fam.add_metric([backbone], rss)
-        return [fam]
+    def collect(self) -> Iterable[CounterMetricFamily | GaugeMetricFamily]:
+        memory = GaugeMetricFamily("routing_backbone_process_resident_memory_bytes",
+                                   "Resident memory of a backbone's own processes, its heads included (replicas "
+                                   "summed)", labels=["backbone"])
+        restarts = CounterMetricFamily("routing_backbone_process_restarts", "Times a backbone's process was started "
+                                       "again after it exited (replicas summed)", labels=["backbone"])
+        for backbone, rss, started_again in self.read():
+            memory.add_metric([backbone], rss)
+            restarts.add_metric([backbone], started_again)
+        return [memory, restarts]
 
 
 class _GcCollector(Collector):
@@ -118,15 +121,15 @@ class Metrics:
     """The service's metrics, registered in their own registry (one per app)."""
 
     def __init__(self, device_memory: DeviceMemory | None = None,
-                 backbone_memory: BackboneMemory | None = None) -> None:
+                 backbone_processes: BackboneProcesses | None = None) -> None:
         r = self.registry = CollectorRegistry()
         ProcessCollector(namespace="routing", registry=r)  # routing_process_resident_memory_bytes, cpu, fds
         _GcCollector.install()
         r.register(_GcCollector())
         if device_memory is not None:
             r.register(_DeviceMemoryCollector(device_memory))
-        if backbone_memory is not None:
-            r.register(_BackboneProcessCollector(backbone_memory))
+        if backbone_processes is not None:
+            r.register(_BackboneProcessCollector(backbone_processes))
         self.requests = Counter("routing_requests_total", "HTTP requests by endpoint and status code",
                                 ["endpoint", "status"], registry=r)
         self.request_duration = Histogram("routing_request_duration_seconds", "HTTP request duration",

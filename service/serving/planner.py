@@ -160,6 +160,11 @@ class Planner(abc.ABC):
         """Resident memory of the backbone's own processes (None: it computes in the server's process)."""
         return None
 
+    def restarts(self) -> int:
+        """Times the backbone's own processes were started again after exiting (0: it computes in the server's
+        process)."""
+        return 0
+
     @abc.abstractmethod
     def describe(self, model: str) -> dict[str, Any]:
         """What ``/v1/models`` says of ``model``."""

@@ -172,11 +172,12 @@ class AppState:
                 into[key] = float(into[key]) + float(d[key])
         return list(merged.values())
 
-    def backbone_memory(self) -> list[tuple[str, float]]:
-        """Resident memory of each backbone's own processes, summed over its replicas (none for backbones
-        computing in this one)."""
-        readings = [(name, b.engine.resident_bytes()) for name, b in self.inference.backbones.items()]
-        return [(name, float(rss)) for name, rss in readings if rss is not None]
+    def backbone_processes(self) -> list[tuple[str, float, int]]:
+        """Each backbone computing in processes of its own (none for those computing in this one): its name, their
+        resident memory summed over its replicas, and how many times they were started again after exiting."""
+        readings = [(name, b.engine.resident_bytes(), b.engine.restarts())
+                    for name, b in self.inference.backbones.items()]
+        return [(name, float(rss), restarts) for name, rss, restarts in readings if rss is not None]
 
     def abort(self, reason: str) -> int:
         """Answer every text still queued or computing with 'shutting down' (503); how many there were."""

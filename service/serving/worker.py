@@ -199,6 +199,7 @@ class BackboneProcess(Planner):
         self._watched: set[int] = set()  # texts of several chunks whose freeing is watched
         self._lost: set[int] = set()  # texts with chunks computed by a process that has exited
         self.held_texts = 0  # texts whose states the backbone's process holds (after the last batch)
+        self._restarts = 0  # times the process was started again after it exited
         self._memory: list[dict[str, float | str]]  # CUDA memory the backbone's process reported last
         self._descriptions: dict[str, dict[str, Any]]
         self._start()
@@ -244,6 +245,9 @@ class BackboneProcess(Planner):
             return None
         return pages * os.sysconf("SC_PAGE_SIZE")
 
+    def restarts(self) -> int:
+        return self._restarts
+
     def device_memory(self) -> list[dict[str, float | str]]:
         return list(self._memory)  # as of the last batch (or the warm-up)
 
@@ -256,6 +260,7 @@ class BackboneProcess(Planner):
                           self._proc.returncode)
                 self._conn.close()
                 self._lost |= self._watched  # their earlier chunks' states went with it
+                self._restarts += 1
                 self._start()
             answers: list[Answer | None] = [None] * len(works)
             send = []
@@ -403,6 +408,9 @@ class Replicas(Planner):
     def resident_bytes(self) -> int | None:
         readings = [p.resident_bytes() for p in self.processes]
         return None if None in readings else sum(r for r in readings if r is not None)
+
+    def restarts(self) -> int:
+        return sum(p.restarts() for p in self.processes)
 
     def device_memory(self) -> list[dict[str, float | str]]:
         return [d for p in self.processes for d in p.device_memory()]

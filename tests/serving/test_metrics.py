@@ -2,6 +2,10 @@
 
 import asyncio
 import gc
+import os
+import re
+import signal
+import time
 import weakref
 from pathlib import Path
 
@@ -10,6 +14,7 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from service.bench.server import children, process_state
 from service.serving.metrics import Metrics, freeze_garbage_collection
 from tests.serving.server import Server, metric
 
@@ -31,6 +36,7 @@ EXPECTED = {  # name: (type, labels)
     "routing_model_info": ("gauge", {"model", "backbone", "device", "dtype"}),
     "routing_process_resident_memory_bytes": ("gauge", set()),
     "routing_backbone_process_resident_memory_bytes": ("gauge", {"backbone"}),
+    "routing_backbone_process_restarts": ("counter", {"backbone"}),
     "routing_process_gc_collections": ("counter", {"generation"}),
     "routing_process_gc_seconds": ("counter", {"generation"}),
     "routing_process_gc_frozen_objects": ("gauge", set()),
@@ -115,6 +121,27 @@ def test_values_move_with_traffic_and_concurrent_load_batches(tiny: Server) -> N
     assert 0 <= ratio_sum < batches
     assert metric(after, "routing_queue_depth", backbone=bb) == 0
     assert metric(after, "routing_requests_in_flight") == 1  # the /metrics request itself
+
+
+def test_a_backbone_process_started_again_is_counted(tiny: Server) -> None:
+    """A backbone's process that exits (killed here between batches) is started again by the next batch, which is
+    answered, and ``routing_backbone_process_restarts_total`` counts the restart."""
+    bb = "tiny-bert@random"
+    before = metric(httpx.get(f"{tiny.url}/metrics").text, "routing_backbone_process_restarts_total", backbone=bb)
+    started = re.compile(rf"backbone {re.escape(bb)} \(models .*\) computes in process (\d+)")
+    child = int(started.findall(tiny.full_log())[-1])
+    assert child in children(tiny.proc.pid)
+    os.kill(child, signal.SIGKILL)
+    for _ in range(500):  # dead (a zombie until the server reaps it): the next batch sees it exited
+        if process_state(child) in (None, "Z", "X"):
+            break
+        time.sleep(0.01)
+    r = httpx.post(f"{tiny.url}/v1/classify", json={"inputs": ["after the restart"]}, timeout=120)
+    assert r.status_code == 200, r.text
+    assert int(started.findall(tiny.full_log())[-1]) in set(children(tiny.proc.pid)) - {child}
+    after = metric(httpx.get(f"{tiny.url}/metrics").text, "routing_backbone_process_restarts_total", backbone=bb)
+    assert after == before + 1
+    assert "had exited (code -9): starting it again" in tiny.full_log()
 
 
 def test_the_server_leaves_its_startup_objects_out_of_garbage_collections(tiny: Server) -> None:

@@ -78,10 +78,11 @@ def test_a_process_that_exits_is_started_again(tiny_repo: Path, monkeypatch: pyt
     try:
         work = [w for plan in mp.plan([Task("a short text")]) for w in plan]
         pids = [mp.pid]
+        assert mp.restarts() == 0
         os.kill(pids[-1], signal.SIGKILL)  # between batches: the next batch starts a new process
         mp._proc.wait()
         ((answer,),) = mp.run_chunks(work)
-        assert answer.label in mp.labels("tiny") and mp.pid not in pids
+        assert answer.label in mp.labels("tiny") and mp.pid not in pids and mp.restarts() == 1
         pids.append(mp.pid)
         os.kill(pids[-1], signal.SIGKILL)  # during a batch (it is seen exiting only once the batch is sent):
         mp._proc.wait()
@@ -90,7 +91,7 @@ def test_a_process_that_exits_is_started_again(tiny_repo: Path, monkeypatch: pyt
             with pytest.raises(ModelProcessError, match=r"exited .* while computing this batch"):
                 mp.run_chunks(work)  # that batch fails
         ((answer,),) = mp.run_chunks(work)  # and the next one is computed by a new process
-        assert mp.pid not in pids
+        assert mp.pid not in pids and mp.restarts() == 2
         long = [w for plan in mp.plan([Task("Long one. " * 30)]) for w in plan]
         mp.run_chunks(long[:1])
         os.kill(mp.pid, signal.SIGKILL)  # with a text half computed: its first chunk's states are gone
