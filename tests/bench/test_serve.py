@@ -60,14 +60,10 @@ def test_the_offline_limit_needs_a_batch_size_the_server_may_form() -> None:
         serve.offline_limit(None, [64], 0.1, 32)  # type: ignore[arg-type]  # refused before anything runs
 
 
-def test_paired_rounds_alternate_served_and_offline(tiny_repo: Path, tmp_path: Path) -> None:
+def test_paired_rounds_alternate_served_and_offline(tiny_repo: Path, pair: list[Server]) -> None:
     texts = ["a short text", "another one", "and a third, longer text than the others"] * 4
     offline = serve.Offline(tiny_repo, "tiny", texts, "cpu")
-    srv = Server(tmp_path, model_repository=tiny_repo, default_model="tiny", max_wait_ms=1).wait_ready()
-    try:
-        out = serve.paired_rounds(srv.url, texts, 4, offline, 4, 0.5, 2)
-    finally:
-        srv.stop()
+    out = serve.paired_rounds(pair[0].url, texts, 4, offline, 4, 0.5, 2)  # the tiny model's server, in its process
     assert len(out["served"]) == len(out["offline"]) == 2 and min(out["served"] + out["offline"]) > 0
     assert out["ratio"] == pytest.approx(sum(out["served"]) / sum(out["offline"]))
 
@@ -106,15 +102,12 @@ def test_alongside_measures_the_other_settings_in_turns_and_stops_them(tiny_repo
     assert [(a["model_process"], a.get("max_batch_size")) for a in asked] == [(False, None), (True, None), (False, 1)]
 
 
-def test_closed_loop_counts_answers_batches_and_cpu(tiny_repo: Path, tmp_path: Path) -> None:
-    srv = Server(tmp_path, model_repository=tiny_repo, default_model="tiny", max_wait_ms=5).wait_ready()
-    try:
-        level = serve.run_async(serve.closed_loop(srv.url, "/v1/classify", ["one text", "another text"], 4, 1.0,
-                                                  cpu=srv.cpu))
-        bad = serve.run_async(serve.closed_loop(srv.url, "/v1/classify", [""], 2, 0.3))  # empty text: 422
-        model_pids = children(srv.proc.pid)
-    finally:
-        srv.stop()
+def test_closed_loop_counts_answers_batches_and_cpu(pair: list[Server]) -> None:
+    srv = pair[0]  # the tiny model's server, the model in its own process
+    level = serve.run_async(serve.closed_loop(srv.url, "/v1/classify", ["one text", "another text"], 4, 1.0,
+                                              cpu=srv.cpu))
+    bad = serve.run_async(serve.closed_loop(srv.url, "/v1/classify", [""], 2, 0.3))  # empty text: 422
+    model_pids = children(srv.proc.pid)
     assert level.errors == 0 and level.texts == len(level.latencies) > 4
     assert level.batch_count >= 1 and level.batch_sum >= level.batch_count  # read from the server's /metrics
     assert bad.texts == 0 and bad.errors > 0
