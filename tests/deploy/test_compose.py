@@ -15,7 +15,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.deploy import podman
+from tests.deploy import alert_rules, podman
 from tests.serving.server import free_port
 
 pytestmark = pytest.mark.container
@@ -89,5 +89,4 @@ def test_prometheus_scrapes_the_service_on_the_compose_network(stack: dict[str, 
     assert seen and float(seen[0]["value"][1]) >= 1, seen
     rules = prometheus_api("rules")  # the alerting rules compose mounts beside the configuration
     loaded = {r["name"] for g in (rules or {"groups": []})["groups"] for r in g["rules"]}
-    alerts = yaml.safe_load((podman.ROOT / "docker/prometheus-alerts.yml").read_text())["groups"]
-    assert loaded == {r["alert"] for g in alerts for r in g["rules"]}, rules
+    assert loaded == set(alert_rules()), rules

@@ -13,6 +13,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.deploy import alert_rules
 from tests.serving.server import Server
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -97,12 +98,6 @@ def test_alerts_fire_on_their_cases_and_only_there() -> None:
     cases = yaml.safe_load((ROOT / "tests/deploy/alerts-test.yml").read_text())["tests"]
     tested = {t["alertname"] for case in cases for t in case["alert_rule_test"] if t["exp_alerts"]}
     assert tested == set(alert_rules()), "every alert has a case where it fires"
-
-
-def alert_rules() -> dict[str, str]:
-    """Each alert of ``docker/prometheus-alerts.yml``: its expression."""
-    groups = yaml.safe_load((ROOT / "docker/prometheus-alerts.yml").read_text())["groups"]
-    return {r["alert"]: r["expr"] for g in groups for r in g["rules"]}
 
 
 def queried_metrics(source: str) -> set[str]:

@@ -14,6 +14,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from tests.deploy import alert_groups
+
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "docker/kubernetes"
 VERSIONS = ["1.30.0", "1.35.0"]  # the oldest and a recent release the manifests must satisfy
@@ -122,4 +124,4 @@ def test_prometheus_rule_holds_the_compose_stacks_alerting_rules() -> None:
     with pytest.raises(kubernetes_validate.SchemaNotFoundError):  # not a built-in kind: checked here instead
         kubernetes_validate.validate(rule, VERSIONS[-1], strict=True)
     assert rule["metadata"]["labels"].items() <= base()["Deployment"]["metadata"]["labels"].items()
-    assert rule["spec"]["groups"] == yaml.safe_load((ROOT / "docker/prometheus-alerts.yml").read_text())["groups"]
+    assert rule["spec"]["groups"] == alert_groups()
