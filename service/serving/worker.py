@@ -303,7 +303,12 @@ class BackboneProcess(Planner):
         self._restart_with()
 
     def remove_heads(self, keys: Sequence[str]) -> None:
-        self._ask(UnloadHeads(tuple(keys)))
+        """Drop heads ``keys``. A process that has exited holds no heads: they are gone all the same, and the process
+        started again for the next batch loads only the others."""
+        try:
+            self._ask(UnloadHeads(tuple(keys)))
+        except ModelProcessError as e:
+            log.warning("%s: heads %s are dropped with it", e, list(keys))
         self._removed(keys)
         self._descriptions = {k: d for k, d in self._descriptions.items() if k not in keys}
         self._folders = {k: f for k, f in self._folders.items() if k not in keys}
