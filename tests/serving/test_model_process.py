@@ -1,6 +1,6 @@
 """A backbone and its heads in a process of their own: the same answers as in the server's process, texts
-whose chunks span batches, texts given up, a process that exits, a process that cannot load, and no orphan
-when the server is killed."""
+whose chunks span batches, texts given up, a process that exits, one asked to close, a process that cannot load,
+and no orphan when the server is killed."""
 
 from __future__ import annotations
 
@@ -64,16 +64,8 @@ def test_a_text_given_up_is_forgotten(model: BackboneProcess) -> None:
     assert model.held_texts == 0
 
 
-def test_close_lets_the_process_finish_and_exit_cleanly(tiny_repo: Path) -> None:
-    mp = BackboneProcess(tiny_repo / "tiny", device="cpu")
-    try:
-        mp.run_chunks([w for plan in mp.plan([Task("a text")]) for w in plan])
-    finally:
-        mp.close(timeout_s=30)
-    assert mp._proc.returncode == 0  # it exited on its own, not killed after the timeout
-
-
-def test_a_process_that_exits_is_started_again(tiny_repo: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_process_that_exits_is_started_again_and_closes_cleanly(tiny_repo: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     mp = BackboneProcess(tiny_repo / "tiny", device="cpu")
     try:
         work = [w for plan in mp.plan([Task("a short text")]) for w in plan]
@@ -105,7 +97,8 @@ def test_a_process_that_exits_is_started_again(tiny_repo: Path, monkeypatch: pyt
         assert answers[-1] is not None and answers[-1][0].error is None  # other texts are computed as usual
         assert mp.restarts() == 3 and set(mp._descriptions) == {"tiny"}  # the new process loaded only 'tiny'
     finally:
-        mp.close()
+        mp.close(timeout_s=30)
+    assert mp._proc.returncode == 0  # asked to close after a batch, it exited on its own, not killed after the timeout
 
 
 def test_a_model_that_cannot_load_says_why(tiny_repo: Path, tmp_path: Path) -> None:
