@@ -137,7 +137,10 @@ def _read_csv(path: Path, text_column: str, label_column: str, codec: str) -> li
                              delimiters[0])
             reader = csv.DictReader(fh, delimiter=delimiter)
             try:
-                if not reader.fieldnames or {text_column, label_column} - set(reader.fieldnames):
+                if not reader.fieldnames:
+                    raise DatasetError(f"{path}: is empty; needs a header row with columns {text_column!r} and "
+                                       f"{label_column!r}, then a row per text")
+                if {text_column, label_column} - set(reader.fieldnames):
                     raise DatasetError(f"{path}: needs columns {text_column!r} and {label_column!r}, "
                                        f"has {reader.fieldnames}")
                 return [(r[text_column] or "", r[label_column] or "") for r in reader]

@@ -64,6 +64,9 @@ def test_readers(tmp_path: Path) -> None:
     (tmp_path / "bad.csv").write_text("foo,bar\n1,2\n")
     with pytest.raises(DatasetError, match="needs columns"):
         read_examples(tmp_path / "bad.csv")
+    (tmp_path / "empty.csv").write_text("")
+    with pytest.raises(DatasetError, match=r"empty\.csv: is empty; needs a header row with columns 'text' and 'label'"):
+        read_examples(tmp_path / "empty.csv")
 
 
 def test_metrics_and_mixup() -> None:
