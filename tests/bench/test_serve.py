@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -151,29 +152,34 @@ def test_interference_sends_short_requests_while_the_long_text_is_served(tiny_re
     assert out["met"] == (out["short_max_ms"] <= out["limit_ms"])
 
 
-def test_replicas_offline_feeds_every_process(tiny_repo: Path) -> None:
-    texts = ["a short text", "another one", "and a third, longer text than the others"] * 4
-    offline = serve.ReplicasOffline(tiny_repo, "tiny", texts, "cpu", 2)
-    try:
-        pids = [p.pid for p in offline.model.processes]
-        before = [cpu_seconds(p) or 0.0 for p in pids]
-        assert offline.throughput(2, 0.3) > 0
-        assert all((cpu_seconds(p) or 0.0) > b for p, b in zip(pids, before, strict=True))
-    finally:
-        offline.close()
-    assert all(p.poll() is not None for p in (m._proc for m in offline.model.processes))
-
-
-def test_replicas_paired_alternates_a_replicated_server_and_its_offline_limit(tiny_repo: Path, tmp_path: Path) -> None:
+def test_replicas_paired_alternates_a_replicated_server_and_its_offline_limit(tiny_repo: Path, tmp_path: Path,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     texts = ["a short text", "another one", "and a third, longer text than the others"] * 4
     cfg = {"model_repository": tiny_repo, "default_model": "tiny", "max_wait_ms": 1}
     started: list[Server] = []
+    offline: list[serve.ReplicasOffline] = []
+    fed: list[bool] = []
 
     def start(settings: dict) -> Server:
         started.append(Server(tmp_path, **settings))
         return started[-1]
 
+    class Watched(serve.ReplicasOffline):  # the offline limit of 2 processes: does each compute in every round?
+        def __init__(self, *args: Any) -> None:
+            super().__init__(*args)
+            offline.append(self)
+
+        def throughput(self, bs: int, seconds: float) -> float:
+            pids = [m.pid for m in self.model.processes]
+            before = [cpu_seconds(p) or 0.0 for p in pids]
+            out = super().throughput(bs, seconds)
+            fed.append(all((cpu_seconds(p) or 0.0) > b for p, b in zip(pids, before, strict=True)))
+            return out
+
+    monkeypatch.setattr(serve, "ReplicasOffline", Watched)
     out = serve.replicas_paired(start, cfg, 2, tiny_repo, "tiny", texts, "cpu", 2, 2, 0.3, 2)
+    assert fed == [True, True]  # both rounds fed every process
+    assert all(m._proc.poll() is not None for m in offline[0].model.processes)  # and it closed them
     assert out["replicas"] == 2 and len(out["served"]) == len(out["offline"]) == 2
     assert min(out["served"] + out["offline"]) > 0
     assert out["ratio"] == pytest.approx(sum(out["served"]) / sum(out["offline"]))
