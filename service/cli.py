@@ -290,6 +290,9 @@ def bench_train(
                      ] = None,
     cache: Annotated[Path, typer.Option(help="Feature cache folder")] = Path(".cache/features"),
     out: Annotated[Path, typer.Option(help="JSON result file")] = Path("bench-results/train.json"),
+    seed: Annotated[int, typer.Option(help="Seed of the heads' training (data order, mixup, initial weights); the "
+                                           "default settings' is 0, others show how much a result varies")] = (
+        TrainConfig.seed),
 ) -> None:
     """The routing head with default settings against two linear probes (mean-pooled last layer, every layer) on
     several datasets: accuracy, macro-F1, McNemar's test against the all-layer probe, training time."""
@@ -304,7 +307,7 @@ def bench_train(
         raise typer.Exit(2)
     keep_freed_memory()
     with user_errors():
-        bench.run(names, folds, cache, out)
+        bench.run(names, folds, cache, out, seed)
 
 
 @bench_app.command("heads")

@@ -218,10 +218,10 @@ def _part(feats: Features, labels: list[int], part: tuple[list[int], list[int], 
     return got
 
 
-def run(names: list[str], folds: int | None, cache: Path, out: Path) -> dict[str, Any]:
+def run(names: list[str], folds: int | None, cache: Path, out: Path, seed: int = TrainConfig.seed) -> dict[str, Any]:
     pairs = {name: DATASETS[name].pairs() for name in names}  # every dataset read first: a missing one fails now
     backbone = Backbone(DEFAULT_BACKBONE, max_length=None)
-    cfg = TrainConfig()
+    cfg = TrainConfig(seed=seed)  # the default settings (``seed`` aside)
     results: dict[str, Any] = {}
     kept: list[FinishedParts] = []
     for name in names:

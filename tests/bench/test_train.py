@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from service import cli
 from service.bench import train
 from service.cli import app
 from service.modeling.backbone import Backbone
@@ -110,21 +111,38 @@ def test_a_stopped_bench_resumes_from_its_finished_parts(tiny_backbone_dir: Path
     assert len(trained) == 3 and len(train.FinishedParts(kept).parts) == 6
 
 
-def test_the_finished_parts_go_once_the_results_are_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_run_trains_with_the_default_settings_or_another_seed_and_drops_its_finished_parts(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     out = tmp_path / "train.json"
     seen: list[bool] = []
 
     def measure(*args: object, finished: train.FinishedParts, **kwargs: object) -> dict:
         finished.keep("k", {"head": []})
         seen.append(finished.path == train.parts_file(out, "toy") and finished.path.exists())
+        configs.append(args[4])
         return {}
 
+    def report(results: dict, path: Path, settings: dict) -> dict:
+        reported.append(settings)
+        path.write_text("{}")
+        return {}
+
+    configs: list[object] = []
+    reported: list[dict] = []
     monkeypatch.setitem(train.DATASETS, "toy", train.BenchData("toy", lambda: PAIRS, folds=3))
     monkeypatch.setattr(train, "measure", measure)
     monkeypatch.setattr(train, "Backbone", lambda *a, **k: None)
-    monkeypatch.setattr(train, "report", lambda results, path, settings: path.write_text("{}") or {})
+    monkeypatch.setattr(train, "report", report)
     train.run(["toy"], None, tmp_path / "cache", out)
     assert seen == [True] and out.exists() and not train.parts_file(out, "toy").exists()
+    assert configs == [TrainConfig()] and reported[0]["train_config"]["seed"] == 0  # the default settings
+    train.run(["toy"], None, tmp_path / "cache", out, seed=3)  # another seed: only the seed differs, and is reported
+    assert configs[1] == TrainConfig(seed=3) and reported[1]["train_config"]["seed"] == 3
+    called: list[tuple] = []
+    monkeypatch.setattr(train, "run", lambda *args: called.append(args))
+    monkeypatch.setattr(cli, "keep_freed_memory", lambda: False)  # not in the test's process
+    res = CliRunner().invoke(app, ["bench", "train", "--datasets", "toy", "--out", str(out), "--seed", "3"])
+    assert res.exit_code == 0 and called == [(["toy"], None, Path(".cache/features"), out, 3)], res.output
 
 
 def test_a_parts_file_that_cannot_be_read_is_trained_again_not_a_crash(tmp_path: Path) -> None:
