@@ -381,7 +381,7 @@ def test_random_crops_are_windows_of_the_texts() -> None:
             assert 0 <= s < e <= n and e - s >= max(1, math.ceil(0.5 * n))
     assert {e - s for s, e in (random_spans([40], 0.5, rng)[0] for _ in range(200))} == set(range(20, 41))
     flat = torch.arange(12.0).reshape(6, 1, 2)  # two texts: 2 and 4 positions
-    feats = Features(flat, torch.tensor([0, 2, 6]))
+    feats = Features.from_offsets(flat, torch.tensor([0, 2, 6]))
     hidden, pad = pad_batch(feats, [1, 0], [(1, 3), (0, 1)])
     assert torch.equal(hidden[0], flat[3:5]) and torch.equal(hidden[1, :1], flat[:1])
     assert pad.tolist() == [[False, False], [False, True]]
@@ -399,7 +399,7 @@ def test_training_stops_when_validation_loss_stops_improving_and_keeps_the_best(
     def feats(n: int) -> Features:
         lengths = torch.randint(2, 6, (n,), generator=g)
         offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
-        return Features(torch.randn(int(offsets[-1]), 3, 8, generator=g).half(), offsets)
+        return Features.from_offsets(torch.randn(int(offsets[-1]), 3, 8, generator=g).half(), offsets)
 
     train, val = feats(64), feats(32)
     y_train, y_val = torch.randint(0, 2, (64,), generator=g).tolist(), torch.randint(0, 2, (32,), generator=g).tolist()
@@ -423,7 +423,7 @@ def learnable(n: int, seed: int) -> tuple[Features, list[int]]:
     offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
     x = torch.randn(int(offsets[-1]), 3, 8, generator=g)  # [positions, depth, d_emb]
     y = [int(x[offsets[k] : offsets[k + 1], :, 0].mean() > 0) for k in range(n)]
-    return Features(x.half(), offsets), y
+    return Features.from_offsets(x.half(), offsets), y
 
 
 def tiny_head() -> RoutingHead:
@@ -484,7 +484,7 @@ def test_a_moving_average_of_the_weights_is_what_validates_and_is_kept() -> None
     g = torch.Generator().manual_seed(1)
     lengths = torch.randint(2, 6, (48,), generator=g)
     offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
-    feats = Features(torch.randn(int(offsets[-1]), 3, 8, generator=g).half(), offsets)
+    feats = Features.from_offsets(torch.randn(int(offsets[-1]), 3, 8, generator=g).half(), offsets)
     train, val = feats.subset(list(range(32))), feats.subset(list(range(32, 48)))
     y = torch.randint(0, 2, (48,), generator=g).tolist()
     heads = {}
@@ -560,6 +560,20 @@ def test_feature_cache_survives_a_file_cut_short(tmp_path: Path, tiny_backbone_d
     out = capsys.readouterr()
     assert "unreadable" in out.err and "computing them again" in out.err and "cached in" in out.out
     assert torch.equal(extract(backbone, texts, cache_dir=tmp_path, source="tiny").flat, first.flat)
+
+
+def test_features_are_each_texts_states_in_one_buffer_and_subsets_share_it(tiny_backbone_dir: Path) -> None:
+    backbone = Backbone(str(tiny_backbone_dir), max_length=16)
+    texts = ["a short text", "Long one. " * 30, "x", "and a third, somewhat longer text than the first"] * 3
+    feats = extract(backbone, texts, batch_size=5)  # batches in order of length, across the texts' order
+    assert len(feats) == len(texts) and int(feats.lengths()[1]) > 16  # the long text has several chunks
+    for t, text in enumerate(texts):
+        alone = backbone([text])
+        assert torch.equal(feats.get(t), alone.hidden[0, : alone.lengths[0]].half())  # [n_t e d] as computed alone
+    part = feats.subset([5, 2, 0])
+    assert part.flat.data_ptr() == feats.flat.data_ptr()  # no copy
+    assert [torch.equal(part.get(r), feats.get(t)) for r, t in enumerate([5, 2, 0])] == [True] * 3
+    assert part.lengths().tolist() == [int(feats.lengths()[t]) for t in (5, 2, 0)]
 
 
 def test_a_failed_evaluation_keeps_the_trained_head(tmp_path: Path, tiny_backbone_dir: Path,
