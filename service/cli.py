@@ -109,9 +109,9 @@ def train(
     preset: Annotated[str | None, typer.Option(help=f"Bundled dataset: {', '.join(PRESETS)}")] = None,
     data: Annotated[Path | None, typer.Option(exists=True, help=(
         "CSV (or TSV), JSON Lines or JSON file, or folder-per-label directory"))] = None,
-    text_column: str = "text",
-    label_column: str = "label",
-    encoding: str = "utf-8",
+    text_column: Annotated[str, typer.Option(help="The texts' column (CSV, TSV) or field (JSON)")] = "text",
+    label_column: Annotated[str, typer.Option(help="The labels' column (CSV, TSV) or field (JSON)")] = "label",
+    encoding: Annotated[str, typer.Option(help="The data file's text encoding, e.g. cp1252")] = "utf-8",
     out: Annotated[Path, typer.Option(help="Model repository to write into")] = Path("models"),
     overwrite: Annotated[bool, typer.Option(help="Replace the model NAME if the repository has it (once training "
                                                  "ends; until then it serves on)")] = False,
@@ -134,9 +134,11 @@ def train(
                                                       "validation loss (0: never early)")] = TrainConfig.patience,
     select: Annotated[str, typer.Option(help="The checkpoint kept: 'loss' (lowest validation loss) or 'accuracy' "
                                              "(best validation accuracy, the earlier rule)")] = TrainConfig.select,
-    batch_size: Annotated[int, typer.Option(min=1)] = 32,
-    max_batch_positions: Annotated[int, typer.Option(min=1, help="Padded token positions per batch (memory)")] = 8192,
-    max_lr: Annotated[float, typer.Option(min=1e-8, help="The one-cycle schedule's peak learning rate")] = 1e-3,
+    batch_size: Annotated[int, typer.Option(min=1, help="Texts per optimizer step")] = TrainConfig.batch_size,
+    max_batch_positions: Annotated[int, typer.Option(min=1, help="Padded token positions per batch (memory)")] = (
+        TrainConfig.max_batch_positions),
+    max_lr: Annotated[float, typer.Option(min=1e-8, help="The one-cycle schedule's peak learning rate")] = (
+        TrainConfig.max_lr),
     ema: Annotated[float, typer.Option(min=0.0, max=0.9999, help=(
         "Validate and keep an exponential moving average of the weights with this decay (0: the weights as "
         "trained)"))] = TrainConfig.ema,
@@ -145,8 +147,9 @@ def train(
         "better on validation"))] = TrainConfig.extend,
     crop: Annotated[float, typer.Option(min=0.01, max=1.0, help=(
         "Augmentation: each epoch, train on a random window of at least this fraction of each text's "
-        "positions (1 = whole texts)"))] = 1.0,
-    seed: int = 0,
+        "positions (1 = whole texts)"))] = TrainConfig.crop,
+    seed: Annotated[int, typer.Option(help="Seed of the data order, mixup and initial weights: the same data and "
+                                           "settings train the same head")] = TrainConfig.seed,
     max_train: Annotated[int | None, typer.Option(min=1, help="Train on a seeded sample of this many texts")] = None,
     cache: Annotated[Path | None, typer.Option(help="Feature cache folder")] = Path(".cache/features"),
     search: Annotated[bool, typer.Option(help=(
