@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from service.config import Settings
-from service.modeling.manifest import WEIGHTS, discover, read_manifest
+from service.modeling.manifest import WEIGHTS, ModelLoadError, discover, read_manifest
 from service.serving.batcher import Batcher, BatchLimits
 from service.serving.cache import HeadCache
 from service.serving.control import ModelControl
@@ -26,6 +26,23 @@ if TYPE_CHECKING:
     from service.serving.inference import Backbone, Inference
 
 log = logging.getLogger("service.state")
+
+
+def with_default_model(settings: Settings) -> Settings:
+    """``settings`` with the model behind /v1/classify and /v1/explain: ``default_model`` as set, or, when it was not
+    set and its default (``tweet-sentiment``) does not serve, the first model that does (of ``models``, else the
+    repository's first by name), so that a repository of one's own models serves without naming one."""
+    if "default_model" in settings.model_fields_set:
+        return settings  # named: a model that does not serve is the start's error
+    try:
+        serving = settings.models or discover(settings.model_repository)
+    except ModelLoadError:
+        return settings  # the start says what is wrong with the repository
+    if not serving or settings.default_model in serving:
+        return settings
+    log.info("default model (behind /v1/classify and /v1/explain): %s, the first model to serve (%s is not among "
+             "them; ROUTING_DEFAULT_MODEL names another)", serving[0], settings.default_model)
+    return settings.model_copy(update={"default_model": serving[0]})
 
 
 @dataclass
@@ -41,6 +58,7 @@ class AppState:
     def __post_init__(self) -> None:
         from service.serving.inference import Inference
 
+        self.settings = with_default_model(self.settings)
         self.inference = Inference(self.settings, self.lifecycle, self.metrics.stats)
         self.control = ModelControl(self)
         budget = self.settings.head_cache_bytes

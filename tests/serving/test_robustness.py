@@ -118,7 +118,8 @@ def test_unloadable_repository_exits_with_a_clear_message(tmp_path: Path, logs: 
     server.stop()
 
 
-async def test_a_default_model_not_served_says_which_are_and_how_to_choose(tiny_repo: Path) -> None:
+async def test_a_default_model_not_served_says_which_are_and_how_to_choose(tiny_repo: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     from service.config import Settings
     from service.serving.metrics import Metrics
     from service.serving.state import AppState
@@ -129,6 +130,15 @@ async def test_a_default_model_not_served_says_which_are_and_how_to_choose(tiny_
     error = state.lifecycle.error or ""
     assert "default model 'tweet-sentiment'" in error and "['tiny']" in error and "ROUTING_DEFAULT_MODEL" in error
     await state.close(1.0)
+    # not named, its default (tweet-sentiment) not served: the first model served is the default, cache or not
+    monkeypatch.delenv("ROUTING_DEFAULT_MODEL", raising=False)
+    for budget in (None, 10**9):
+        state = AppState(settings=Settings(model_repository=tiny_repo, model_process=False, head_cache_bytes=budget),
+                         metrics=Metrics())
+        await state.load()
+        assert state.lifecycle.ready, state.lifecycle.error
+        assert state.settings.default_model == "tiny" and state.inference.resolve("all") == ["tiny"]
+        await state.close(1.0)
 
 
 async def test_a_model_named_twice_loads_once(tiny_repo: Path, monkeypatch: pytest.MonkeyPatch) -> None:
