@@ -118,8 +118,8 @@ def test_unloadable_repository_exits_with_a_clear_message(tmp_path: Path, logs: 
     server.stop()
 
 
-async def test_a_default_model_not_served_says_which_are_and_how_to_choose(tiny_repo: Path,
-                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_a_default_model_named_but_not_served_fails_the_start_and_one_not_named_is_the_first_served(
+        tiny_repo: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from service.config import Settings
     from service.serving.metrics import Metrics
     from service.serving.state import AppState
