@@ -193,6 +193,10 @@ def train(
         train_model(name, spec, out, backbone_source=backbone, max_length=max_length, n_hid=n_hid, d_hid=d_hid,
                     n_iters=n_iters, cfg=cfg, max_train=max_train, cache=cache,
                     description=PRESETS[preset].description if preset in PRESETS else "", search=search)
+    typer.echo(f"to serve it with the other models of {out}: ROUTING_MODEL_REPOSITORY={out} routing-service serve; a "
+               f"server already serving {out} loads it on POST /v2/repository/models/{name}/load "
+               "(ROUTING_MODEL_CONTROL=explicit; an admin key), or by itself with ROUTING_MODEL_CONTROL=poll or a "
+               "head cache")
 
 
 @app.command()

@@ -110,6 +110,7 @@ def test_train_and_evaluate_commands(tmp_path: Path, tiny_backbone_dir: Path) ->
         wall = json.loads((tmp_path / repo / "toy" / "manifest.json").read_text())["training"]["wall_seconds"]
         minutes, seconds = divmod(int(wall), 60)  # the manifest's time, as m:ss
         assert f"wrote {tmp_path / repo / 'toy'} ({minutes:02d}:{seconds:02d} in all)" in res.output
+        assert f"ROUTING_MODEL_REPOSITORY={tmp_path / repo} routing-service serve" in res.output  # how to serve it
     first, second = (load_file(tmp_path / repo / "toy" / "head.safetensors") for repo in ("repo", "again"))
     assert all(torch.equal(first[name], second[name]) for name in first)  # seeded: same data, same weights
     umask = os.umask(0)
