@@ -66,6 +66,9 @@ def extras(command: str, which: str = "bench,train") -> Iterator[None]:
 def serve(
     model_repository: Annotated[Path | None, typer.Option(help="Model repository folder")] = None,
     models: Annotated[str | None, typer.Option(help="Comma-separated models to load (default: all)")] = None,
+    default_model: Annotated[str | None, typer.Option(help="Model behind /v1/classify and /v1/explain (default: "
+                                                            "tweet-sentiment when it serves, else the first model)")
+                             ] = None,
     host: Annotated[str | None, typer.Option()] = None,
     port: Annotated[int | None, typer.Option()] = None,
     device: Annotated[str | None, typer.Option(help="auto | cpu | cuda[:n]")] = None,
@@ -86,7 +89,8 @@ def serve(
     from service.config import Settings
     from service.threads import set_openmp
 
-    given = {"model_repository": model_repository, "models": models, "host": host, "port": port,
+    given = {"model_repository": model_repository, "models": models, "default_model": default_model, "host": host,
+             "port": port,
              "device": device, "dtype": dtype, "max_batch_size": max_batch_size, "max_wait_ms": max_wait_ms,
              "log_json": log_json, "torch_threads": torch_threads, "omp_wait_policy": omp_wait_policy,
              "model_process": model_process, "model_replicas": model_replicas}

@@ -80,3 +80,22 @@ def test_serve_rejects_a_bad_option_with_a_message(monkeypatch: pytest.MonkeyPat
     monkeypatch.setenv("ROUTING_MAX_BATCH_SIZE", "0")
     res = CliRunner().invoke(app, ["serve"])
     assert res.exit_code == 2 and "max_batch_size" in res.output
+
+
+def test_serve_takes_a_default_model_only_when_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    from typer.testing import CliRunner
+
+    from service import threads
+    from service.cli import app
+    from service.config import Settings
+    from service.serving import server
+
+    started: list[Settings] = []
+    monkeypatch.setattr(server, "run_server", started.append)
+    monkeypatch.setattr(threads, "set_openmp", lambda *_: None)  # this process's environment stays as it is
+    monkeypatch.delenv("ROUTING_DEFAULT_MODEL", raising=False)
+    assert CliRunner().invoke(app, ["serve", "--default-model", "bbc-news-topics"]).exit_code == 0
+    assert CliRunner().invoke(app, ["serve"]).exit_code == 0
+    named, unnamed = started
+    assert named.default_model == "bbc-news-topics" and "default_model" in named.model_fields_set
+    assert "default_model" not in unnamed.model_fields_set  # the start then picks it (see with_default_model)
