@@ -90,10 +90,9 @@ def serve(
     from service.threads import set_openmp
 
     given = {"model_repository": model_repository, "models": models, "default_model": default_model, "host": host,
-             "port": port,
-             "device": device, "dtype": dtype, "max_batch_size": max_batch_size, "max_wait_ms": max_wait_ms,
-             "log_json": log_json, "torch_threads": torch_threads, "omp_wait_policy": omp_wait_policy,
-             "model_process": model_process, "model_replicas": model_replicas}
+             "port": port, "device": device, "dtype": dtype, "max_batch_size": max_batch_size,
+             "max_wait_ms": max_wait_ms, "log_json": log_json, "torch_threads": torch_threads,
+             "omp_wait_policy": omp_wait_policy, "model_process": model_process, "model_replicas": model_replicas}
     try:
         settings = Settings(**{k: v for k, v in given.items() if v is not None})
     except ValidationError as e:  # an option or ROUTING_* variable out of range: say which, no traceback
