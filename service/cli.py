@@ -294,7 +294,8 @@ def bench_repository(
 @bench_app.command("train")
 def bench_train(
     datasets: Annotated[str, typer.Option(help="Comma-separated datasets of the bench")] = (
-        "tweet-sentiment,tweet-polarity-3k,bbc-headlines,movie-reviews,convention-speeches,bbc-news-topics"),
+        "tweet-sentiment,tweet-polarity-3k,bbc-headlines,movie-reviews,convention-speeches,debate-turns,"
+        "bbc-news-topics"),
     folds: Annotated[int | None, typer.Option(min=2, help="k-fold cross-validation for every dataset (default: each "
                                                    "dataset's own: 5 for the small ones, the sha1 split otherwise)")
                      ] = None,

