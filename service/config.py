@@ -22,7 +22,8 @@ class Settings(BaseSettings):
     model_repository: Path = Field(Path("models"), description="Folder with one sub-folder per model")
     models: Annotated[list[str], NoDecode] = Field(default_factory=list, description="Models to load (all if empty)")
     default_model: str = Field("tweet-sentiment", description="Model behind /v1/classify and /v1/explain (not set, "
-                               "and tweet-sentiment not served: the first model served)")
+                               "and tweet-sentiment not served: the first model served; started without models, "
+                               "the first to load)")
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$", description="auto | cpu | cuda[:n]")
     dtype: DType = Field("float32", description="Backbone precision (half: GPU)")
     warmup: bool = Field(True, description="Run one batch per model before reporting ready")

@@ -98,4 +98,4 @@ def test_serve_takes_a_default_model_only_when_given(monkeypatch: pytest.MonkeyP
     assert CliRunner().invoke(app, ["serve"]).exit_code == 0
     named, unnamed = started
     assert named.default_model == "bbc-news-topics" and "default_model" in named.model_fields_set
-    assert "default_model" not in unnamed.model_fields_set  # the start then picks it (see with_default_model)
+    assert "default_model" not in unnamed.model_fields_set  # the start then picks it (default_model_at_start)

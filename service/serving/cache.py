@@ -50,12 +50,14 @@ class HeadCache:
         self._export()
         pinned = self.resident_bytes
         head = max(self._recent.values(), default=0)  # a head's size, as the pinned ones weigh
-        if head and self.budget - pinned < head:
+        if not head:
+            log.info("head cache: a budget of %d bytes, no head pinned", self.budget)
+        elif self.budget - pinned < head:
             log.warning("head cache: a budget of %d bytes leaves no room beside the pinned heads (%d bytes): every "
                         "other head is loaded for each request that names it and evicted after it "
                         "(ROUTING_HEAD_CACHE_BYTES sets the budget)", self.budget, pinned)
         else:
-            room = (self.budget - pinned) // max(head, 1)
+            room = (self.budget - pinned) // head
             log.info("head cache: a budget of %d bytes, %d of them for the pinned heads: room for about %d head%s "
                      "of %d bytes beside them", self.budget, pinned, room, "" if room == 1 else "s", head)
 

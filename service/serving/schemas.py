@@ -201,7 +201,8 @@ class ModelInfo(BaseModel):
 
 
 class ModelList(BaseModel):
-    default: str
+    default: str | None = Field(description="The model behind /v1/classify and /v1/explain (null while none is: a "
+                                            "server started without models, none loaded since)")
     models: list[ModelInfo]
 
 

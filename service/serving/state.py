@@ -17,6 +17,7 @@ from service.modeling.manifest import WEIGHTS, ModelLoadError, discover, read_ma
 from service.serving.batcher import Batcher, BatchLimits
 from service.serving.cache import HeadCache
 from service.serving.control import ModelControl
+from service.serving.errors import APIError
 from service.serving.lifecycle import Lifecycle
 from service.serving.metrics import Metrics
 from service.serving.planner import Planner, backbone_key, model_of
@@ -26,23 +27,38 @@ if TYPE_CHECKING:
     from service.serving.inference import Backbone, Inference
 
 log = logging.getLogger("service.state")
+LOADED_LATER = {
+    "poll": "a model folder written into it is loaded within ROUTING_REPOSITORY_POLL_S",
+    "explicit": "POST /v2/repository/models/<name>/load (an admin key) loads a model folder written into it",
+    "cache": "a request that names a model folder written into it loads that model (the head cache)",
+}
+"""How a server started without models comes to serve one: by ``model_control``, or with a head cache."""
 
 
-def with_default_model(settings: Settings) -> Settings:
-    """``settings`` with the model behind /v1/classify and /v1/explain: ``default_model`` as set, or, when it was not
+def may_start_empty(settings: Settings) -> bool:
+    """Whether models can come while the server runs (so that it may start without any): through
+    ``/v2/repository`` or the repository's poll (``model_control``), or on a request's demand (a head cache)."""
+    return settings.model_control != "none" or settings.head_cache_bytes is not None
+
+
+def default_model_at_start(settings: Settings) -> str | None:
+    """The model behind /v1/classify and /v1/explain as the server starts: ``default_model`` as set; when it was not
     set and its default (``tweet-sentiment``) does not serve, the first model that does (of ``models``, else the
-    repository's first by name), so that a repository of one's own models serves without naming one."""
+    repository's first by name), so that a repository of one's own models serves without naming one; when it was not
+    set and no model serves at start, None (the first model to serve becomes the default)."""
     if "default_model" in settings.model_fields_set:
-        return settings  # named: a model that does not serve is the start's error
+        return settings.default_model  # named: a model that does not serve is the start's error
     try:
         serving = settings.models or discover(settings.model_repository)
     except ModelLoadError:
-        return settings  # the start says what is wrong with the repository
-    if not serving or settings.default_model in serving:
-        return settings
+        return settings.default_model  # the start says what is wrong with the repository
+    if not serving:
+        return None
+    if settings.default_model in serving:
+        return settings.default_model
     log.info("default model (behind /v1/classify and /v1/explain): %s, the first model to serve (%s is not among "
              "them; ROUTING_DEFAULT_MODEL names another)", serving[0], settings.default_model)
-    return settings.model_copy(update={"default_model": serving[0]})
+    return serving[0]
 
 
 @dataclass
@@ -54,17 +70,28 @@ class AppState:
     control: ModelControl = field(init=False)
     cache: HeadCache | None = field(init=False)
     launches: Launches = field(default_factory=Launches)  # backbone processes loading (stopped on close)
+    default_model: str | None = field(init=False)
+    """The model behind /v1/classify and /v1/explain (see :func:`default_model_at_start`); None while no model has
+    served yet in a server started without any."""
 
     def __post_init__(self) -> None:
         from service.serving.inference import Inference
 
-        self.settings = with_default_model(self.settings)
+        self.default_model = default_model_at_start(self.settings)
         self.inference = Inference(self.settings, self.lifecycle, self.metrics.stats)
         self.control = ModelControl(self)
         budget = self.settings.head_cache_bytes
-        self.cache = None if budget is None else HeadCache(self, budget, self.settings.models or
-                                                           [self.settings.default_model])
+        pinned = self.settings.models or ([self.default_model] if self.default_model is not None else [])
+        self.cache = None if budget is None else HeadCache(self, budget, pinned)
         self.inference.cache = self.cache
+
+    def default(self) -> str:
+        """The model behind /v1/classify and /v1/explain: 404 while there is none (a server started without
+        models, none served since)."""
+        if self.default_model is None:
+            raise APIError(404, "no default model: the server started without models and none has served since "
+                                "(GET /v1/models lists those loaded; /v1/models/{model}/... names one)")
+        return self.default_model
 
     def model_names(self, repository: Path) -> list[str]:
         """The models to load at start: ``models``, or every folder of the repository (with a head cache, only the
@@ -96,10 +123,15 @@ class AppState:
                          os.environ.get("OMP_WAIT_POLICY", "(runtime default)"),
                          os.environ.get("GOMP_SPINCOUNT", "(runtime default)"))
             names = self.model_names(s.model_repository)
+            if not names and not may_start_empty(s):
+                raise ValueError(f"no models in {s.model_repository} (ROUTING_MODEL_CONTROL=poll or explicit, or a "
+                                 "head cache, ROUTING_HEAD_CACHE_BYTES, starts a server without any to load them while "
+                                 "it runs)")
             if not names:
-                raise ValueError(f"no models in {s.model_repository}")
-            if s.default_model not in names:
-                raise ValueError(f"default model {s.default_model!r} (behind /v1/classify and /v1/explain) is not "
+                log.warning("no models in %s yet: the server starts without any; %s", s.model_repository,
+                            LOADED_LATER["cache" if self.cache is not None else s.model_control])
+            elif self.default_model not in names:
+                raise ValueError(f"default model {self.default_model!r} (behind /v1/classify and /v1/explain) is not "
                                  f"among the models to serve, {names} of {s.model_repository}: "
                                  "ROUTING_DEFAULT_MODEL names it")
             for folders in self.backbone_groups(names):
@@ -142,7 +174,11 @@ class AppState:
         return backbone
 
     def published(self, backbone: Backbone, name: str, folder: Path, seconds: float) -> None:
-        """Metrics of model ``name`` (its folder ``folder``), now served on ``backbone``."""
+        """Metrics of model ``name`` (its folder ``folder``), now served on ``backbone``; the default model, when
+        the server started without one, is the first to serve."""
+        if self.default_model is None:
+            self.default_model = name
+            log.info("default model (behind /v1/classify and /v1/explain): %s, the first model to serve", name)
         engine = backbone.engine
         weights = folder / WEIGHTS
         self.metrics.loaded(name, engine.manifests[self.inference.heads[name]].backbone.name, str(engine.device),

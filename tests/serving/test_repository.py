@@ -272,9 +272,8 @@ def test_control_is_off_by_default(tiny: Server) -> None:
 
 def test_poll_mode_follows_the_repository(tmp_path: Path, tiny_backbone_dir: Path, logs: Path) -> None:
     repo = tmp_path / "models"
-    write_tiny_model(repo, tiny_backbone_dir, name="tiny")
-    s = Server(logs, model_repository=repo, default_model="tiny", model_control="poll", repository_poll_s=0.2,
-               admin_keys=ADMIN).wait_ready()
+    repo.mkdir()  # empty: the server starts without models, no default named
+    s = Server(logs, model_repository=repo, model_control="poll", repository_poll_s=0.2, admin_keys=ADMIN).wait_ready()
     try:
         def ready(name: str) -> bool:
             return httpx.get(f"{s.url}/v2/models/{name}/ready").status_code == 200
@@ -285,6 +284,17 @@ def test_poll_mode_follows_the_repository(tmp_path: Path, tiny_backbone_dir: Pat
                 time.sleep(0.1)
             assert check(), "the repository change was not followed"  # type: ignore[operator]
 
+        assert httpx.get(f"{s.url}/readyz").json()["models"] == []
+        assert httpx.get(f"{s.url}/v1/models").json() == {"default": None, "models": []}
+        r = httpx.post(f"{s.url}/v1/classify", json={"inputs": ["x"]})
+        assert r.status_code == 404 and "no default model" in r.json()["error"]["message"]
+        r = httpx.post(f"{s.url}/v1/explain", json={"inputs": ["x"], "models": "all"})
+        assert r.status_code == 404 and "no model is loaded" in r.json()["error"]["message"]
+        write_tiny_model(repo, tiny_backbone_dir, name="tiny")
+        until(lambda: ready("tiny"), timeout=120)  # the first model starts its backbone's process
+        r = httpx.post(f"{s.url}/v1/classify", json={"inputs": TEXTS})  # the first model to serve is the default
+        assert r.status_code == 200 and r.json()["model"] == "tiny" and httpx.get(f"{s.url}/v1/models").json()[
+            "default"] == "tiny"
         r = httpx.post(f"{s.url}/v2/repository/models/tiny/load", headers=AS_ADMIN)
         assert r.status_code == 400 and "poll" in r.json()["error"]
         write_tiny_model(repo, tiny_backbone_dir, name="tiny-p", seed=7)

@@ -137,8 +137,48 @@ async def test_a_default_model_named_but_not_served_fails_the_start_and_one_not_
                          metrics=Metrics())
         await state.load()
         assert state.lifecycle.ready, state.lifecycle.error
-        assert state.settings.default_model == "tiny" and state.inference.resolve("all") == ["tiny"]
+        assert state.default_model == "tiny" and state.inference.resolve("all") == ["tiny"]
         await state.close(1.0)
+
+
+async def test_an_empty_repository_starts_a_server_only_where_models_can_come_later_and_the_first_is_the_default(
+        tmp_path: Path, tiny_backbone_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from service.config import Settings
+    from service.serving.errors import APIError
+    from service.serving.metrics import Metrics
+    from service.serving.state import AppState
+    from tests.conftest import write_tiny_model
+
+    monkeypatch.delenv("ROUTING_DEFAULT_MODEL", raising=False)
+    repo = tmp_path / "models"
+    repo.mkdir()
+    state = AppState(settings=Settings(model_repository=repo, model_process=False), metrics=Metrics())
+    await state.load()  # nothing could ever serve: the start fails, saying how to start empty
+    assert not state.lifecycle.ready and "ROUTING_MODEL_CONTROL=poll" in (state.lifecycle.error or "")
+    await state.close(1.0)
+    for control, budget in (("poll", None), ("none", 10**9)):
+        write = repo / control
+        write.mkdir()
+        state = AppState(settings=Settings(model_repository=write, model_process=False, model_control=control,
+                                           head_cache_bytes=budget), metrics=Metrics())
+        await state.load()
+        assert state.lifecycle.ready, state.lifecycle.error
+        assert state.inference.resolve("all") == [] and state.default_model is None
+        with pytest.raises(APIError) as e:
+            state.default()
+        assert e.value.status == 404 and "no default model" in str(e.value)
+        for name, seed in (("tiny-b", 1), ("tiny", 0)):
+            write_tiny_model(write, tiny_backbone_dir, name=name, seed=seed)
+            if budget is None:
+                await state.control.sync()  # the poll's pass
+            else:
+                await state.inference.require([name])  # the head cache loads what a request names
+            assert name in state.inference.resolve("all")
+            assert state.default() == "tiny-b"  # the first to serve, and it stays so
+        await state.close(1.0)
+    named = AppState(settings=Settings(model_repository=repo / "none", default_model="tiny-b", model_process=False,
+                                       head_cache_bytes=10**9), metrics=Metrics())
+    assert named.default_model == "tiny-b" and named.cache is not None and named.cache.pinned == {"tiny-b"}
 
 
 async def test_a_model_named_twice_loads_once(tiny_repo: Path, monkeypatch: pytest.MonkeyPatch) -> None:

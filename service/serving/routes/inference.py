@@ -3,6 +3,8 @@ only: the pipeline is ``service.serving.inference``."""
 
 from __future__ import annotations
 
+from typing import Literal
+
 from fastapi import APIRouter, Depends, Request
 
 from service.serving.errors import APIError
@@ -37,6 +39,14 @@ def _one_model(body: ClassifyRequest | ExplainRequest) -> None:
         raise APIError(422, "models: name several models only on /v1/classify and /v1/explain, not under "
                             "/v1/models/{model}", details=[{"field": "models", "message": "not on a model's path",
                                                             "type": "value_error"}])
+
+
+def _several(state: AppState, names: list[str] | Literal["all"]) -> list[str]:
+    """The models a body's ``models`` names (``"all"``: every loaded one, 404 when there is none)."""
+    models = state.inference.resolve(names)
+    if not models:
+        raise APIError(404, 'models: "all" asks every loaded model, and no model is loaded')
+    return models
 
 
 async def classify(request: Request, state: AppState, models: list[str], body: ClassifyRequest
@@ -80,8 +90,8 @@ async def classify_default(request: Request, state: State, body: ClassifyRequest
     """The default model's answer; with `models`, each named model's (or every loaded one's, `"all"`), the
     texts encoded once for the models on one backbone."""
     if body.models is None:
-        return (await classify(request, state, [state.settings.default_model], body))[0]
-    models = state.inference.resolve(body.models)
+        return (await classify(request, state, [state.default()], body))[0]
+    models = _several(state, body.models)
     return MultiClassifyResponse(models=models, responses=await classify(request, state, models, body))
 
 
@@ -91,6 +101,6 @@ async def explain_default(request: Request, state: State, body: ExplainRequest
                           ) -> ExplainResponse | MultiExplainResponse:
     """The default model's credit; with `models`, each named model's (`target`: `"all"` or none, for each)."""
     if body.models is None:
-        return (await explain(request, state, [state.settings.default_model], body))[0]
-    models = state.inference.resolve(body.models)
+        return (await explain(request, state, [state.default()], body))[0]
+    models = _several(state, body.models)
     return MultiExplainResponse(models=models, responses=await explain(request, state, models, body))

@@ -13,7 +13,7 @@ router = APIRouter(prefix="/v1", tags=["models"], dependencies=[Depends(require_
 
 @router.get("/models", response_model=ModelList, summary="Loaded models")
 async def list_models(state: State) -> ModelList:
-    default = state.settings.default_model
+    default = state.default_model
     inf = state.inference
     return ModelList(default=default, models=[ModelInfo(**inf.describe(name), default=name == default)
                                               for name in inf.resolve("all")])
@@ -22,4 +22,4 @@ async def list_models(state: State) -> ModelList:
 @router.get("/models/{model}", response_model=ModelInfo, summary="One model")
 async def get_model(state: State, model: str) -> ModelInfo:
     await state.inference.require([model])  # with a head cache, a model not in memory is loaded to describe it
-    return ModelInfo(**state.inference.describe(model), default=model == state.settings.default_model)
+    return ModelInfo(**state.inference.describe(model), default=model == state.default_model)
