@@ -47,7 +47,7 @@ def default_model_at_start(settings: Settings) -> str | None:
     repository's first by name), so that a repository of one's own models serves without naming one; when it was not
     set and no model serves at start, None (the first model to serve becomes the default)."""
     if "default_model" in settings.model_fields_set:
-        return settings.default_model  # named: a model that does not serve is the start's error
+        return settings.default_model  # named: the start's error if it does not serve, unless none does (see load)
     try:
         serving = settings.models or discover(settings.model_repository)
     except ModelLoadError:

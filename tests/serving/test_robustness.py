@@ -179,6 +179,12 @@ async def test_an_empty_repository_starts_a_server_only_where_models_can_come_la
     named = AppState(settings=Settings(model_repository=repo / "none", default_model="tiny-b", model_process=False,
                                        head_cache_bytes=10**9), metrics=Metrics())
     assert named.default_model == "tiny-b" and named.cache is not None and named.cache.pinned == {"tiny-b"}
+    (repo / "later").mkdir()  # empty, its default named: it starts, the default to come
+    state = AppState(settings=Settings(model_repository=repo / "later", default_model="tiny", model_process=False,
+                                       model_control="poll"), metrics=Metrics())
+    await state.load()
+    assert state.lifecycle.ready and state.default() == "tiny"
+    await state.close(1.0)
 
 
 async def test_a_model_named_twice_loads_once(tiny_repo: Path, monkeypatch: pytest.MonkeyPatch) -> None:
