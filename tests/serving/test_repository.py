@@ -293,8 +293,8 @@ def test_poll_mode_follows_the_repository(tmp_path: Path, tiny_backbone_dir: Pat
         write_tiny_model(repo, tiny_backbone_dir, name="tiny")
         until(lambda: ready("tiny"), timeout=120)  # the first model starts its backbone's process
         r = httpx.post(f"{s.url}/v1/classify", json={"inputs": TEXTS})  # the first model to serve is the default
-        assert r.status_code == 200 and r.json()["model"] == "tiny" and httpx.get(f"{s.url}/v1/models").json()[
-            "default"] == "tiny"
+        assert r.status_code == 200 and r.json()["model"] == "tiny"
+        assert httpx.get(f"{s.url}/v1/models").json()["default"] == "tiny"
         r = httpx.post(f"{s.url}/v2/repository/models/tiny/load", headers=AS_ADMIN)
         assert r.status_code == 400 and "poll" in r.json()["error"]
         write_tiny_model(repo, tiny_backbone_dir, name="tiny-p", seed=7)
