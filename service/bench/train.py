@@ -279,14 +279,15 @@ def _row(name: str, r: dict[str, Any]) -> dict[str, Any]:
             "tested": r["head"]["n"], "head_acc": r["head"]["accuracy"], "head_f1": r["head"]["macro_f1"],
             "last_acc": r["baseline"]["test"]["accuracy"], "all_acc": r["probe_all_layers"]["test"]["accuracy"],
             "all_f1": r["probe_all_layers"]["test"]["macro_f1"], "margin": c["margin_accuracy"],
-            "p_value": c["p_value"], "train_s": r["train_seconds"], "feature_s": r["feature_seconds"]}
+            "p_value": c["p_value"], "texts_for_p05": c.get("texts_for_significance") or "-",
+            "train_s": r["train_seconds"], "feature_s": r["feature_seconds"]}
 
 
 def report(results: dict[str, Any], out: Path, settings: dict[str, Any]) -> dict[str, Any]:
     rows = [_row(name, r) for name, r in results.items()]
     echo("\nhead (default settings) against the linear probes, on the test texts (pooled over folds):")
     echo(table(rows, ["dataset", "texts", "labels", "tested", "head_acc", "head_f1", "last_acc", "all_acc", "all_f1",
-                      "margin", "p_value", "train_s", "feature_s"]))
+                      "margin", "p_value", "texts_for_p05", "train_s", "feature_s"]))
     at_least = [r["dataset"] for r in rows if r["margin"] >= 0]
     significant = [r["dataset"] for r in rows if r["margin"] > 0 and r["p_value"] < 0.05]
     summary = {"datasets": len(rows), "head_at_least_all_layer_probe": at_least,

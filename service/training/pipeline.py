@@ -221,6 +221,14 @@ def _print_evaluation(name: str, ev: dict[str, Any]) -> None:
     print(f"{name} (test, n={h['n']}): routing head accuracy {h['accuracy']:.4f} macro-F1 {h['macro_f1']:.4f} | "
           f"last-layer probe {b['accuracy']:.4f} / {b['macro_f1']:.4f} | all-layer probe {a['accuracy']:.4f} / "
           f"{a['macro_f1']:.4f}: margin {c['margin_accuracy']:+.4f}, McNemar p = {c['p_value']:.3g} "
-          f"({c['only_head_right']} texts only the head got right, {c['only_probe_right']} only the probe)",
-          flush=True)
+          f"({c['only_head_right']} texts only the head got right, {c['only_probe_right']} only the probe)"
+          + _power_hint(c, h["n"]), flush=True)
     print("confusion matrix (rows true, columns predicted):", np.array(h["confusion_matrix"]).tolist(), flush=True)
+
+
+def _power_hint(comparison: dict[str, Any], n: int) -> str:
+    """What a head ahead but not significantly would need to show it: a test split of about that many texts."""
+    needed = comparison.get("texts_for_significance")
+    if comparison["p_value"] < 0.05 or needed is None:
+        return ""
+    return f"; a lead of this size shows (p < 0.05) on about {needed:,} test texts, this split has {n:,}"

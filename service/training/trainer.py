@@ -324,7 +324,32 @@ def mcnemar(y_true: list[int], a: list[int], b: list[int]) -> dict[str, Any]:
     only_b = sum(1 for y, p, q in zip(y_true, a, b, strict=True) if q == y != p)
     p_value = 1.0 if only_a + only_b == 0 else float(binomtest(only_a, only_a + only_b, 0.5).pvalue)
     return {"test": "McNemar exact (two-sided binomial on the discordant texts)", "only_head_right": only_a,
-            "only_probe_right": only_b, "p_value": p_value}
+            "only_probe_right": only_b, "p_value": p_value,
+            "texts_for_significance": texts_for_significance(only_a, only_b, len(y_true))}
+
+
+def texts_for_significance(only_a: int, only_b: int, n: int, alpha: float = 0.05) -> int | None:
+    """About how many test texts McNemar's exact test needs for ``p < alpha`` in ``a``'s favour if texts split as
+    these ``n`` did (the same share discordant, the same share of those that only ``a`` got right): the fewest, when
+    it is below ``alpha`` already. None when ``a`` is not ahead (no number of texts would do). Read it as the size
+    a test split must have for a lead of this size to show: at that size, about half of such splits are below."""
+    from scipy.stats import binomtest
+
+    m = only_a + only_b
+    if only_a <= only_b:
+        return None
+    share = only_a / m
+
+    def significant(discordant: int) -> bool:
+        return binomtest(round(share * discordant), discordant, 0.5).pvalue < alpha
+
+    low, high = 1, m  # find a size that is significant (doubling), then the fewest (bisection)
+    while not significant(high):
+        low, high = high, 2 * high
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (low, mid) if significant(mid) else (mid, high)
+    return math.ceil(high * n / m)
 
 
 def compare(y_test: list[int], head: list[int], probes: dict[str, dict[str, Any]], n_classes: int) -> dict[str, Any]:

@@ -47,6 +47,7 @@ def test_measure_compares_the_head_with_both_probes(tiny_backbone_dir: Path, tmp
     assert list((tmp_path / "cache").glob("*.pt"))  # features cached
     row = train._row("toy", {**got, "description": "toy"})
     assert row["margin"] == got["head"]["accuracy"] - got["probe_all_layers"]["test"]["accuracy"]
+    assert row["texts_for_p05"] == (c["texts_for_significance"] or "-")  # "-": the head is not ahead
 
 
 def stand_in_scattertext(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:

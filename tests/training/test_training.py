@@ -512,6 +512,41 @@ def test_mcnemar_counts_the_discordant_texts_and_tests_them_exactly() -> None:
     assert mcnemar(y, head, head)["p_value"] == 1.0  # no discordant text: no evidence either way
     even = mcnemar([0, 0, 1, 1], [0, 1, 1, 0], [1, 0, 0, 1])  # 2 against 2
     assert (even["only_head_right"], even["only_probe_right"], even["p_value"]) == (2, 2, 1.0)
+    assert even["texts_for_significance"] is None  # not ahead: no number of texts would do
+    # 11 of 12 texts discordant, all the head's: 6 such texts give p = 2 / 2**6 < 0.05, 5 give 0.0625
+    assert got["texts_for_significance"] == math.ceil(6 * 12 / 11)
+
+
+def test_texts_for_significance_is_the_size_at_which_the_same_split_turns_significant() -> None:
+    from scipy.stats import binomtest
+
+    from service.training.trainer import texts_for_significance
+
+    needed = texts_for_significance(107, 90, 2096)  # a bench's split: 107 texts only the head got right, 90 the probe
+    assert needed is not None and needed > 2096
+
+    def p_at(texts: int) -> float:
+        discordant = round(texts * 197 / 2096)
+        return binomtest(round(discordant * 107 / 197), discordant, 0.5).pvalue
+
+    assert p_at(2096) > 0.05 and p_at(needed) < 0.05 and p_at(int(0.9 * needed)) > 0.05
+    assert texts_for_significance(90, 107, 2096) is None and texts_for_significance(0, 0, 100) is None
+
+
+def test_an_evaluation_ahead_but_not_significant_says_how_many_test_texts_would_show_the_lead() -> None:
+    from service.training.pipeline import _power_hint
+    from service.training.trainer import mcnemar
+
+    y = [0] * 230
+    head, probe = [0] * 220 + [1] * 10, [0] * 214 + [1] * 16  # 6 texts only the head got right, none only the probe
+    c = mcnemar(y, head, probe)
+    assert c["p_value"] == pytest.approx(2 * 0.5**6) and c["p_value"] < 0.05
+    assert _power_hint(c, 230) == ""  # significant already
+    probe = [0] * 215 + [1] * 15  # 5 against none: p 0.0625
+    c = mcnemar(y, head, probe)
+    assert _power_hint(c, 230) == f"; a lead of this size shows (p < 0.05) on about {math.ceil(6 * 230 / 5)} test " \
+                                  "texts, this split has 230"
+    assert _power_hint(mcnemar(y, probe, head), 230) == ""  # behind: no size would show it
 
 
 
