@@ -149,3 +149,23 @@ def test_several_models_explain_the_text_in_one_request(tiny_backbone_dir: Path,
         assert b.find_element(By.ID, "label").text == refs["tiny-b"]["label"]
         bars = b.find_elements(By.CSS_SELECTOR, "#bars .bar")
         assert [bar.get_attribute("data-label") for bar in bars] == ["up", "down"]
+
+
+def test_a_server_without_models_says_so_and_the_page_lists_the_first_when_it_comes(
+        tiny_backbone_dir: Path, tmp_path: Path, logs: Path, browser: WebDriver) -> None:
+    """Started on an empty repository (poll mode), the page says no model is loaded and asks again until one is."""
+    from tests.conftest import write_tiny_model
+
+    repo = tmp_path / "models"
+    repo.mkdir()
+    for server in running(logs, model_repository=repo, model_control="poll", repository_poll_s=0.2):
+        b = browser
+        open_page(b, server)
+        assert "No model is loaded yet" in b.find_element(By.ID, "error").text
+        assert not b.find_elements(By.CSS_SELECTOR, "#model option")
+        write_tiny_model(repo, tiny_backbone_dir, name="tiny")
+        wait(b, lambda d: d.find_elements(By.CSS_SELECTOR, "#model option"), timeout=120)  # its backbone starts first
+        assert [o.get_attribute("value") for o in b.find_elements(By.CSS_SELECTOR, "#model option")] == ["tiny"]
+        assert not b.find_element(By.ID, "error").text  # the message gone with the model's arrival
+        submit(b, TEXT)
+        assert not b.find_element(By.ID, "error").text and b.find_element(By.ID, "label").text

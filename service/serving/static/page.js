@@ -20,7 +20,7 @@ const GENERIC = ["This is a short example text.", "Another example, with two sen
 const NEG = [178, 24, 43];
 const POS = [33, 102, 172];
 
-const state = { key: null, result: null, target: null, answers: [] };
+const state = { key: null, result: null, target: null, answers: [], lookAgain: null };
 const $ = (id) => document.getElementById(id);
 
 class ApiError extends Error {
@@ -89,7 +89,10 @@ function maxAbs(values) {
 
 function fmt(x) { return Math.abs(x) >= 100 ? x.toFixed(1) : x.toPrecision(3); }
 
+const LOOK_AGAIN_MS = 5000;  // while the server has no model loaded, how often the page asks again
+
 async function loadModels() {
+  clearTimeout(state.lookAgain);
   showError("");
   const select = $("model");
   try {
@@ -102,6 +105,10 @@ async function loadModels() {
       return o;
     }));
     showExamples();
+    if (!list.models.length) {  // a server started on an empty repository: models come later
+      showError("No model is loaded yet: this page looks again every few seconds.");
+      state.lookAgain = setTimeout(loadModels, LOOK_AGAIN_MS);
+    }
   } catch (e) {
     showError(e.message);
   }
