@@ -332,7 +332,8 @@ def texts_for_significance(only_a: int, only_b: int, n: int, alpha: float = 0.05
     """About how many test texts McNemar's exact test needs for ``p < alpha`` in ``a``'s favour if texts split as
     these ``n`` did (the same share discordant, the same share of those that only ``a`` got right): the fewest, when
     it is below ``alpha`` already. None when ``a`` is not ahead (no number of texts would do). Read it as the size
-    a test split must have for a lead of this size to show: at that size, about half of such splits are below."""
+    a test split must have for a lead of this size to show: a classifier truly this far ahead reaches ``p < alpha``
+    on about half of the test splits of that size (more texts for more certainty)."""
     from scipy.stats import binomtest
 
     m = only_a + only_b
