@@ -221,7 +221,8 @@ def _print_evaluation(name: str, ev: dict[str, Any]) -> None:
     print(f"{name} (test, n={h['n']}): routing head accuracy {h['accuracy']:.4f} macro-F1 {h['macro_f1']:.4f} | "
           f"last-layer probe {b['accuracy']:.4f} / {b['macro_f1']:.4f} | all-layer probe {a['accuracy']:.4f} / "
           f"{a['macro_f1']:.4f}: margin {c['margin_accuracy']:+.4f}, McNemar p = {c['p_value']:.3g} "
-          f"({c['only_head_right']} texts only the head got right, {c['only_probe_right']} only the probe)"
+          f"({c['only_head_right']} text{'' if c['only_head_right'] == 1 else 's'} only the head got right, "
+          f"{c['only_probe_right']} only the probe)"
           + _power_hint(c, h["n"]), flush=True)
     print("confusion matrix (rows true, columns predicted):", np.array(h["confusion_matrix"]).tolist(), flush=True)
 
