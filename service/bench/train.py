@@ -36,7 +36,7 @@ from service.training.config import TrainConfig
 from service.training.data import make_dataset, package_dir, preset_path, read_examples
 from service.training.features import Features, extract
 from service.training.pipeline import DEFAULT_BACKBONE
-from service.training.trainer import compare, logistic_probe, predict_features, train_with_extension
+from service.training.trainer import SIGNIFICANCE, compare, logistic_probe, predict_features, train_with_extension
 
 Pairs = list[tuple[str, str]]
 
@@ -289,7 +289,7 @@ def report(results: dict[str, Any], out: Path, settings: dict[str, Any]) -> dict
     echo(table(rows, ["dataset", "texts", "labels", "tested", "head_acc", "head_f1", "last_acc", "all_acc", "all_f1",
                       "margin", "p_value", "texts_for_p05", "train_s", "feature_s"]))
     at_least = [r["dataset"] for r in rows if r["margin"] >= 0]
-    significant = [r["dataset"] for r in rows if r["margin"] > 0 and r["p_value"] < 0.05]
+    significant = [r["dataset"] for r in rows if r["margin"] > 0 and r["p_value"] < SIGNIFICANCE]
     summary = {"datasets": len(rows), "head_at_least_all_layer_probe": at_least,
                "significantly_above": significant,
                "goal_met": len(at_least) == len(rows) and 2 * len(significant) >= len(rows)}

@@ -29,6 +29,7 @@ from service.training.data import Dataset, DatasetError, make_dataset, preset_pa
 from service.training.features import Features, extract
 from service.training.search import search as search_grid
 from service.training.trainer import (
+    SIGNIFICANCE,
     TrainConfig,
     compare,
     logistic_probe,
@@ -230,6 +231,6 @@ def _print_evaluation(name: str, ev: dict[str, Any]) -> None:
 def _power_hint(comparison: dict[str, Any], n: int) -> str:
     """What a head ahead but not significantly would need to show it: a test split of about that many texts."""
     needed = comparison.get("texts_for_significance")
-    if comparison["p_value"] < 0.05 or needed is None:
+    if comparison["p_value"] < SIGNIFICANCE or needed is None:
         return ""
-    return f"; a lead of this size shows (p < 0.05) on about {needed:,} test texts, this split has {n:,}"
+    return f"; a lead of this size shows (p < {SIGNIFICANCE}) on about {needed:,} test texts, this split has {n:,}"

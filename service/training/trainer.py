@@ -315,6 +315,10 @@ def logistic_probe(train: Features, y_train: list[int], val: Features, y_val: li
             "test": classification_metrics(y_test, predicted, n_classes), "predicted": predicted.tolist()}
 
 
+SIGNIFICANCE = 0.05
+"""The level below which a p-value counts as significant: the bench's goal, the hint `train` prints."""
+
+
 def mcnemar(y_true: list[int], a: list[int], b: list[int]) -> dict[str, Any]:
     """McNemar's exact test of two classifiers' errors on the same texts: the texts only ``a`` got right against
     those only ``b`` got right, two-sided binomial at 1/2 (scipy)."""
@@ -328,7 +332,7 @@ def mcnemar(y_true: list[int], a: list[int], b: list[int]) -> dict[str, Any]:
             "texts_for_significance": texts_for_significance(only_a, only_b, len(y_true))}
 
 
-def texts_for_significance(only_a: int, only_b: int, n: int, alpha: float = 0.05) -> int | None:
+def texts_for_significance(only_a: int, only_b: int, n: int, alpha: float = SIGNIFICANCE) -> int | None:
     """About how many test texts McNemar's exact test needs for ``p < alpha`` in ``a``'s favour if texts split as
     these ``n`` did (the same share discordant, the same share of those that only ``a`` got right): the fewest, when
     it is below ``alpha`` already. None when ``a`` is not ahead (no number of texts would do). Read it as the size
