@@ -118,6 +118,34 @@ def ensure_base() -> str:
     return BASE
 
 
+DNS_PACKAGES = {"cni": "golang-github-containernetworking-plugin-dnsname", "netavark": "aardvark-dns"}
+"""The Debian package that resolves container names on a network of each podman network backend (podman picks
+CNI where netavark is not installed, or where its storage was made with CNI)."""
+
+
+def assert_names_resolve(image: str) -> None:
+    """Containers on one user-defined network (as compose makes) resolve each other's names; else fail at once,
+    naming the package this machine's network backend lacks (without it, a compose stack's services cannot reach
+    each other and Prometheus scrapes nothing)."""
+    backend = cli("info", "--format", "{{.Host.NetworkBackend}}").stdout.strip()
+    net, peer = "routing-ci-names", "routing-ci-names-peer"
+    cli("rm", "-f", "-t", "0", peer, check=False)
+    cli("network", "rm", "-f", net, check=False)
+    cli("network", "create", net)
+    try:
+        started = cli("run", "-d", "--network", net, "--name", peer, image, "sleep", "120", check=False)
+        looked_up = cli("run", "--rm", "--network", net, image, "getent", "hosts", peer, check=False) \
+            if started.returncode == 0 else started
+    finally:
+        cli("rm", "-f", "-t", "0", peer, check=False)
+        cli("network", "rm", "-f", net, check=False)
+    package = DNS_PACKAGES.get(backend, f"the DNS plugin of podman's {backend!r} network backend")
+    assert looked_up.returncode == 0, (
+        f"containers on a podman network cannot resolve each other's names (network backend {backend}): install "
+        f"{package} (the README's test command does: apt-get install ... {' '.join(DNS_PACKAGES.values())})\n"
+        f"{looked_up.stdout[-1000:]}{looked_up.stderr[-1000:]}")
+
+
 PIP_PATH_KEYS = ("cert", "client-cert", "find-links", "constraint", "requirement", "index-url", "extra-index-url")
 
 

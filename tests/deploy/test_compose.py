@@ -29,8 +29,15 @@ def compose(*args: str, env: dict[str, str], check: bool = True, timeout: float 
     return out.stdout + out.stderr
 
 
+def test_containers_on_one_network_resolve_each_other_by_name() -> None:
+    """The compose stack needs it (Prometheus scrapes the service by its name): checked first, in seconds, where
+    the stack's test would time out minutes later on a failed lookup."""
+    podman.assert_names_resolve(podman.ensure_base())
+
+
 @pytest.fixture(scope="module")
 def stack() -> Iterator[dict[str, str]]:
+    podman.assert_names_resolve(podman.ensure_base())  # the stack is no use without it: fail before building
     cfg = yaml.safe_load(COMPOSE.read_text())
     podman.ensure_prometheus(cfg["services"]["prometheus"]["image"])
     podman.build("localhost/routing-service:cpu")  # the tag compose's CPU profile names (layers are cached)
