@@ -23,6 +23,8 @@ def length_groups(lengths: Sequence[int], overhead: int, budget: int) -> list[li
     ``order[i:j]`` padded to ``lengths[order[j - 1]]``.
     """
     order = sorted(range(len(lengths)), key=lambda k: lengths[k])
+    if order and len(order) * lengths[order[-1]] <= budget:
+        return _run_groups(lengths, order, overhead)
     best = [0] * (len(order) + 1)
     cut = [0] * (len(order) + 1)
     for j in range(1, len(order) + 1):
@@ -35,6 +37,26 @@ def length_groups(lengths: Sequence[int], overhead: int, budget: int) -> list[li
             cost = best[i] + overhead + padded
             if cost < best[j]:
                 best[j], cut[j] = cost, i
+    groups: list[list[int]] = []
+    j = len(order)
+    while j > 0:
+        groups.append(order[cut[j] : j])
+        j = cut[j]
+    return groups[::-1]
+
+
+def _run_groups(lengths: Sequence[int], order: list[int], overhead: int) -> list[list[int]]:
+    """:func:`length_groups` where the budget cannot cut (every sequence fits in one group): then an optimal
+    grouping never cuts inside a run of equal lengths (the later group's sequences of the run moved into the
+    earlier one cost no more), so the dynamic program runs over the distinct lengths, not the sequences (a
+    batch of 512 tweets has a few dozen)."""
+    ends = [j for j in range(1, len(order) + 1) if j == len(order) or lengths[order[j]] != lengths[order[j - 1]]]
+    best = {0: 0}
+    cut = {0: 0}
+    for m, j in enumerate(ends):
+        longest = lengths[order[j - 1]]
+        best[j], cut[j] = min((best[i] + overhead + (j - i) * longest, -i) for i in [0, *ends[:m]])
+        cut[j] = -cut[j]
     groups: list[list[int]] = []
     j = len(order)
     while j > 0:
