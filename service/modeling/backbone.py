@@ -8,6 +8,7 @@ padding) are joined back into one sequence, as the paper does for IMDB.
 from __future__ import annotations
 
 import functools
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -15,6 +16,7 @@ import torch
 from tokenizers import Tokenizer
 from transformers import AutoModel, AutoTokenizer, PreTrainedTokenizerBase
 
+from service.modeling.encoder import PackedEncoder, pack
 from service.modeling.encoding import Encoding
 from service.modeling.grouping import length_groups, pack_rows
 from service.modeling.tokenizer import (
@@ -34,13 +36,13 @@ class Encoded:
 
     Attributes:
         hidden: ``[b, n, d_depth, d_emb]`` hidden states (embeddings output, then every layer).
-        pad: bool ``[b, n]``, True at padding positions.
+        pad: bool ``[b, n]``, True at padding positions; None when every text has the same length.
         encodings: each text's :class:`Encoding` (its tokens, their spans and words), from which the per-text
             tensors below are built when first read (classifying reads none of them).
     """
 
     hidden: torch.Tensor
-    pad: torch.Tensor
+    pad: torch.Tensor | None
     encodings: list[Encoding]
 
     @property
@@ -85,8 +87,11 @@ class Backbone(torch.nn.Module):
             until the device is saturated). The head's grouping is derived from it too.
 
     Attributes:
-        packs: whether chunks are packed several to a row (each attending only to itself, its positions
-            counted from 0), which wastes no work on padding; checked at load against running chunks
+        stream: the encoder on one packed token stream (:class:`~service.modeling.encoder.PackedEncoder`), for the
+            encoders whose layers it knows (the BERT family) and where it agrees with the Hugging Face module at
+            load; None otherwise.
+        packs: without ``stream``, whether chunks are packed several to a row (each attending only to itself, its
+            positions counted from 0), which wastes no work on padding; checked at load against running chunks
             one by one, since not every encoder takes ``position_ids`` and a 4D mask in this sense.
     """
 
@@ -131,6 +136,13 @@ class Backbone(torch.nn.Module):
         # a packed row may hold several chunks, within what the encoder's position buffers allow
         self.row_limit: int = getattr(cfg, "max_position_embeddings", self.max_length)
         self.packs = self._packing_agrees()
+        self.stream: PackedEncoder | None = None
+        self.forward_seconds = 0.0
+        """Time spent in :attr:`stream`'s forward calls so far (on a GPU, launching their kernels): what the bench
+        leaves out of the host's own work."""
+        stream = PackedEncoder.of(self.encoder)
+        if stream is not None and self._stream_agrees(stream):
+            self.stream = stream
 
     @property
     def device(self) -> torch.device:
@@ -170,12 +182,54 @@ class Backbone(torch.nn.Module):
         return Encoded(hidden, pad, list(encodings))
 
     @torch.inference_mode()
+    def run_stream(self, ids: np.ndarray, lengths: np.ndarray) -> torch.Tensor:
+        """``[T, d_depth, d_emb]`` hidden states of chunks whose token ids (special tokens included) lie back to back
+        in ``ids [T]``, ``lengths [c]`` each, in the same order: through :attr:`stream` in calls of at most
+        ``chunk_batch_tokens`` tokens, else (an encoder it does not know) through :meth:`run_chunks`."""
+        if self.stream is None:
+            bounds = np.cumsum(lengths)
+            chunks = [ids[a:b].tolist() for a, b in zip(bounds - lengths, bounds, strict=True)]
+            return torch.cat(self.run_chunks(chunks)) if chunks else self._empty()
+        parts, first, taken = [], 0, 0
+        bounds = np.cumsum(lengths)
+        while first < len(lengths):  # calls of whole chunks within the budget (a longer chunk alone)
+            last = max(first + 1, int(np.searchsorted(bounds, taken + self.chunk_batch_tokens, side="right")))
+            end = int(bounds[last - 1])
+            parts.append(self._stream_call(ids[taken:end], lengths[first:last]))
+            first, taken = last, end
+        if not parts:
+            return self._empty()
+        return parts[0] if len(parts) == 1 else torch.cat(parts)  # [T e d]
+
+    def _stream_call(self, ids: np.ndarray, lengths: np.ndarray) -> torch.Tensor:
+        """One call of :attr:`stream`. On a CPU, where attention's padded work costs time, chunks of different
+        lengths share rows (:func:`~service.modeling.grouping.pack_rows`); on a GPU one chunk a row, which
+        costs the host less."""
+        assert self.stream is not None
+        rows = width = None
+        if self.device.type == "cpu" and len(lengths) > 1 and lengths.min() != lengths.max():
+            width, rows = pack_rows(lengths.tolist(), self.row_limit, self.d_emb)
+        packing = pack(ids, lengths, self.device, rows, width)
+        t0 = time.perf_counter()
+        states = self.stream(packing)  # [T e d]
+        self.forward_seconds += time.perf_counter() - t0
+        return states
+
+    def _empty(self) -> torch.Tensor:
+        return torch.empty(0, self.d_depth, self.d_emb, device=self.device, dtype=self.dtype)  # [0 e d]
+
+    @torch.inference_mode()
     def run_chunks(self, chunk_ids: list[list[int]]) -> list[torch.Tensor]:
         """Hidden states ``[L_c, d_depth, d_emb]`` of each chunk (token ids, special tokens included): packed
         several to a row when the encoder allows it (``packs``), else padded in length groups (see
         ``call_overhead``); at most ``chunk_batch_tokens`` positions go through the encoder at once."""
         if not chunk_ids:
             return []
+        if self.stream is not None:
+            lengths = np.fromiter(map(len, chunk_ids), dtype=np.int64, count=len(chunk_ids))
+            flat = self.run_stream(np.fromiter((i for c in chunk_ids for i in c), dtype=np.int64,
+                                               count=int(lengths.sum())), lengths)  # [T e d]
+            return list(flat.split(lengths.tolist()))  # per chunk [L_c e d]
         # one chunk is one row either way; the grouped path builds less around it
         return self._run_packed(chunk_ids) if self.packs and len(chunk_ids) > 1 else self._run_grouped(chunk_ids)
 
@@ -237,6 +291,23 @@ class Backbone(torch.nn.Module):
                     out[k] = hs[r, start : start + lengths[k]]  # [L_c depth emb]
                     start += lengths[k]
         return [o for o in out if o is not None]
+
+    def _stream_agrees(self, stream: PackedEncoder) -> bool:
+        """Whether ``stream`` gives what the Hugging Face module gives for chunks of two lengths, side by side
+        (within the dtype's rounding)."""
+        chunks = [[i % self.encoder.config.vocab_size for i in self.chunker.prefix + ids + self.chunker.suffix]
+                  for ids in ([1000, 1001, 1002], [1003, 1004])]
+        lengths = np.array([len(c) for c in chunks])
+        try:
+            with torch.inference_mode():
+                alone = [self._run_grouped([c])[0] for c in chunks]  # per chunk [L_c depth emb]
+                packed = stream(pack(np.concatenate(chunks), lengths, self.device)).split(lengths.tolist())
+        except (TypeError, ValueError, RuntimeError):
+            return False
+        # relative to the states' norm: in half precision single elements differ by more than their rounding where
+        # the two compute in another order (one projection for query, key and value), the whole by about 1e-3
+        tol = 1e-5 if self.dtype == torch.float32 else 2e-2
+        return all(float((a - b).float().norm() / b.float().norm()) <= tol for a, b in zip(alone, packed, strict=True))
 
     def _packing_agrees(self) -> bool:
         """Whether two chunks packed in one row give what each gives alone (within the dtype's rounding)."""

@@ -123,7 +123,7 @@ def test_length_groups_change_the_calls_not_the_hidden_states(tiny_backbone_dir:
     states, calls = {}, {}
     for overhead in (0, 10_000):  # every length alone; all padded together
         bb = Backbone(str(tiny_backbone_dir), max_length=16, call_overhead=overhead)
-        bb.packs = False
+        bb.stream, bb.packs = None, False  # the Hugging Face module, padded: an encoder neither path knows
         calls[overhead] = record_calls(bb)
         states[overhead] = bb.run_chunks(CHUNKS)
     assert calls[0] == [(1, 3), (1, 4), (1, 5), (1, 14), (1, 15), (1, 16)]
@@ -137,6 +137,7 @@ def test_length_groups_change_the_calls_not_the_hidden_states(tiny_backbone_dir:
 def test_packed_chunks_give_what_each_gives_alone(tiny_backbone_dir: Path) -> None:
     bb = Backbone(str(tiny_backbone_dir), max_length=16)
     assert bb.packs  # a BERT takes position ids and a 4D mask
+    bb.stream = None  # the Hugging Face module's packed rows: an encoder the stream does not know
     calls = record_calls(bb)
     packed = bb.run_chunks(CHUNKS)
     rows, L = calls[0]
@@ -165,3 +166,51 @@ def test_an_encoder_that_cannot_pack_is_run_padded(tiny_backbone_dir: Path, monk
         assert not bb._packing_agrees()
     monkeypatch.setattr(bb.encoder, "forward", forward)
     assert bb._packing_agrees()
+
+
+def test_the_stream_gives_the_hugging_face_modules_hidden_states_without_calling_it(tiny_backbone_dir: Path) -> None:
+    bb = Backbone(str(tiny_backbone_dir), max_length=16)
+    assert bb.stream is not None  # a BERT: its layers are known, and it agreed at load
+    calls = record_calls(bb)
+    streamed = bb.run_chunks(CHUNKS)
+    assert calls == []  # the Hugging Face module was not called
+    bb.stream = None
+    for ids, got, ref in zip(CHUNKS, streamed, bb.run_chunks(CHUNKS), strict=True):
+        assert got.shape == ref.shape == (len(ids), 3, 32)
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("budget", [16, 40, 16384])
+def test_the_stream_is_batch_invariant_and_cut_within_the_token_budget(tiny_backbone_dir: Path, budget: int) -> None:
+    """Each chunk's states do not depend on its neighbours, their lengths, or how the stream was cut into calls (a
+    chunk longer than the budget goes alone)."""
+    import numpy as np
+
+    from service.modeling import encoder
+
+    bb = Backbone(str(tiny_backbone_dir), max_length=16, chunk_batch_tokens=budget)
+    sizes: list[int] = []
+    real = bb.stream.forward
+    bb.stream.forward = lambda p: (sizes.append(len(p.ids)), real(p))[1]
+    lengths = np.array([len(c) for c in CHUNKS])
+    flat = bb.run_stream(np.concatenate(CHUNKS), lengths)  # [T e d]
+    assert flat.shape == (lengths.sum(), 3, 32) and sum(sizes) == lengths.sum()
+    assert all(n <= budget or n in lengths for n in sizes)  # within the budget, or one chunk longer than it
+    assert (len(sizes) == 1) == (budget >= lengths.sum())
+    for ids, got in zip(CHUNKS, flat.split(lengths.tolist()), strict=True):
+        alone = bb.stream(encoder.pack(np.array(ids), np.array([len(ids)]), bb.device))  # [L e d]
+        torch.testing.assert_close(got, alone, atol=1e-5, rtol=1e-5)
+    # rows shared by chunks of different lengths (the CPU's layout) and one chunk a row (the GPU's) agree
+    shared = bb.stream(encoder.pack(np.concatenate(CHUNKS), lengths, bb.device, [[0, 2, 4], [1], [3], [5]], 16))
+    one_a_row = bb.stream(encoder.pack(np.concatenate(CHUNKS), lengths, bb.device))
+    torch.testing.assert_close(shared, one_a_row, atol=1e-5, rtol=1e-5)
+
+
+def test_an_encoder_the_stream_does_not_know_keeps_the_hugging_face_module(tiny_backbone_dir: Path) -> None:
+    from service.modeling.encoder import PackedEncoder
+
+    bb = Backbone(str(tiny_backbone_dir), max_length=16)
+    bb.encoder.config.position_embedding_type = "relative_key"  # relative positions: layers it does not know
+    assert PackedEncoder.of(bb.encoder) is None
+    bb.encoder.config.position_embedding_type = "absolute"
+    assert PackedEncoder.of(bb.encoder) is not None

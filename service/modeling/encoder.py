@@ -1,0 +1,169 @@
+"""A BERT-family encoder on one packed token stream: every sequence of a batch back to back, no padding.
+
+Hugging Face's ``BertModel`` runs padded rows ``[rows, L]``: its projections and feed-forward layers (about 97%
+of the work for sequences of a few dozen tokens) compute padding too, and it launches a dozen more kernels per
+layer than the arithmetic needs. Here the linear layers and norms run on the ``[T, d]`` stream of the ``T`` real
+tokens; only attention, which mixes positions, runs on a padded view ``[s, L]`` gathered from it (one index) and
+scattered back (one index), each key masked outside its own sequence. Query, key and value come from one
+projection.
+
+Indices: ``T`` real tokens of the batch, ``s`` sequences (chunks), ``L`` the longest, ``e`` depths (embeddings
+output, then every layer), ``d`` features, ``h`` attention heads, ``c`` features per attention head.
+
+The weights are the Hugging Face module's own (shared, not copied, except the query/key/value projection, joined
+into one). Exact against it up to float rounding (tests: within 1e-5 in fp32).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu, "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+               "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
+@dataclass(frozen=True)
+class Packing:
+    """Where each token of a packed batch sits, on the device (built on the host by :func:`pack`).
+
+    Attributes:
+        ids: ``[T]`` token ids, the sequences back to back.
+        positions: ``[T]`` each token's position within its sequence.
+        to_padded: ``[s, L]`` the stream index of each slot of the padded view (slots past a sequence's end
+            point at any real token: their keys are masked and their queries never read back); None when every
+            sequence has the same length (the view is then the stream itself, reshaped).
+        from_padded: ``[T]`` each token's slot in the flattened padded view (None with ``to_padded``).
+        keep: bool ``[s, 1, 1, L]``, True where a key belongs to the sequence (None with ``to_padded``).
+        shape: ``(s, L)``.
+    """
+
+    ids: torch.Tensor
+    positions: torch.Tensor
+    to_padded: torch.Tensor | None
+    from_padded: torch.Tensor | None
+    keep: torch.Tensor | None
+    shape: tuple[int, int]
+
+
+def pack(ids: np.ndarray, lengths: np.ndarray, device: torch.device, rows: list[list[int]] | None = None,
+         width: int | None = None) -> Packing:
+    """The :class:`Packing` of sequences of ``lengths [s]`` whose token ids lie back to back in ``ids [T]``:
+    computed in numpy (no loop over tokens) and sent to the device in one copy.
+
+    Attention runs on a padded view: one sequence per row, padded to the longest (``rows`` None), or the
+    sequences ``rows[r]`` side by side in row ``r`` of ``width`` slots, each attending only to itself (less
+    padding where lengths differ: on a CPU, where attention's padded work costs time; see
+    :func:`~service.modeling.grouping.pack_rows`)."""
+    s, T = len(lengths), len(ids)
+    starts = np.cumsum(lengths) - lengths  # [s] first token of each sequence in the stream
+    positions = np.arange(T) - np.repeat(starts, lengths)  # [T]
+    parts = [ids.astype(np.int64, copy=False), positions]
+    if rows is None:
+        L = int(lengths.max())
+        if bool((lengths == L).all()):  # the stream is the padded view
+            flat = to_device(parts, device)
+            return Packing(flat[:T], flat[T:], None, None, None, (s, L))
+        row_of, at = np.arange(s), np.zeros(s, dtype=np.int64)  # [s] each sequence's row, and where it starts there
+    else:
+        L = int(width or lengths.max())
+        row_of, at = np.empty(s, dtype=np.int64), np.empty(s, dtype=np.int64)
+        for r, row in enumerate(rows):
+            row_of[row] = r
+            at[row] = np.cumsum(lengths[row]) - lengths[row]
+            assert lengths[row].sum() <= L, f"row {r} holds {lengths[row].sum()} tokens, more than its {L} slots"
+    n_rows = int(row_of.max()) + 1
+    from_padded = np.repeat(row_of * L + at, lengths) + positions  # [T] each token's slot
+    to_padded = np.zeros(n_rows * L, dtype=np.int64)  # [rL] slots past the sequences read token 0 (never used)
+    to_padded[from_padded] = np.arange(T)
+    seg = np.full(n_rows * L, -1, dtype=np.int64)  # [rL] which sequence fills each slot; -1: none
+    seg[from_padded] = np.repeat(np.arange(s), lengths)
+    flat = to_device([*parts, to_padded, from_padded, seg], device)
+    seg_d = flat[2 * T + n_rows * L + T :].view(n_rows, L)  # [r L]
+    # one sequence a row: the keys of every slot but the padding; several: the keys of the same sequence (empty
+    # slots attend to each other, so that no row of the mask is all False)
+    keep = ((seg_d >= 0)[:, None, None, :] if rows is None  # [r 1 1 L]
+            else (seg_d[:, :, None] == seg_d[:, None, :])[:, None])  # [r 1 L L]
+    return Packing(flat[:T], flat[T : 2 * T], flat[2 * T : 2 * T + n_rows * L].view(n_rows, L),
+                   flat[2 * T + n_rows * L : 2 * T + n_rows * L + T], keep, (n_rows, L))
+
+
+def to_device(parts: list[np.ndarray], device: torch.device) -> torch.Tensor:
+    """``parts`` joined into one int64 tensor on ``device``, in one copy (pinned and asynchronous to a GPU)."""
+    host = torch.from_numpy(np.concatenate(parts))  # [*]
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
+
+
+class PackedLayer(nn.Module):
+    """One transformer layer (post-norm, as BERT) on a packed stream."""
+
+    def __init__(self, layer: nn.Module, n_heads: int, act: str, eps: float) -> None:
+        super().__init__()
+        att = layer.attention
+        q, k, v = att.self.query, att.self.key, att.self.value
+        self.W_qkv = nn.Parameter(torch.cat([q.weight, k.weight, v.weight]), requires_grad=False)  # [3d d]
+        self.b_qkv = nn.Parameter(torch.cat([q.bias, k.bias, v.bias]), requires_grad=False)  # [3d]
+        self.out, self.norm1 = att.output.dense, att.output.LayerNorm
+        self.up, self.down, self.norm2 = layer.intermediate.dense, layer.output.dense, layer.output.LayerNorm
+        self.n_heads, self.act, self.eps = n_heads, ACTIVATIONS[act], eps
+
+    def forward(self, x: torch.Tensor, p: Packing) -> torch.Tensor:
+        """``x [T, d]`` -> ``[T, d]``."""
+        d = x.shape[-1]
+        s, L = p.shape
+        h = self.n_heads
+        qkv = F.linear(x, self.W_qkv, self.b_qkv)  # [T 3d]
+        padded = qkv.view(s, L, 3 * d) if p.to_padded is None else qkv[p.to_padded]  # [s L 3d]
+        q, k, v = padded.view(s, L, 3, h, d // h).permute(2, 0, 3, 1, 4).unbind(0)  # each [s h L c]
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=p.keep)  # [s h L c]
+        a = a.transpose(1, 2).reshape(s * L, d)  # [sL d]
+        if p.from_padded is not None:
+            a = a[p.from_padded]  # [T d]
+        x = F.layer_norm(x + self.out(a), (d,), self.norm1.weight, self.norm1.bias, self.eps)  # [T d]
+        y = self.down(self.act(self.up(x)))  # [T d]
+        return F.layer_norm(x + y, (d,), self.norm2.weight, self.norm2.bias, self.eps)  # [T d]
+
+
+class PackedEncoder(nn.Module):
+    """The hidden states of every depth of a BERT-family encoder (absolute positions, one token type), on a packed
+    stream. Build it with :meth:`of`, which says None for an encoder it does not know."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        cfg = model.config
+        emb = model.embeddings
+        self.word, self.position, self.norm = emb.word_embeddings, emb.position_embeddings, emb.LayerNorm
+        # every chunk is one segment: token type 0 throughout, one vector added to every token
+        self.type0 = nn.Parameter(emb.token_type_embeddings.weight[0].detach().clone(), requires_grad=False)  # [d]
+        self.eps = cfg.layer_norm_eps
+        self.layers = nn.ModuleList(PackedLayer(layer, cfg.num_attention_heads, cfg.hidden_act, cfg.layer_norm_eps)
+                                    for layer in model.encoder.layer)
+
+    @classmethod
+    def of(cls, model: nn.Module) -> PackedEncoder | None:
+        """A packed encoder sharing ``model``'s weights, or None where ``model`` is not a BERT whose layers this
+        module knows (another architecture, relative positions, another activation)."""
+        cfg = model.config
+        known = (getattr(cfg, "model_type", None) == "bert"
+                 and getattr(cfg, "position_embedding_type", "absolute") == "absolute"
+                 and getattr(cfg, "hidden_act", None) in ACTIVATIONS
+                 and not getattr(cfg, "is_decoder", False)
+                 and hasattr(model, "embeddings") and hasattr(model, "encoder"))
+        return cls(model) if known else None
+
+    def forward(self, p: Packing) -> torch.Tensor:
+        """``[T, e, d]`` the hidden states of every depth of the packed tokens (the embeddings' output first)."""
+        d = self.word.embedding_dim
+        x = self.word(p.ids) + self.position(p.positions) + self.type0  # [T d]
+        x = F.layer_norm(x, (d,), self.norm.weight, self.norm.bias, self.eps)  # [T d]
+        states = [x]
+        for layer in self.layers:
+            x = layer(x, p)  # [T d]
+            states.append(x)
+        return torch.stack(states, dim=1)  # [T e d]
