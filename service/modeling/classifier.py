@@ -125,11 +125,13 @@ def classify(head: RoutingHead, enc: Encoded, explain: Sequence[CreditRequest | 
     probs = out.scores.float().softmax(dim=-1)  # [b k]
     explained: list[Explained | None] = [None] * n_texts
     requests = list(explain or [None] * n_texts)
-    predicted = probs.argmax(dim=-1).tolist()
     groups: dict[tuple[Method, bool], list[int]] = {}
     for b, req in enumerate(requests):
         if req is not None:
             groups.setdefault((req.method, req.method == "contribution" and req.contrast), []).append(b)
+    # the predicted classes are read from the device only where credit needs them
+    predicted = probs.argmax(dim=-1).tolist() if any(requests[b].targets is None for g in groups.values()  # type: ignore[union-attr]
+                                                     for b in g) else []
     for (method, contrast), rows in groups.items():
         wanted = [list(requests[b].targets or (predicted[b],)) for b in rows]  # type: ignore[union-attr]
         idx = torch.tensor(rows, device=hidden.device)  # [b']

@@ -11,17 +11,22 @@ heads, or texts, share the batch."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch.profiler import record_function
 
 from service.config import DTYPES
 from service.modeling.backbone import Backbone, BackboneError, Encoded
 from service.modeling.classifier import CreditRequest, Explained, Prediction, RoutingClassifier, classify
+from service.modeling.encoder import to_device
+from service.modeling.encoding import Encoding
 from service.modeling.grouping import length_groups
 from service.modeling.head import StackSpace, head_shape, stack_heads
 from service.modeling.repository import MANIFEST, Manifest, ModelLoadError, load_model, read_manifest
@@ -62,6 +67,10 @@ def resolve_device(device: str) -> torch.device:
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """``auto``: bfloat16 for the backbone on a GPU (the heads, and their credit, compute in float32 whatever the
+    backbone's precision), float32 on a CPU."""
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
     if dtype != "float32" and device.type != "cuda":
         raise ValueError(f"dtype {dtype} is only supported on GPU; use float32 on {device}")
     return TORCH_DTYPES[dtype]
@@ -77,6 +86,40 @@ def device_memory() -> list[dict[str, float | str]]:
                     "reserved": torch.cuda.memory_reserved(k), "peak": torch.cuda.max_memory_allocated(k),
                     "total": torch.cuda.get_device_properties(k).total_memory})
     return out
+
+
+HeadCall = tuple[list[tuple[int, int]], list[str], Prediction | None]
+"""One call of the heads: its texts' (position, ask) places, each one's head key, and the head's output (None: the
+head was dropped meanwhile)."""
+
+
+@dataclass
+class Submitted:
+    """A batch whose kernels are launched (see :meth:`Engine.submit`): ``size`` chunks, the texts completed in it by
+    position, the head calls, every call's probabilities flat on the host (in pinned memory on a GPU, filled once
+    ``ready``: None where they are there already)."""
+
+    size: int
+    done: dict[int, TextJob]
+    calls: list[HeadCall]
+    probs: torch.Tensor | None
+    ready: Any
+
+
+@dataclass
+class EngineClock:
+    """Where the batches' time went, since the engine started (``routing-service bench gpu`` reads it): ``wall_s`` in
+    :meth:`Engine.run_chunks` in all, ``forward_s`` of it in the encoder's and heads' forward calls and waiting for
+    the device's answer (on a GPU: launching kernels, then the copy back). The rest is the host's own work: packing
+    the batch, gathering each text's states, reading the results."""
+
+    batches: int = 0
+    wall_s: float = 0.0
+    forward_s: float = 0.0
+
+    @property
+    def host_s(self) -> float:
+        return self.wall_s - self.forward_s
 
 
 class NonFiniteScores(RuntimeError):
@@ -125,9 +168,13 @@ class Engine(Planner):
         one call per head. Slower on this CPU at every mix (32 texts of 32 heads: 62 ms against 59 ms; of 4 heads:
         60 against 40); ``routing-service bench heads`` measures both."""
         self._stack_space = StackSpace()
+        self.clock = EngineClock()
+        self.head_batch_positions = backbone.chunk_batch_tokens * (1 if device.type == "cpu" else 4)
+        """Padded positions (texts x their longest) per head call. On a GPU larger than the encoder's budget: a
+        head call costs about a hundred kernel launches, a padded position little."""
 
     @classmethod
-    def load(cls, folders: Path | Sequence[Path], device: str = "auto", dtype: str = "float32",
+    def load(cls, folders: Path | Sequence[Path], device: str = "auto", dtype: str = "auto",
              warmup: bool = True, keys: Sequence[str] | None = None) -> Engine:
         """Load the models of ``folders`` (one folder, or several naming the same backbone) on one backbone,
         each head under its key in ``keys`` (by default its model's name)."""
@@ -206,39 +253,149 @@ class Engine(Planner):
 
     @torch.inference_mode()
     def run_chunks(self, works: list[ChunkWork]) -> list[Answer | None]:
-        """Encode a batch of chunks once; run each head on every text completed here that asked for it (in
-        length groups) and answer each such text at its last chunk's place. The other places are None."""
+        """Encode a batch of chunks once, as one packed token stream; run each head on every text completed here
+        that asked for it (in length groups) and answer each such text at its last chunk's place. The other
+        places are None."""
+        return self.finish(self.submit(works))
+
+    def run_pipelined(self, batches: Iterable[list[Task]]) -> Iterator[list[Result]]:
+        """Each batch's results, as :meth:`run` gives them, with two batches in flight: batch ``k + 1`` is packed and
+        its kernels launched while batch ``k`` computes, and ``k``'s results are read while ``k + 1`` computes (on a
+        GPU; on a CPU it computes as it is launched)."""
+        pending: tuple[list[ChunkWork], Submitted] | None = None
+        for tasks in batches:
+            with _phase("engine.plan"):
+                chunks = [w for plan in self.plan(tasks) for w in plan]
+            submitted = self.submit(chunks)
+            if pending is not None:
+                yield [answer[0] for answer in answers_of(pending[0], self.finish(pending[1]))]
+            pending = chunks, submitted
+        if pending is not None:
+            yield [answer[0] for answer in answers_of(pending[0], self.finish(pending[1]))]
+
+    @torch.inference_mode()
+    def submit(self, works: list[ChunkWork]) -> Submitted:
+        """The first half of :meth:`run_chunks`: the batch packed, its encoder and head kernels launched and the copy
+        of its scores to the host begun; :meth:`finish` waits for them and reads the results."""
+        t0, forward0 = time.perf_counter(), self.backbone.forward_seconds
+        try:
+            return self._submit(works)
+        finally:
+            self.clock.wall_s += time.perf_counter() - t0
+            self.clock.forward_s += self.backbone.forward_seconds - forward0
+
+    def finish(self, submitted: Submitted) -> list[Answer | None]:
+        """The results of a :meth:`submit` ted batch, each text's answer at its last chunk's place."""
+        t0 = time.perf_counter()
+        try:
+            if submitted.ready is not None:  # waiting for the device: its time, not the host's
+                submitted.ready.synchronize()
+                self.clock.forward_s += time.perf_counter() - t0
+            results = self._results(submitted)
+            done = submitted.done
+            return [[results[(pos, a)] for a in range(len(done[pos].asks))] if pos in done else None
+                    for pos in range(submitted.size)]
+        finally:
+            self.clock.batches += 1
+            self.clock.wall_s += time.perf_counter() - t0
+
+    def _submit(self, works: list[ChunkWork]) -> Submitted:
         with _phase("engine.encode"):
-            states = self.backbone.run_chunks([list(w.ids) for w in works])
+            lengths = np.fromiter((len(w.ids) for w in works), dtype=np.int64, count=len(works))  # [c]
+            ids = np.fromiter(itertools.chain.from_iterable(w.ids for w in works), dtype=np.int64,
+                              count=int(lengths.sum()))  # [T]
+            flat = self.backbone.run_stream(ids, lengths)  # [T e d]
+        starts = np.cumsum(lengths) - lengths  # [c] each chunk's first token in the stream
         done: dict[int, TextJob] = {}  # position in the batch -> text completed there
-        for pos, (w, st) in enumerate(zip(works, states, strict=True)):
-            w.job.states[w.k] = st
+        for pos, w in enumerate(works):
+            w.job.states[w.k] = pos  # a chunk of this batch: its place in the stream
             w.job.left -= 1
             if w.job.left == 0:
                 done[pos] = w.job
-        results: dict[tuple[int, int], Result] = {}  # (position, ask) -> its result
+        for pos, w in enumerate(works):
+            if w.job.left:  # the text goes on in a later batch: its chunk's states kept (a copy: not the batch's)
+                w.job.states[w.k] = flat[starts[pos] : starts[pos] + lengths[pos]].clone()  # [L_c e d]
+        with _phase("engine.join"):
+            source, where = self._sources(flat, starts, lengths, done)
         buckets: dict[object, list[tuple[int, int]]] = {}  # texts whose heads run together
         for pos, job in done.items():
             for a, ask in enumerate(job.asks):
                 buckets.setdefault(self._bucket(ask.model or self.default), []).append((pos, a))
-        joined: dict[tuple[int, ...], Encoded] = {}  # texts (positions) -> their hidden states, joined once
+        calls: list[HeadCall] = []
+        joined: dict[tuple[int, ...], Encoded] = {}  # texts (positions) -> their hidden states, gathered once
         for places in buckets.values():
             for group in self._head_groups([done[pos].encoding.n_tokens for pos, _ in places]):
                 chosen = [places[g] for g in group]
                 key = tuple(pos for pos, _ in chosen)
-                if key not in joined:  # heads asked of the same texts read the same joined states
-                    jobs = [done[pos] for pos in key]
+                if key not in joined:  # heads asked of the same texts read the same gathered states
                     with _phase("engine.join"):
-                        joined[key] = self.backbone.join([j.encoding for j in jobs], [j.states for j in jobs])
+                        joined[key] = self._gather(source, [where[pos] for pos in key],
+                                                   [done[pos].encoding for pos in key])
                 asks = [done[pos].asks[a] for pos, a in chosen]
                 heads = [ask.model or self.default for ask in asks]
-                for place, res in zip(chosen, self._finish(heads, joined[key], [ask.credit for ask in asks]),
-                                      strict=True):
-                    results[place] = res
+                calls.append((chosen, heads, self._heads(heads, joined[key], [ask.credit for ask in asks])))
         for job in done.values():
             job.states = []  # the hidden states are no longer needed
-        return [[results[(pos, a)] for a in range(len(done[pos].asks))] if pos in done else None
-                for pos in range(len(works))]
+        live = [c[2].probs.flatten() for c in calls if c[2] is not None]
+        probs, ready = None, None
+        if live:  # every call's probabilities to the host in one copy (heads differ in labels: flat, one after another)
+            on_device = torch.cat(live)  # [sum b k]
+            if on_device.is_cuda:  # begun now, waited for in finish
+                probs = torch.empty(on_device.shape, dtype=on_device.dtype, pin_memory=True)  # [sum b k]
+                probs.copy_(on_device, non_blocking=True)
+                ready = torch.cuda.Event()
+                ready.record()
+            else:
+                probs = on_device
+        return Submitted(len(works), done, calls, probs, ready)
+
+    def _sources(self, flat: torch.Tensor, starts: np.ndarray, lengths: np.ndarray, done: dict[int, TextJob]
+                 ) -> tuple[torch.Tensor, dict[int, tuple[int, int] | np.ndarray]]:
+        """Where each completed text's tokens lie: the states to gather from (``flat [T, e, d]``, followed by the
+        earlier batches' chunks of texts that spanned several) and, per text (by its last chunk's position), its
+        tokens there: ``(first, count)`` when they are one run (a text of one chunk), else their indices."""
+        earlier: list[torch.Tensor] = []
+        taken = len(flat)
+        where: dict[int, tuple[int, int] | np.ndarray] = {}
+        for pos, job in done.items():
+            if len(job.states) == 1:  # one chunk, this batch's: a run of the stream
+                where[pos] = (int(starts[pos]), int(lengths[pos]))
+                continue
+            parts = []
+            for st in job.states:  # this batch's chunks are held by position, earlier ones as their states
+                if isinstance(st, int):
+                    parts.append(np.arange(starts[st], starts[st] + lengths[st]))
+                else:
+                    parts.append(np.arange(taken, taken + len(st)))
+                    earlier.append(st)
+                    taken += len(st)
+            where[pos] = np.concatenate(parts)
+        return (torch.cat([flat, *earlier]) if earlier else flat), where
+
+    def _gather(self, source: torch.Tensor, where: list[tuple[int, int] | np.ndarray], encodings: list[Encoding]
+                ) -> Encoded:
+        """Texts' hidden states ``[b, n, e, d]`` padded to the longest, in one gather from ``source`` (``where[b]``:
+        text ``b``'s rows of ``source``, see :meth:`_sources`); ``pad`` None when every text has the same length.
+        Padding slots hold a copy of the text's first token (finite; the head masks them as absent)."""
+        runs = [w for w in where if isinstance(w, tuple)]
+        if len(runs) == len(where):  # every text one run: the index without a loop over texts
+            first, n_t = np.array(runs, dtype=np.int64).reshape(-1, 2).T  # [b], [b]
+            N = int(n_t.max())
+            slot = np.arange(N)  # [N]
+            index = first[:, None] + np.where(slot < n_t[:, None], slot, 0)  # [b N]
+        else:
+            n_t = np.array([w[1] if isinstance(w, tuple) else len(w) for w in where], dtype=np.int64)  # [b]
+            N = int(n_t.max())
+            index = np.empty((len(where), N), dtype=np.int64)  # [b N]
+            for b, w in enumerate(where):
+                rows = np.arange(w[0], w[0] + w[1]) if isinstance(w, tuple) else w
+                index[b, : len(rows)] = rows
+                index[b, len(rows) :] = rows[0]
+        flat = to_device([index.ravel(), n_t], source.device)  # one copy to the device
+        hidden = source[flat[: index.size]].view(len(where), N, *source.shape[1:])  # [b N e d]
+        even = bool((n_t == N).all())
+        pad = None if even else torch.arange(N, device=source.device) >= flat[index.size :, None]  # [b N]
+        return Encoded(hidden, pad, encodings)
 
     def _bucket(self, key: str) -> object:
         """What texts asking for head ``key`` share a head call with: the texts of the same head, or with
@@ -247,32 +404,56 @@ class Engine(Planner):
         return head_shape(clf.head) if self.gather_heads and clf is not None else key
 
     def _head_groups(self, lengths: list[int]) -> list[list[int]]:
-        """Texts (by index into ``lengths``) in length groups within ``chunk_batch_tokens`` padded positions, so
+        """Texts (by index into ``lengths``) in length groups within ``head_batch_positions`` padded positions, so
         short texts are not padded to a long one. A call of the head costs about twice what one of the
         encoder does in padded positions (on the CPU: 2.4 ms a call against 0.018 ms a padded position),
         so it is cut less often."""
-        return length_groups(lengths, 2 * self.backbone.call_overhead, self.backbone.chunk_batch_tokens)
+        return length_groups(lengths, 2 * self.backbone.call_overhead, self.head_batch_positions)
 
-    def _finish(self, keys: list[str], enc: Encoded, specs: list[CreditSpec | None]) -> list[Result]:
-        """The heads' part for texts whose chunks are all encoded (``enc``: their joined hidden states; text ``b``
-        on head ``keys[b]``, one call for them all). A head dropped meanwhile answers with an error (only texts
-        whose callers have gone can still ask for it)."""
+    def _heads(self, keys: list[str], enc: Encoded, specs: list[CreditSpec | None]) -> Prediction | None:
+        """The heads' computation for texts whose chunks are all encoded (``enc``: their gathered hidden states; text
+        ``b`` on head ``keys[b]``, one call for them all), left on the device; None where a head was dropped
+        meanwhile (only texts whose callers have gone can still ask for it)."""
         if len(set(keys)) == 1:
-            manifest, clf = self.manifests.get(keys[0]), self.classifiers.get(keys[0])
-            if manifest is None or clf is None:
-                return [Result(label="", scores={}, error=f"model {model_of(keys[0])} was unloaded") for _ in specs]
+            clf = self.classifiers.get(keys[0])
+            if keys[0] not in self.manifests or clf is None:
+                return None
             head = clf.head
         else:  # rows of different heads of one shape: their parameters stacked, one row each
             head = stack_heads([self.classifiers[k].head for k in keys], self._stack_space)
         requests = [self._credit_request(len(self.manifests[k].labels), s) for k, s in zip(keys, specs, strict=True)]
+        t0 = time.perf_counter()
         with _phase("engine.heads"):
             pred = classify(head, enc, requests, return_phi=any(s is not None and s.phi for s in specs))
-            probs = pred.probs.cpu()  # one device-to-host copy per batch, not per text
-        with _phase("engine.results"):  # the batch's scores read once, not a few torch calls per text
-            scores, finite, best = probs.tolist(), torch.isfinite(probs).all(dim=-1).tolist(), probs.argmax(-1).tolist()
-            return [self._result(self.manifests[k].name, self.manifests[k].labels, pred, scores[b], finite[b],
-                                 best[b], b, s)
-                    for b, (k, s) in enumerate(zip(keys, specs, strict=True))]
+        self.clock.forward_s += time.perf_counter() - t0
+        return pred
+
+    def _results(self, submitted: Submitted) -> dict[tuple[int, int], Result]:
+        """Each (position, ask)'s result from the head calls' probabilities, read once on the host."""
+        results: dict[tuple[int, int], Result] = {}
+        calls, done, probs = submitted.calls, submitted.done, submitted.probs
+        with _phase("engine.results"):
+            at = 0
+            for chosen, keys, pred in calls:
+                if pred is None:
+                    for place in chosen:
+                        results[place] = Result(label="", scores={}, error=f"model {model_of(keys[0])} was unloaded")
+                    continue
+                assert probs is not None
+                b, k = pred.probs.shape
+                mine = probs[at : at + b * k].view(b, k)  # [b k]
+                at += b * k
+                scores, best = mine.tolist(), mine.argmax(-1).tolist()
+                finite = torch.isfinite(mine).all(dim=-1).tolist()
+                specs = [done[pos].asks[a].credit for pos, a in chosen]
+                for r, (place, key, spec) in enumerate(zip(chosen, keys, specs, strict=True)):
+                    manifest = self.manifests.get(key)
+                    if manifest is None:
+                        results[place] = Result(label="", scores={}, error=f"model {model_of(key)} was unloaded")
+                        continue
+                    results[place] = self._result(manifest.name, manifest.labels, pred, scores[r], finite[r],
+                                                  best[r], r, spec)
+        return results
 
     def _result(self, name: str, labels: list[str], pred: Prediction, scores: list[float], finite: bool, k: int,
                 b: int, spec: CreditSpec | None) -> Result:

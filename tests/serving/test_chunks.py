@@ -52,6 +52,26 @@ def test_a_long_text_split_over_batches_among_other_work_gets_the_same_answer(en
     assert plan[0].job.states == []  # the hidden states are let go once the text is answered
 
 
+def test_two_batches_in_flight_answer_as_one_at_a_time(engine: Engine) -> None:
+    """``run_pipelined`` launches batch k + 1 before reading batch k's results: the same answers, in order, as
+    running each batch alone; a long text's chunks out of order within its batch, too."""
+    texts = [LONG, *SHORT, "one more", LONG[:80], "and the last"]
+    batches = [[Task(t, credit=CreditSpec() if k % 2 else None) for t in texts[k : k + 2]]
+               for k in range(0, len(texts), 2)]
+    piped = list(engine.run_pipelined(iter(batches)))
+    assert len(piped) == len(batches)
+    for batch, got in zip(batches, piped, strict=True):
+        for a, b in zip(got, engine.run(batch), strict=True):
+            assert a.label == b.label and (a.credit is None) == (b.credit is None)
+            assert all(abs(a.scores[k] - b.scores[k]) <= 1e-5 for k in a.scores)
+    assert list(engine.run_pipelined([])) == []
+    (plan,) = engine.plan([Task(LONG)])
+    reordered = [plan[-1], *plan[1:-1][::-1], plan[0]]  # the last chunk first: the text completes at the end
+    answers = engine.run_chunks(reordered)
+    assert all(a is None for a in answers[:-1])
+    assert abs(answers[-1][0].scores["alpha"] - engine.run([Task(LONG)])[0].scores["alpha"]) <= 1e-5
+
+
 def test_a_short_request_goes_ahead_of_a_long_texts_remaining_chunks(tiny_repo: Path) -> None:
     """With the first batch of a long text's chunks computing, a short request arriving then is in the
     next batch and is answered before the long text; the long text's answer is unchanged."""
