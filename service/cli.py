@@ -13,7 +13,7 @@ from typing import Annotated, TypeVar
 import typer
 
 from service.allocator import keep_freed_memory
-from service.config import DTYPES, Settings
+from service.config import CPU_BATCH, DTYPES, Settings
 from service.modeling.manifest import MANIFEST, MODEL_NAME, NAME_RULE, ModelLoadError, discover
 from service.modeling.tokenizer import BackboneError
 from service.training.config import TrainConfig
@@ -72,7 +72,7 @@ def serve(
     host: Annotated[str | None, typer.Option()] = None,
     port: Annotated[int | None, typer.Option()] = None,
     device: Annotated[str | None, typer.Option(help="auto | cpu | cuda[:n]")] = None,
-    dtype: Annotated[str | None, typer.Option(help=" | ".join(DTYPES))] = None,
+    dtype: Annotated[str | None, typer.Option(help=" | ".join(("auto", *DTYPES)))] = None,
     max_batch_size: Annotated[int | None, typer.Option()] = None,
     max_wait_ms: Annotated[float | None, typer.Option()] = None,
     log_json: Annotated[bool | None, typer.Option("--log-json/--no-log-json")] = None,
@@ -404,6 +404,63 @@ def bench_engine(
     typer.echo(f"wrote {path}")
 
 
+@bench_app.command("gpu")
+def bench_gpu(
+    device: Annotated[str, typer.Option(help="cuda[:n] | cpu (the same measurements, as CI's smoke test)")] = "cuda",
+    model: Annotated[str, typer.Option(help="Bundled model to load (its dataset's test texts are sent)")] = (
+        "tweet-sentiment"),
+    n_texts: Annotated[int, typer.Option("--texts", min=1, help="Test texts the engine passes go through")] = 4096,
+    budgets: Annotated[str, typer.Option(help="Token budgets per batch (the device's default is added)")] = (
+        "1024,4096,16384"),
+    seconds: Annotated[float, typer.Option(min=0.01, help="Least seconds of whole passes per measurement")] = 3.0,
+    rounds: Annotated[int, typer.Option(min=1, help="Turns of every version at every budget")] = 2,
+    baseline: Annotated[Path | None, typer.Option(help="A folder holding another version's `service` package "
+                                                       "(e.g. `git worktree add .baseline e7498ac`), measured in "
+                                                       "turns with this one")] = None,
+    served_seconds: Annotated[float, typer.Option(min=0.1, help="Seconds per served level")] = 5.0,
+    concurrency: Annotated[str, typer.Option(help="Served single-text concurrencies (16-text requests: c = 64)")
+                           ] = "32,256",
+    load_processes: Annotated[int, typer.Option(min=1, help="Processes of the load generator")] = 4,
+    accuracy_texts: Annotated[int, typer.Option(min=1, help="Labelled test texts for the precisions' accuracy")
+                              ] = 1000,
+    texts_file: Annotated[Path | None, typer.Option(help="Labelled test texts as JSON {texts, labels} instead of "
+                                                         "the model's dataset (a machine without its package; "
+                                                         "--write-texts-file writes one)")] = None,
+    write_texts_file: Annotated[Path | None, typer.Option(help="Write the labelled test texts to this file and "
+                                                               "stop")] = None,
+    model_repository: Path = Path("models"),
+    out: Annotated[Path, typer.Option(help="JSON result file")] = Path("bench-results/gpu.json"),
+) -> None:
+    """Every GPU measurement in one run: engine texts/s by token budget (against --baseline in turns), kernels,
+    device-busy share and host time per text, batch-1 latency, float32 against bfloat16 accuracy, served
+    throughput, and the GPU-only tests."""
+    from service.bench import gpu, report
+
+    if write_texts_file is not None:
+        with user_errors():
+            gpu.write_labelled(model, max(n_texts, accuracy_texts), write_texts_file)
+        typer.echo(f"wrote {write_texts_file}")
+        return
+    if baseline is not None and not (baseline / "service").is_dir():
+        raise typer.BadParameter(f"{baseline} holds no service package", param_hint="--baseline")
+    if device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise typer.BadParameter("no CUDA device here; --device cpu runs the same measurements on the CPU",
+                                     param_hint="--device")
+    with user_errors(), extras("bench gpu", "bench,train"):
+        import aiohttp  # noqa: F401  (the load generator)
+
+        result = gpu.run(device, model, model_repository, n_texts, numbers(budgets, "--budgets"), seconds, rounds,
+                         baseline, served_seconds, numbers(concurrency, "--concurrency"), load_processes,
+                         accuracy_texts, out.parent / "logs", texts_file)
+    summary = result["summary"]
+    typer.echo(json.dumps(summary, indent=1))
+    path = report.write_json(out, "gpu", result["settings"], result["results"], summary)
+    typer.echo(f"wrote {path}")
+
+
 @bench_app.command("serve")
 def bench_serve(
     model: Annotated[str, typer.Option(help="Bundled model to load")] = "tweet-sentiment",
@@ -417,7 +474,7 @@ def bench_serve(
         "max_wait_ms"].default,
     max_batch_size: Annotated[int, typer.Option(min=1, help="The servers' setting; the offline limit is the best of "
                                                             "the offline batch sizes up to it")] = (
-        Settings.model_fields["max_batch_size"].default),
+        CPU_BATCH[0]),
     offline_batch_sizes: Annotated[str, typer.Option(help="Batch sizes of the offline engine (those above "
                                                           "--max-batch-size are reported beside the limit)")] = (
         "1,8,16,32,64"),

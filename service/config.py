@@ -8,8 +8,13 @@ from typing import Annotated, Literal, get_args
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-DType = Literal["float32", "float16", "bfloat16"]
-DTYPES: tuple[str, ...] = get_args(DType)  # the precisions a backbone may run in (half: GPU only)
+DType = Literal["auto", "float32", "float16", "bfloat16"]
+DTYPES: tuple[str, ...] = get_args(DType)[1:]  # the precisions a backbone may run in (half: GPU only)
+CPU_BATCH = (32, 8192)
+"""``max_batch_size``, ``max_batch_tokens`` on a CPU: 32 texts (or chunks) in at most 8,192 tokens."""
+GPU_BATCH = (1024, 16384)
+"""On a GPU: 16,384 tokens (about 500 tweets), as text-embeddings-inference's default budget, and up to 1,024
+chunks: a batch of fewer tokens leaves the device waiting on the host that launches its kernels."""
 
 
 class Settings(BaseSettings):
@@ -25,7 +30,8 @@ class Settings(BaseSettings):
                                "and tweet-sentiment not served: the first model served; started without models, "
                                "the first to load)")
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$", description="auto | cpu | cuda[:n]")
-    dtype: DType = Field("float32", description="Backbone precision (half: GPU)")
+    dtype: DType = Field("auto", description="Backbone precision: auto is bfloat16 on a GPU (the heads compute in "
+                         "float32 there too), float32 on a CPU; half precisions: GPU only")
     warmup: bool = Field(True, description="Run one batch per model before reporting ready")
     model_control: Literal["none", "explicit", "poll"] = Field(
         "none", description="Models at runtime (Triton's modes): none, only those loaded at start; explicit, "
@@ -67,8 +73,11 @@ class Settings(BaseSettings):
         "spin frees the cores for the HTTP front while a batch fills: 2-4% more texts/s at concurrency 8 and 32 here")
 
     # batching
-    max_batch_size: int = Field(32, ge=1, description="Chunks per batch (a text, or max_length tokens of a longer one)")
-    max_batch_tokens: int = Field(8192, ge=16, description="Padded tokens per batch")
+    max_batch_size: int | None = Field(None, ge=1, description="Chunks per batch (a text, or max_length tokens of a "
+                                       f"longer one); default {CPU_BATCH[0]} on a CPU, {GPU_BATCH[0]} on a GPU")
+    max_batch_tokens: int | None = Field(None, ge=16, description="Tokens per batch, special tokens included, no "
+                                         "padding counted (the encoder packs the texts into one stream); default "
+                                         f"{CPU_BATCH[1]} on a CPU, {GPU_BATCH[1]} on a GPU")
     max_wait_ms: float = Field(5.0, ge=0, description="How long a batch waits for its next chunk while it fills (from "
                                "when the model is free; in all at most this or a tenth of the last batch's compute)")
     max_queue: int = Field(1024, ge=1, description="Texts waiting; beyond it requests get 503")
@@ -88,6 +97,12 @@ class Settings(BaseSettings):
     max_request_timeout_s: float = Field(120.0, gt=0, description="Largest deadline a client may ask for")
     max_explain_elements: int = Field(2_000_000, ge=1, description="Largest full credit/phi payload (numbers)")
     drain_timeout_s: float = Field(30.0, ge=0, description="On SIGTERM, time to answer accepted requests")
+
+    def batch_limits(self, device: str) -> tuple[int, int]:
+        """``max_batch_size``, ``max_batch_tokens`` for a backbone on ``device`` (a torch device's name): as set, else
+        the device's defaults."""
+        size, tokens = CPU_BATCH if device.startswith("cpu") else GPU_BATCH
+        return self.max_batch_size or size, self.max_batch_tokens or tokens
 
     @model_validator(mode="after")
     def _replicas_need_processes(self) -> Settings:

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 from service.bench.report import echo, median_ms, table, write_json
 from service.bench.serve import closed_loop, run_async
 from service.bench.server import LocalServer, children
-from service.config import Settings
+from service.config import CPU_BATCH
 from service.serving.contract import Computed, RunBatch
 from service.training.data import sample_test_texts
 
@@ -206,7 +206,7 @@ def run(spy_path: str, levels: list[int], seconds: float, rate: int, repository:
         for c in levels:
             echo(f"profiling a server at concurrency {c} for {seconds:g} s ...", err=True)
             results.append(profile_level(spy_path, c, seconds, rate, texts, Path(tmp)))
-    sizes = sorted({min(c, Settings.model_fields["max_batch_size"].default) for c in levels})  # the server's batches
+    sizes = sorted({min(c, CPU_BATCH[0]) for c in levels})  # the server's batches
     echo(f"the pipe and its pickling, batches of {sizes} texts ...", err=True)
     pipe = pipe_cost(repository / "tweet-sentiment", sizes, texts)
     for r in results:

@@ -2,7 +2,7 @@
 
 Callers ``submit`` a request's items (each with a cost, e.g. its token count, and a group, e.g. the
 text it is a part of) and await their results. One worker task forms batches under
-``max_batch_size`` items and ``max_batch_tokens`` padded cost (items of similar cost together),
+``max_batch_size`` items and ``max_batch_tokens`` of cost in all (items of similar cost together),
 and runs each batch through a synchronous ``run_batch`` callable in a worker thread, so the event
 loop keeps answering (health checks, metrics) while the model computes.
 
@@ -112,7 +112,7 @@ class _Pace:
 
 @dataclass(frozen=True)
 class BatchLimits:
-    """Items per batch, padded cost per batch, wait for a batch to fill, and groups queued (no defaults
+    """Items per batch, their cost in all per batch, wait for a batch to fill, and groups queued (no defaults
     here: the service's come from its settings)."""
 
     max_batch_size: int
@@ -291,17 +291,16 @@ class Batcher(Generic[P, R]):
         runner = self._pinned.get(first.group, free[0])
         rest = sorted((it for it in eligible if it is not first and self._pinned.get(it.group, runner) == runner),
                       key=lambda it: abs(it.cost - first.cost))
-        batch, widest = [first], first.cost
+        batch, total = [first], first.cost
         for it in rest:
             if len(batch) >= lim.max_batch_size:
                 break
             if it.cost > SIMILAR * first.cost:  # much costlier than the anchor: would slow its batch down
                 continue
-            w = max(widest, it.cost)
-            if w * (len(batch) + 1) > lim.max_batch_tokens:
+            if total + it.cost > lim.max_batch_tokens:
                 continue
             batch.append(it)
-            widest = w
+            total += it.cost
         chosen = set(map(id, batch))
         self._set_pending([it for it in self._pending if id(it) not in chosen])
         if len(self.runners) > 1:  # what is left of a group follows its first items
@@ -359,8 +358,7 @@ class Batcher(Generic[P, R]):
         lim = self.limits
         if len(self._pending) >= lim.max_batch_size:
             return True
-        widest = max(it.cost for it in self._pending)
-        return widest * len(self._pending) >= lim.max_batch_tokens
+        return sum(it.cost for it in self._pending) >= lim.max_batch_tokens
 
     async def _loop(self) -> None:
         loop = asyncio.get_running_loop()

@@ -160,8 +160,9 @@ class AppState:
         t0 = time.perf_counter()
         log.info("loading models %s on one backbone", [f.name for f in folders])
         engine = await asyncio.get_running_loop().run_in_executor(None, self._load_backbone, folders, keys)
-        limits = BatchLimits(max_batch_size=s.max_batch_size, max_batch_tokens=s.max_batch_tokens,
-                             max_wait_s=s.max_wait_ms / 1000, max_queue=s.max_queue)
+        size, tokens = s.batch_limits(str(engine.device))
+        limits = BatchLimits(max_batch_size=size, max_batch_tokens=tokens, max_wait_s=s.max_wait_ms / 1000,
+                             max_queue=s.max_queue)
         batcher = Batcher(engine.runners, limits, self.metrics.observer(engine.name), engine.name)
         batcher.start()
         backbone = Backbone(engine, batcher)

@@ -179,7 +179,7 @@ class BackboneProcess(Planner):
         ModelProcessError: the backbone's process failed to load the models, or was stopped while loading.
     """
 
-    def __init__(self, folders: Path | list[Path], device: str = "auto", dtype: str = "float32", warmup: bool = True,
+    def __init__(self, folders: Path | list[Path], device: str = "auto", dtype: str = "auto", warmup: bool = True,
                  torch_threads: int | None = None, chunker: ChunkTokenizer | None = None,
                  keys: list[str] | None = None, launches: Launches | None = None) -> None:
         folders = [folders] if isinstance(folders, Path) else list(folders)
@@ -362,7 +362,7 @@ class Replicas(Planner):
         ModelLoadError, ModelProcessError: as :class:`BackboneProcess` (the processes already started are closed).
     """
 
-    def __init__(self, folders: Path | list[Path], device: str = "auto", dtype: str = "float32", warmup: bool = True,
+    def __init__(self, folders: Path | list[Path], device: str = "auto", dtype: str = "auto", warmup: bool = True,
                  torch_threads: int | None = None, n: int = 2, keys: list[str] | None = None,
                  launches: Launches | None = None) -> None:
         if n < 2:

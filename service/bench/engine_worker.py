@@ -1,0 +1,157 @@
+"""One engine in a process of its own, driven over stdin/stdout by ``routing-service bench gpu``.
+
+The same source runs against this tree's engine and against an older version's (``bench gpu --baseline``), so
+that the two are measured alike, in turns, each computing on its process's main thread as the server's model
+process does. It therefore imports nothing of this package beyond the engine API every version since the shared
+backbone has (``Engine.load``, ``Engine.encode``, ``Engine.max_length``, ``Engine.run``, ``Task``) and is passed
+to ``python -c`` as text, so that the other version's ``service`` package is the one imported.
+
+Protocol: the first line of stdin is the settings (JSON: repository, model, device, dtype, texts_file); each
+further line a command (``{"op": ...}``); every answer is one line of stdout starting with ``@@ `` (JSON).
+Texts are tokenized once at load: the engine is measured on token ids, tokenizing being the fronts' work.
+"""
+
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+
+def answer(obj: object) -> None:
+    sys.stdout.write("@@ " + json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def main() -> None:
+    cfg = json.loads(sys.stdin.readline())
+    import torch
+
+    from service.serving.engine import Engine, Task
+
+    t0 = time.perf_counter()
+    engine = Engine.load(Path(cfg["repository"]) / cfg["model"], device=cfg["device"], dtype=cfg["dtype"])
+    model = engine.models[0]
+    texts = json.loads(Path(cfg["texts_file"]).read_text())
+    encodings = [e[engine.max_length(model)] for e in engine.encode(texts, [model] * len(texts))]
+    tokens = [e.n_tokens for e in encodings]
+    cuda = engine.device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    labels = engine.labels(model)
+    answer({"load_s": time.perf_counter() - t0, "device": str(engine.device), "dtype": str(engine.dtype),
+            "labels": labels, "tokens": sum(tokens)})
+
+    def batches(budget: int, max_texts: int) -> list[list[int]]:
+        """The texts in their sampled order, cut into batches of at most ``budget`` tokens and ``max_texts`` texts
+        (a text longer than the budget alone)."""
+        out: list[list[int]] = []
+        current: list[int] = []
+        total = 0
+        for k, n in enumerate(tokens):
+            if current and (total + n > budget or len(current) >= max_texts):
+                out.append(current)
+                current, total = [], 0
+            current.append(k)
+            total += n
+        return [*out, current] if current else out
+
+    def run(batch: list[int]) -> list:
+        return engine.run([Task(texts[k], encodings[k], model) for k in batch])
+
+    def passes(bs: list[list[int]], seconds: float, pipelined: bool) -> tuple[int, float]:
+        """Whole passes over ``bs`` for at least ``seconds`` (``pipelined``: two batches in flight): passes, wall."""
+        n, start = 0, time.perf_counter()
+        while True:
+            if pipelined:
+                for _ in engine.run_pipelined([Task(texts[k], encodings[k], model) for k in b] for b in bs):
+                    pass
+            else:
+                for b in bs:
+                    run(b)
+            n += 1
+            if time.perf_counter() - start >= seconds:
+                break
+        sync()
+        return n, time.perf_counter() - start
+
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        op = cmd["op"]
+        if op == "quit":
+            break
+        if op == "throughput":  # whole passes of every batch, at least `seconds`
+            bs = batches(cmd["budget"], cmd["max_texts"])
+            for b in bs[:2]:
+                run(b)
+            sync()
+            clock = getattr(engine, "clock", None)
+            host0 = clock.host_s if clock is not None else None
+            n, wall = passes(bs, cmd["seconds"], False)
+            out = {"texts_per_s": n * len(texts) / wall, "ms_per_batch": 1000 * wall / (n * len(bs)),
+                   "texts_per_batch": len(texts) / len(bs), "tokens_per_batch": sum(tokens) / len(bs)}
+            if host0 is not None:
+                out["host_us_per_text"] = 1e6 * (clock.host_s - host0) / (n * len(texts))
+            if hasattr(engine, "run_pipelined"):  # this version can keep two batches in flight
+                n, wall = passes(bs, cmd["seconds"], True)
+                out["texts_per_s_pipelined"] = n * len(texts) / wall
+            answer(out)
+        elif op == "latency":  # one text a batch, as a lone request is served
+            lat = []
+            for k in range(min(cmd["n"], len(texts))):
+                t = time.perf_counter()
+                run([k])
+                lat.append(1000 * (time.perf_counter() - t))
+            lat = lat[5:] or lat  # the first few warm the allocator and the kernels' choices
+            answer({"p50_ms": statistics.median(lat), "p90_ms": statistics.quantiles(lat, n=10)[-1], "n": len(lat)})
+        elif op == "predict":  # every text's probabilities, in batches of the budget or alone
+            bs = [[k] for k in range(len(texts))] if cmd["alone"] else batches(cmd["budget"], cmd["max_texts"])
+            probs: list[list[float] | None] = [None] * len(texts)
+            for b in bs:
+                for k, r in zip(b, run(b), strict=True):
+                    probs[k] = [r.scores[label] for label in labels]
+            answer({"probs": probs})
+        elif op == "profile":  # kernels and device time per batch, from a torch profile of a few batches
+            from torch.autograd import DeviceType
+            from torch.profiler import ProfilerActivity, profile
+
+            bs = batches(cmd["budget"], cmd["max_texts"])[: cmd["batches"]]
+            run(bs[0])
+            sync()
+            activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+            with profile(activities=activities) as prof:
+                for b in bs:
+                    run(b)
+                sync()
+            events = prof.events()
+            device = [e for e in events if e.device_type == DeviceType.CUDA]
+            kernels = [e for e in device if not e.name.startswith(("Memcpy", "Memset"))]
+            def outermost(e: object) -> bool:  # an operator the engine called, not one inside another
+                parent = getattr(e, "cpu_parent", None)
+                while parent is not None:
+                    if parent.name.startswith("aten::"):
+                        return False
+                    parent = getattr(parent, "cpu_parent", None)
+                return True
+
+            ops = [e for e in events if e.device_type == DeviceType.CPU and e.name.startswith("aten::")
+                   and outermost(e)]
+            by_name: dict[str, float] = {}
+            for e in kernels:
+                by_name[e.name[:80]] = by_name.get(e.name[:80], 0.0) + e.time_range.elapsed_us() / len(bs)
+            phases = {e.name: 0.0 for e in events if e.name.startswith("engine.")}
+            for e in events:
+                if e.name in phases:
+                    phases[e.name] += getattr(e, "device_time_total", 0.0) / 1000 / len(bs)
+            answer({"batches": len(bs), "kernels_per_batch": len(kernels) / len(bs),
+                    "top_kernels_us_per_batch": dict(sorted(by_name.items(), key=lambda kv: -kv[1])[:20]),
+                    "phase_device_ms_per_batch": phases,
+                    "copies_per_batch": (len(device) - len(kernels)) / len(bs),
+                    "device_busy_ms_per_batch": sum(e.time_range.elapsed_us() for e in device) / 1000 / len(bs),
+                    "torch_ops_per_batch": len(ops) / len(bs),
+                    "texts_per_batch": sum(map(len, bs)) / len(bs)})
+        else:
+            answer({"error": f"unknown op {op!r}"})
+
+
+if __name__ == "__main__":
+    main()

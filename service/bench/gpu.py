@@ -1,0 +1,376 @@
+"""`routing-service bench gpu`: the engine's and the served numbers of a device in one run, one JSON.
+
+Every measurement the GPU issues ask for, made the way the server computes, each section on its own (one that
+fails records its error and the run goes on):
+
+- ``engine``: texts/s of the engine alone on token ids (tokenizing is the fronts' work) by token budget, this
+  version against another (``--baseline``: a folder holding that version's ``service`` package, e.g. a
+  ``git worktree`` of it) in turns, each in a process of its own computing on its main thread; with each, the
+  host's microseconds per text (everything but the encoder's and heads' forward calls and the wait for the
+  device, timed without the profiler, where the version keeps that clock);
+- ``profile``: kernels executed, copies, device-busy milliseconds and torch operators per batch at the default
+  budget, from a torch profile; the device-busy share is its busy time over the unprofiled time per batch;
+- ``latency``: one text a batch, p50 and p90 milliseconds, both versions;
+- ``accuracy``: the test texts' accuracy in float32 and in the default precision (bfloat16 on a GPU), the largest
+  probability change between them, and between each text alone and in mixed batches;
+- ``served``: the server started on the device, driven by clients in several processes (one aiohttp process tops
+  out near 3,500 requests/s): single-text requests at the given concurrencies and 16-text requests, requests and
+  texts per second, p50 and p99;
+- ``gpu_tests``: the tests marked ``gpu`` (``pytest -m gpu``), skipped without a GPU.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import multiprocessing
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from service.bench import report
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = Path(__file__).with_name("engine_worker.py")
+
+
+class EngineWorker:
+    """An engine of the version in ``tree`` (a folder holding its ``service`` package) in a process of its own (see
+    :mod:`service.bench.engine_worker`)."""
+
+    def __init__(self, tree: Path, settings: dict[str, Any], log: Path) -> None:
+        self.log_path = log
+        self._log = log.open("w")
+        env = {**os.environ, "PYTHONPATH": str(tree)}
+        self.proc = subprocess.Popen([sys.executable, "-c", WORKER.read_text()], cwd=tree, env=env, text=True,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log)
+        self.loaded = self._send(settings)
+
+    def _send(self, obj: dict[str, Any]) -> dict[str, Any]:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps(obj) + "\n")
+        self.proc.stdin.flush()
+        for line in self.proc.stdout:
+            if line.startswith("@@ "):
+                out = json.loads(line[3:])
+                if "error" in out:
+                    raise RuntimeError(out["error"])
+                return out
+        self._log.flush()
+        raise RuntimeError(f"the engine process exited ({self.proc.wait()}):\n{self.log_path.read_text()[-3000:]}")
+
+    def ask(self, op: str, **args: Any) -> dict[str, Any]:
+        return self._send({"op": op, **args})
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            assert self.proc.stdin is not None
+            with contextlib.suppress(BrokenPipeError):  # it may have exited already
+                self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
+                self.proc.stdin.close()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self._log.close()
+
+
+def labelled_test(preset: str, limit: int, seed: int = 0, path: Path | None = None) -> tuple[list[str], list[str]]:
+    """A seeded sample of at most ``limit`` texts of a bundled dataset's test split, and each one's label name; or the
+    first ``limit`` of a file's (``path``: JSON ``{"texts": [...], "labels": [...]}``, e.g. written by
+    :func:`write_labelled` where the dataset's package is installed, for a machine where it is not)."""
+    if path is not None:
+        doc = json.loads(path.read_text())
+        return doc["texts"][:limit], doc["labels"][:limit]
+    from service.training.data import make_dataset, preset_path, read_examples
+
+    path, opts = preset_path(preset)
+    data = make_dataset(read_examples(path, **opts), preset)
+    picked = random.Random(seed).sample(range(len(data.test.texts)), min(limit, len(data.test.texts)))
+    return [data.test.texts[k] for k in picked], [data.labels[data.test.labels[k]] for k in picked]
+
+
+def write_labelled(preset: str, limit: int, path: Path) -> None:
+    """The texts and labels :func:`labelled_test` samples, in a file it reads back."""
+    texts, labels = labelled_test(preset, limit)
+    path.write_text(json.dumps({"preset": preset, "texts": texts, "labels": labels}))
+
+
+def section(results: dict[str, Any], name: str, fn: Callable[[], Any]) -> None:
+    """``results[name] = fn()``, or the error it raised (the run goes on)."""
+    report.echo(f"bench gpu: {name} ...", err=True)
+    t0 = time.perf_counter()
+    try:
+        results[name] = fn()
+    except Exception as e:  # one section failing must not lose the others' numbers
+        results[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
+        report.echo(f"bench gpu: {name} failed: {e}", err=True)
+    report.echo(f"bench gpu: {name} took {time.perf_counter() - t0:.1f} s", err=True)
+
+
+def engine_turns(workers: dict[str, EngineWorker], budgets: list[int], max_texts: int, seconds: float,
+                 rounds: int) -> dict[str, Any]:
+    """Texts/s (and the host's microseconds per text) of each version at each budget, the versions in turns."""
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {name: {str(b): [] for b in budgets} for name in workers}
+    for _ in range(rounds):
+        for b in budgets:
+            for name, w in workers.items():
+                runs[name][str(b)].append(w.ask("throughput", budget=b, max_texts=max_texts, seconds=seconds))
+    return runs
+
+
+def accuracy(make: Callable[[str], EngineWorker], labels: list[str], dtypes: list[str], budget: int,
+             max_texts: int) -> dict[str, Any]:
+    """Accuracy of each precision on the labelled texts, the largest probability change between the first and each
+    other precision, and, in the last precision, between each text alone and in batches of ``budget`` tokens."""
+    probs: dict[str, list[list[float]]] = {}
+    out: dict[str, Any] = {"texts": len(labels)}
+    alone = mixed = None
+    for dtype in dtypes:
+        w = make(dtype)
+        try:
+            names = w.loaded["labels"]
+            mixed = w.ask("predict", alone=False, budget=budget, max_texts=max_texts)["probs"]
+            probs[dtype] = mixed
+            if dtype == dtypes[-1]:
+                alone = w.ask("predict", alone=True)["probs"]
+        finally:
+            w.close()
+        best = [names[max(range(len(p)), key=p.__getitem__)] for p in mixed]
+        out[f"accuracy_{dtype}"] = sum(b == t for b, t in zip(best, labels, strict=True)) / len(labels)
+        out[f"probs_{dtype}"] = [[round(x, 7) for x in p] for p in mixed]  # to compare with another machine's
+    out["labels"] = names
+    first, last = dtypes[0], dtypes[-1]
+    out["largest_probability_change_" + "_vs_".join(dtypes)] = _largest(probs[first], probs[last])
+    out["accuracy_points_" + "_minus_".join((last, first))] = 100 * (out[f"accuracy_{last}"] -
+                                                                      out[f"accuracy_{first}"])
+    assert alone is not None and mixed is not None
+    out[f"largest_probability_change_alone_vs_mixed_{last}"] = _largest(alone, mixed)
+    out[f"label_flips_alone_vs_mixed_{last}"] = sum(_argmax(a) != _argmax(m) for a, m in zip(alone, mixed,
+                                                                                                 strict=True))
+    return out
+
+
+def _largest(a: list[list[float]], b: list[list[float]]) -> float:
+    return max(abs(x - y) for p, q in zip(a, b, strict=True) for x, y in zip(p, q, strict=True))
+
+
+def _argmax(p: list[float]) -> int:
+    return max(range(len(p)), key=p.__getitem__)
+
+
+async def _clients(url: str, texts: list[str], concurrency: int, per_request: int, seconds: float, offset: int
+                   ) -> tuple[int, int, list[float], float]:
+    """Answered requests, failed ones, latencies (ms) and the seconds until the last answer (requests sent before
+    the end are waited for)."""
+    import aiohttp
+
+    ok = errors = 0
+    latencies: list[float] = []
+    start = time.monotonic()
+    end = start + seconds
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    async with aiohttp.ClientSession(url, connector=connector, timeout=aiohttp.ClientTimeout(total=120)) as client:
+        async def one(w: int) -> None:
+            nonlocal ok, errors
+            k = offset + w * per_request
+            while time.monotonic() < end:
+                body = {"inputs": [texts[(k + i) % len(texts)] for i in range(per_request)]}
+                t0 = time.perf_counter()
+                try:
+                    async with client.post("/v1/classify", json=body) as r:
+                        await r.read()
+                        good = r.status == 200
+                except (aiohttp.ClientError, TimeoutError):
+                    good = False
+                if good:
+                    ok += 1
+                    latencies.append(1000 * (time.perf_counter() - t0))
+                else:
+                    errors += 1
+                k += concurrency * per_request
+
+        await asyncio.gather(*(one(w) for w in range(concurrency)))
+        elapsed = time.monotonic() - start
+    return ok, errors, latencies, elapsed
+
+
+def _load_process(args: tuple[str, list[str], int, int, float, int]) -> tuple[int, int, list[float], float]:
+    from service.bench.serve import run_async
+
+    return run_async(_clients(*args))
+
+
+def closed_loop(url: str, texts: list[str], concurrency: int, per_request: int, seconds: float,
+                processes: int) -> dict[str, Any]:
+    """``concurrency`` clients spread over ``processes`` load processes, each sending ``per_request`` texts at a
+    time for ``seconds``: requests and texts per second answered 200, latency percentiles, errors."""
+    processes = max(1, min(processes, concurrency))
+    shares = [concurrency // processes + (p < concurrency % processes) for p in range(processes)]
+    args = [(url, texts, c, per_request, seconds, 7919 * p) for p, c in enumerate(shares)]
+    with multiprocessing.get_context("spawn").Pool(processes) as pool:
+        t0 = time.monotonic()
+        parts = pool.map(_load_process, args)
+        wall = time.monotonic() - t0
+    ok = sum(p[0] for p in parts)
+    elapsed = max(p[3] for p in parts)  # until the last answer of any process: requests in flight at the end count
+    latencies = sorted(x for p in parts for x in p[2])
+    q = statistics.quantiles(latencies, n=100) if len(latencies) > 1 else latencies * 99 or [float("nan")] * 99
+    return {"concurrency": concurrency, "texts_per_request": per_request, "load_processes": processes,
+            "requests_per_s": ok / elapsed, "texts_per_s": ok * per_request / elapsed,
+            "errors": sum(p[1] for p in parts), "p50_ms": q[49], "p99_ms": q[98], "wall_s": wall}
+
+
+def served(repository: Path, model: str, device: str, texts: list[str], levels: list[tuple[int, int]],
+           seconds: float, processes: int, logs: Path) -> dict[str, Any]:
+    """This version's server on ``device``, driven at each (concurrency, texts per request) of ``levels``."""
+    from service.bench.server import ServerProcess, free_port
+
+    port = free_port()
+    command = [sys.executable, "-m", "service", "serve", "--model-repository", str(repository), "--models", model,
+               "--device", device, "--port", str(port)]
+    env = {**os.environ, "ROUTING_LOG_LEVEL": "warning", "ROUTING_MAX_QUEUE": "100000",
+           "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    server = ServerProcess(logs, command, env, "bench-gpu-server", port, cwd=ROOT)
+    try:
+        t0 = time.perf_counter()
+        server.wait_ready(300)
+        out: dict[str, Any] = {"ready_s": time.perf_counter() - t0, "levels": []}
+        closed_loop(server.url, texts, 8, 1, min(1.0, seconds), 1)  # warm-up
+        for concurrency, per_request in levels:
+            row = closed_loop(server.url, texts, concurrency, per_request, seconds, processes)
+            report.echo(f"bench gpu: served c={concurrency} x{per_request}: {row['requests_per_s']:.0f} requests/s, "
+                        f"p99 {row['p99_ms']:.1f} ms", err=True)
+            out["levels"].append(row)
+        return out
+    finally:
+        server.stop()
+
+
+def gpu_tests() -> dict[str, Any]:
+    """The tests marked ``gpu``, in a process of their own (skipped where there is no GPU)."""
+    tests = ROOT / "tests"
+    if not tests.is_dir():
+        return {"error": "no tests folder beside the package (run from a clone)"}
+    # only the files that hold such tests: collecting the others needs the test extra's every package
+    files = sorted(str(f) for f in tests.rglob("test_*.py") if "mark.gpu" in f.read_text())
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", *files],
+                         capture_output=True, text=True, cwd=ROOT, timeout=600)
+    lines = out.stdout.strip().splitlines()
+    return {"returncode": out.returncode, "summary": lines[-1] if lines else "", "tail": out.stdout[-3000:]}
+
+
+def run(device: str, model: str, repository: Path, n_texts: int, budgets: list[int], seconds: float, rounds: int,
+        baseline: Path | None, served_seconds: float, concurrencies: list[int], load_processes: int,
+        accuracy_texts: int, logs: Path, texts_file: Path | None = None) -> dict[str, Any]:
+    """Every section (see the module's docstring); ``results`` and a ``summary`` of the headline numbers."""
+    import torch
+
+    from service.config import CPU_BATCH, GPU_BATCH
+
+    cuda = device.startswith("cuda")
+    max_texts, default_budget = GPU_BATCH if cuda else CPU_BATCH
+    budgets = sorted(set(budgets) | {default_budget})
+    texts, labels = labelled_test(model, max(n_texts, accuracy_texts), path=texts_file)
+    logs.mkdir(parents=True, exist_ok=True)
+    files = tempfile.TemporaryDirectory(prefix="bench-gpu-")
+    texts_file = Path(files.name) / "texts.json"
+    texts_file.write_text(json.dumps(texts[:n_texts]))
+    labelled_file = Path(files.name) / "labelled.json"
+    labelled_file.write_text(json.dumps(texts[:accuracy_texts]))
+    repository = repository.resolve()
+
+    def worker(tree: Path, name: str, dtype: str = "auto", path: Path = texts_file) -> EngineWorker:
+        settings = {"repository": str(repository), "model": model, "device": device, "texts_file": str(path),
+                    # an older version may not know "auto": give it what auto means
+                    "dtype": dtype if dtype != "auto" else ("bfloat16" if cuda else "float32")}
+        return EngineWorker(tree, settings, logs / f"engine-{name}-{dtype}.log")
+
+    results: dict[str, Any] = {}
+    versions = {"current": ROOT, **({"baseline": baseline.resolve()} if baseline else {})}
+    workers: dict[str, EngineWorker] = {}
+    try:
+        section(results, "load", lambda: {name: (workers.setdefault(name, worker(tree, name))).loaded
+                                          for name, tree in versions.items()})
+        section(results, "engine", lambda: engine_turns(workers, budgets, max_texts, seconds, rounds))
+        section(results, "profile", lambda: {name: w.ask("profile", budget=default_budget, max_texts=max_texts,
+                                                         batches=8) for name, w in workers.items()})
+        section(results, "latency", lambda: {name: w.ask("latency", n=200) for name, w in workers.items()})
+    finally:
+        for w in workers.values():
+            w.close()
+    dtypes = ["float32", "bfloat16"] if cuda else ["float32"]
+    section(results, "accuracy", lambda: accuracy(lambda dt: worker(ROOT, "accuracy", dt, labelled_file),
+                                                  labels[:accuracy_texts], dtypes, default_budget, max_texts))
+    levels = [(c, 1) for c in concurrencies] + [(64, 16)]
+    section(results, "served", lambda: served(repository, model, device, texts, levels, served_seconds,
+                                              load_processes, logs))
+    section(results, "gpu_tests", gpu_tests)
+    files.cleanup()
+    settings = {"device": device, "model": model, "texts": n_texts, "budgets": budgets,
+                "default_budget": default_budget, "max_texts": max_texts, "seconds": seconds, "rounds": rounds,
+                "baseline": str(baseline) if baseline else None, "served_seconds": served_seconds,
+                "concurrencies": concurrencies, "load_processes": load_processes, "accuracy_texts": accuracy_texts,
+                "cuda_device": torch.cuda.get_device_name(0) if cuda and torch.cuda.is_available() else None}
+    return {"settings": settings, "results": results, "summary": summarize(results, default_budget)}
+
+
+def summarize(results: dict[str, Any], budget: int) -> dict[str, Any]:
+    """The headline numbers; None where a section failed or did not measure it."""
+    def get(*path: Any) -> Any:
+        node: Any = results
+        for key in path:
+            if not isinstance(node, dict) or key not in node:
+                return None
+            node = node[key]
+        return node
+
+    def best(name: str, b: int, key: str = "texts_per_s") -> float | None:
+        rows = [r[key] for r in get("engine", name, str(b)) or [] if key in r]
+        return max(rows) if rows else None
+
+    out: dict[str, Any] = {"default_budget": budget}
+    engine = get("engine") or {}
+    for name in ("current", "baseline"):
+        per = {b: best(name, int(b)) for b in (engine.get(name) or {})}
+        out[f"offline_texts_per_s_{name}"] = per or None
+        piped = {b: best(name, int(b), "texts_per_s_pipelined") for b in (engine.get(name) or {})}
+        out[f"offline_texts_per_s_two_in_flight_{name}"] = {b: v for b, v in piped.items() if v} or None
+        rows = (engine.get(name) or {}).get(str(budget)) or []
+        hosts = [r["host_us_per_text"] for r in rows if "host_us_per_text" in r]
+        out[f"host_us_per_text_{name}"] = min(hosts) if hosts else None
+    cur, base = out["offline_texts_per_s_current"] or {}, out["offline_texts_per_s_baseline"] or {}
+    out["offline_texts_per_s_at_default_budget"] = cur.get(str(budget))
+    out["current_over_baseline_same_budget"] = {b: cur[b] / base[b] for b in cur if base.get(b)} or None
+    out["current_default_over_baseline_best"] = (cur.get(str(budget)) / max(base.values())
+                                                 if base and cur.get(str(budget)) else None)
+    prof = get("profile", "current") or {}
+    out["kernels_per_batch"] = prof.get("kernels_per_batch")
+    out["torch_ops_per_batch"] = prof.get("torch_ops_per_batch")
+    out["baseline_kernels_per_batch"] = get("profile", "baseline", "kernels_per_batch")
+    ms = [r["ms_per_batch"] for r in (engine.get("current") or {}).get(str(budget)) or []]
+    busy = prof.get("device_busy_ms_per_batch")
+    out["device_busy_share"] = busy / min(ms) if busy and ms else None
+    out["batch1_p50_ms"] = get("latency", "current", "p50_ms")
+    out["baseline_batch1_p50_ms"] = get("latency", "baseline", "p50_ms")
+    out["accuracy"] = {k: v for k, v in (get("accuracy") or {}).items()
+                       if k != "traceback" and not k.startswith("probs")} or None
+    levels = get("served", "levels") or []
+    out["served"] = {f"c{r['concurrency']}x{r['texts_per_request']}": {
+        "requests_per_s": r["requests_per_s"], "texts_per_s": r["texts_per_s"], "p99_ms": r["p99_ms"],
+        "errors": r["errors"]} for r in levels} or None
+    multi = next((r for r in levels if r["texts_per_request"] > 1), None)
+    offline = cur.get(str(budget))
+    out["served_over_offline_multi_text"] = multi["texts_per_s"] / offline if multi and offline else None
+    out["gpu_tests"] = get("gpu_tests", "summary")
+    out["failed_sections"] = sorted(k for k, v in results.items() if isinstance(v, dict) and "error" in v)
+    return out

@@ -1,0 +1,49 @@
+"""Checks that need a CUDA device: ``routing-service bench gpu`` runs them on a GPU (``pytest -m gpu``); without
+one they are skipped, and CI has none. What they hold there is what the CPU tests hold here: the packed stream
+gives the Hugging Face module's states, a text's answer does not depend on its batch, credit stays complete."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from service.modeling.backbone import Backbone
+from service.modeling.encoder import pack
+from service.serving.contract import CreditSpec
+from service.serving.engine import Engine, Task
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (bench gpu runs it)")]
+TEXTS = ["short text", "a medium sized sentence, with a comma; and more words than the first",
+         "The routing head reads every layer. " * 30, "x"]
+
+
+def test_the_stream_on_the_gpu_gives_the_hugging_face_modules_states(tiny_backbone_dir: Path) -> None:
+    bb = Backbone(str(tiny_backbone_dir), max_length=16, device="cuda")
+    assert bb.stream is not None
+    chunks = [[101] + [2000 + k] * n + [102] for k, n in enumerate([1, 12, 2, 13, 3, 14])]
+    lengths = np.array([len(c) for c in chunks])
+    flat = bb.stream(pack(np.concatenate(chunks), lengths, bb.device))  # [T e d]
+    bb.stream = None
+    for got, ref in zip(flat.split(lengths.tolist()), bb.run_chunks(chunks), strict=True):
+        torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_answers_on_the_gpu_match_the_cpus_and_do_not_depend_on_the_batch(tiny_repo: Path, dtype: str) -> None:
+    cpu = Engine.load(tiny_repo / "tiny", device="cpu")
+    gpu = Engine.load(tiny_repo / "tiny", device="cuda", dtype=dtype)
+    tol = 1e-4 if dtype == "float32" else 3e-2  # bfloat16 keeps 8 bits of mantissa in the encoder
+    spec = CreditSpec(detail="full")
+    batched = gpu.run([Task(t, credit=spec) for t in TEXTS])
+    reference = cpu.run([Task(t, credit=spec) for t in TEXTS])
+    for text, got, ref in zip(TEXTS, batched, reference, strict=True):
+        (alone,) = gpu.run([Task(text, credit=spec)])
+        for label, p in got.scores.items():
+            assert abs(p - ref.scores[label]) <= tol
+            assert abs(p - alone.scores[label]) <= (1e-5 if dtype == "float32" else 1e-2)
+        target = got.credit.targets[0]  # credit complete: the tokens' credit plus the baseline is the logit
+        assert abs(sum(target.tokens) + target.baseline - target.logit) <= 1e-4
