@@ -452,9 +452,12 @@ def bench_gpu(
     with user_errors(), extras("bench gpu", "bench,train"):
         import aiohttp  # noqa: F401  (the load generator)
 
+        def checkpoint(settings: dict, results: dict) -> None:  # kept if the run is stopped before its end
+            report.write_json(out, "gpu", settings, results, gpu.summarize(results, settings["default_budget"]))
+
         result = gpu.run(device, model, model_repository, n_texts, numbers(budgets, "--budgets"), seconds, rounds,
                          baseline, served_seconds, numbers(concurrency, "--concurrency"), load_processes,
-                         accuracy_texts, out.parent / "logs", texts_file)
+                         accuracy_texts, out.parent / "logs", texts_file, checkpoint)
     summary = result["summary"]
     typer.echo(json.dumps(summary, indent=1))
     path = report.write_json(out, "gpu", result["settings"], result["results"], summary)

@@ -105,8 +105,10 @@ def write_labelled(preset: str, limit: int, path: Path) -> None:
     path.write_text(json.dumps({"preset": preset, "texts": texts, "labels": labels}))
 
 
-def section(results: dict[str, Any], name: str, fn: Callable[[], Any]) -> None:
-    """``results[name] = fn()``, or the error it raised (the run goes on)."""
+def section(results: dict[str, Any], name: str, fn: Callable[[], Any],
+            checkpoint: Callable[[dict[str, Any]], None] | None = None) -> None:
+    """``results[name] = fn()``, or the error it raised (the run goes on); then ``checkpoint(results)`` (what a run
+    stopped at its time limit has measured so far is kept)."""
     report.echo(f"bench gpu: {name} ...", err=True)
     t0 = time.perf_counter()
     try:
@@ -115,6 +117,8 @@ def section(results: dict[str, Any], name: str, fn: Callable[[], Any]) -> None:
         results[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
         report.echo(f"bench gpu: {name} failed: {e}", err=True)
     report.echo(f"bench gpu: {name} took {time.perf_counter() - t0:.1f} s", err=True)
+    if checkpoint is not None:
+        checkpoint(results)
 
 
 def engine_turns(workers: dict[str, EngineWorker], budgets: list[int], max_texts: int, seconds: float,
@@ -271,8 +275,10 @@ def gpu_tests() -> dict[str, Any]:
 
 def run(device: str, model: str, repository: Path, n_texts: int, budgets: list[int], seconds: float, rounds: int,
         baseline: Path | None, served_seconds: float, concurrencies: list[int], load_processes: int,
-        accuracy_texts: int, logs: Path, texts_file: Path | None = None) -> dict[str, Any]:
-    """Every section (see the module's docstring); ``results`` and a ``summary`` of the headline numbers."""
+        accuracy_texts: int, logs: Path, texts_file: Path | None = None,
+        checkpoint: Callable[[dict[str, Any], dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Every section (see the module's docstring); ``results`` and a ``summary`` of the headline numbers.
+    ``checkpoint(settings, results)`` after each section."""
     import torch
 
     from service.config import CPU_BATCH, GPU_BATCH
@@ -281,6 +287,7 @@ def run(device: str, model: str, repository: Path, n_texts: int, budgets: list[i
     max_texts, default_budget = GPU_BATCH if cuda else CPU_BATCH
     budgets = sorted(set(budgets) | {default_budget})
     texts, labels = labelled_test(model, max(n_texts, accuracy_texts), path=texts_file)
+    given_texts = texts_file
     logs.mkdir(parents=True, exist_ok=True)
     files = tempfile.TemporaryDirectory(prefix="bench-gpu-")
     texts_file = Path(files.name) / "texts.json"
@@ -295,32 +302,37 @@ def run(device: str, model: str, repository: Path, n_texts: int, budgets: list[i
                     "dtype": dtype if dtype != "auto" else ("bfloat16" if cuda else "float32")}
         return EngineWorker(tree, settings, logs / f"engine-{name}-{dtype}.log")
 
-    results: dict[str, Any] = {}
-    versions = {"current": ROOT, **({"baseline": baseline.resolve()} if baseline else {})}
-    workers: dict[str, EngineWorker] = {}
-    try:
-        section(results, "load", lambda: {name: (workers.setdefault(name, worker(tree, name))).loaded
-                                          for name, tree in versions.items()})
-        section(results, "engine", lambda: engine_turns(workers, budgets, max_texts, seconds, rounds))
-        section(results, "profile", lambda: {name: w.ask("profile", budget=default_budget, max_texts=max_texts,
-                                                         batches=8) for name, w in workers.items()})
-        section(results, "latency", lambda: {name: w.ask("latency", n=200) for name, w in workers.items()})
-    finally:
-        for w in workers.values():
-            w.close()
-    dtypes = ["float32", "bfloat16"] if cuda else ["float32"]
-    section(results, "accuracy", lambda: accuracy(lambda dt: worker(ROOT, "accuracy", dt, labelled_file),
-                                                  labels[:accuracy_texts], dtypes, default_budget, max_texts))
-    levels = [(c, 1) for c in concurrencies] + [(64, 16)]
-    section(results, "served", lambda: served(repository, model, device, texts, levels, served_seconds,
-                                              load_processes, logs))
-    section(results, "gpu_tests", gpu_tests)
-    files.cleanup()
     settings = {"device": device, "model": model, "texts": n_texts, "budgets": budgets,
                 "default_budget": default_budget, "max_texts": max_texts, "seconds": seconds, "rounds": rounds,
                 "baseline": str(baseline) if baseline else None, "served_seconds": served_seconds,
                 "concurrencies": concurrencies, "load_processes": load_processes, "accuracy_texts": accuracy_texts,
+                "texts_file": str(given_texts) if given_texts else None,
                 "cuda_device": torch.cuda.get_device_name(0) if cuda and torch.cuda.is_available() else None}
+    results: dict[str, Any] = {}
+
+    def step(name: str, fn: Callable[[], Any]) -> None:
+        section(results, name, fn, None if checkpoint is None else lambda r: checkpoint(settings, r))
+
+    versions = {"current": ROOT, **({"baseline": baseline.resolve()} if baseline else {})}
+    workers: dict[str, EngineWorker] = {}
+    try:
+        step("load", lambda: {name: (workers.setdefault(name, worker(tree, name))).loaded
+                                          for name, tree in versions.items()})
+        step("engine", lambda: engine_turns(workers, budgets, max_texts, seconds, rounds))
+        step("profile", lambda: {name: w.ask("profile", budget=default_budget, max_texts=max_texts,
+                                                         batches=8) for name, w in workers.items()})
+        step("latency", lambda: {name: w.ask("latency", n=200) for name, w in workers.items()})
+    finally:
+        for w in workers.values():
+            w.close()
+    dtypes = ["float32", "bfloat16"] if cuda else ["float32"]
+    step("accuracy", lambda: accuracy(lambda dt: worker(ROOT, "accuracy", dt, labelled_file),
+                                                  labels[:accuracy_texts], dtypes, default_budget, max_texts))
+    levels = [(c, 1) for c in concurrencies] + [(64, 16)]
+    step("served", lambda: served(repository, model, device, texts, levels, served_seconds,
+                                              load_processes, logs))
+    step("gpu_tests", gpu_tests)
+    files.cleanup()
     return {"settings": settings, "results": results, "summary": summarize(results, default_budget)}
 
 
