@@ -428,6 +428,9 @@ def bench_gpu(
                                                          "--write-texts-file writes one)")] = None,
     write_texts_file: Annotated[Path | None, typer.Option(help="Write the labelled test texts to this file and "
                                                                "stop")] = None,
+    variant: Annotated[list[str] | None, typer.Option(help="NAME=VALUE: this version again with an engine setting "
+                                                           "changed (e.g. head_call_overhead=8192), in turns too")
+                       ] = None,
     model_repository: Path = Path("models"),
     out: Annotated[Path, typer.Option(help="JSON result file")] = Path("bench-results/gpu.json"),
 ) -> None:
@@ -441,6 +444,12 @@ def bench_gpu(
             gpu.write_labelled(model, max(n_texts, accuracy_texts), write_texts_file)
         typer.echo(f"wrote {write_texts_file}")
         return
+    variants = {}
+    for v in variant or []:
+        name, _, value = v.partition("=")
+        if not name.isidentifier() or not value:
+            raise typer.BadParameter(f"expected NAME=VALUE, got {v!r}", param_hint="--variant")
+        variants[name] = json.loads(value) if value.lstrip("-").replace(".", "", 1).isdigit() else value
     if baseline is not None and not (baseline / "service").is_dir():
         raise typer.BadParameter(f"{baseline} holds no service package", param_hint="--baseline")
     if device.startswith("cuda"):
@@ -457,7 +466,7 @@ def bench_gpu(
 
         result = gpu.run(device, model, model_repository, n_texts, numbers(budgets, "--budgets"), seconds, rounds,
                          baseline, served_seconds, numbers(concurrency, "--concurrency"), load_processes,
-                         accuracy_texts, out.parent / "logs", texts_file, checkpoint)
+                         accuracy_texts, out.parent / "logs", texts_file, checkpoint, variants)
     summary = result["summary"]
     typer.echo(json.dumps(summary, indent=1))
     path = report.write_json(out, "gpu", result["settings"], result["results"], summary)

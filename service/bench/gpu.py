@@ -50,7 +50,7 @@ class EngineWorker:
     def __init__(self, tree: Path, settings: dict[str, Any], log: Path) -> None:
         self.log_path = log
         self._log = log.open("w")
-        env = {**os.environ, "PYTHONPATH": str(tree)}
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tree), os.environ.get("PYTHONPATH")]))}
         self.proc = subprocess.Popen([sys.executable, "-c", WORKER.read_text()], cwd=tree, env=env, text=True,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log)
         self.loaded = self._send(settings)
@@ -276,7 +276,8 @@ def gpu_tests() -> dict[str, Any]:
 def run(device: str, model: str, repository: Path, n_texts: int, budgets: list[int], seconds: float, rounds: int,
         baseline: Path | None, served_seconds: float, concurrencies: list[int], load_processes: int,
         accuracy_texts: int, logs: Path, texts_file: Path | None = None,
-        checkpoint: Callable[[dict[str, Any], dict[str, Any]], None] | None = None) -> dict[str, Any]:
+        checkpoint: Callable[[dict[str, Any], dict[str, Any]], None] | None = None,
+        variant: dict[str, Any] | None = None) -> dict[str, Any]:
     """Every section (see the module's docstring); ``results`` and a ``summary`` of the headline numbers.
     ``checkpoint(settings, results)`` after each section."""
     import torch
@@ -296,8 +297,10 @@ def run(device: str, model: str, repository: Path, n_texts: int, budgets: list[i
     labelled_file.write_text(json.dumps(texts[:accuracy_texts]))
     repository = repository.resolve()
 
-    def worker(tree: Path, name: str, dtype: str = "auto", path: Path = texts_file) -> EngineWorker:
+    def worker(tree: Path, name: str, dtype: str = "auto", path: Path = texts_file,
+               engine: dict[str, Any] | None = None) -> EngineWorker:
         settings = {"repository": str(repository), "model": model, "device": device, "texts_file": str(path),
+                    "engine": engine or {},
                     # an older version may not know "auto": give it what auto means
                     "dtype": dtype if dtype != "auto" else ("bfloat16" if cuda else "float32")}
         return EngineWorker(tree, settings, logs / f"engine-{name}-{dtype}.log")
@@ -306,7 +309,7 @@ def run(device: str, model: str, repository: Path, n_texts: int, budgets: list[i
                 "default_budget": default_budget, "max_texts": max_texts, "seconds": seconds, "rounds": rounds,
                 "baseline": str(baseline) if baseline else None, "served_seconds": served_seconds,
                 "concurrencies": concurrencies, "load_processes": load_processes, "accuracy_texts": accuracy_texts,
-                "texts_file": str(given_texts) if given_texts else None,
+                "texts_file": str(given_texts) if given_texts else None, "variant": variant,
                 "cuda_device": torch.cuda.get_device_name(0) if cuda and torch.cuda.is_available() else None}
     results: dict[str, Any] = {}
 
@@ -314,10 +317,12 @@ def run(device: str, model: str, repository: Path, n_texts: int, budgets: list[i
         section(results, name, fn, None if checkpoint is None else lambda r: checkpoint(settings, r))
 
     versions = {"current": ROOT, **({"baseline": baseline.resolve()} if baseline else {})}
+    variants = {f"current-{k}-{v}": {k: v} for k, v in (variant or {}).items()}  # this version, one setting changed
+    versions.update(dict.fromkeys(variants, ROOT))
     workers: dict[str, EngineWorker] = {}
     try:
-        step("load", lambda: {name: (workers.setdefault(name, worker(tree, name))).loaded
-                                          for name, tree in versions.items()})
+        step("load", lambda: {name: (workers.setdefault(name, worker(tree, name, engine=variants.get(name)))).loaded
+                              for name, tree in versions.items()})
         step("engine", lambda: engine_turns(workers, budgets, max_texts, seconds, rounds))
         step("profile", lambda: {name: w.ask("profile", budget=default_budget, max_texts=max_texts,
                                                          batches=8) for name, w in workers.items()})
@@ -352,7 +357,7 @@ def summarize(results: dict[str, Any], budget: int) -> dict[str, Any]:
 
     out: dict[str, Any] = {"default_budget": budget}
     engine = get("engine") or {}
-    for name in ("current", "baseline"):
+    for name in ["current", "baseline", *(n for n in engine if n.startswith("current-"))]:
         per = {b: best(name, int(b)) for b in (engine.get(name) or {})}
         out[f"offline_texts_per_s_{name}"] = per or None
         piped = {b: best(name, int(b), "texts_per_s_pipelined") for b in (engine.get(name) or {})}
@@ -369,6 +374,11 @@ def summarize(results: dict[str, Any], budget: int) -> dict[str, Any]:
     out["kernels_per_batch"] = prof.get("kernels_per_batch")
     out["torch_ops_per_batch"] = prof.get("torch_ops_per_batch")
     out["baseline_kernels_per_batch"] = get("profile", "baseline", "kernels_per_batch")
+    for name in (n for n in get("profile") or {} if n.startswith("current-")):
+        out[f"kernels_per_batch_{name}"] = get("profile", name, "kernels_per_batch")
+        busy_v = get("profile", name, "device_busy_ms_per_batch")
+        ms_v = [r["ms_per_batch"] for r in (engine.get(name) or {}).get(str(budget)) or []]
+        out[f"device_busy_share_{name}"] = busy_v / min(ms_v) if busy_v and ms_v else None
     ms = [r["ms_per_batch"] for r in (engine.get("current") or {}).get(str(budget)) or []]
     busy = prof.get("device_busy_ms_per_batch")
     out["device_busy_share"] = busy / min(ms) if busy and ms else None

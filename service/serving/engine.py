@@ -172,6 +172,10 @@ class Engine(Planner):
         self.head_batch_positions = backbone.chunk_batch_tokens * (1 if device.type == "cpu" else 4)
         """Padded positions (texts x their longest) per head call. On a GPU larger than the encoder's budget: a
         head call costs about a hundred kernel launches, a padded position little."""
+        self.head_call_overhead = 2 * backbone.call_overhead
+        """What one more head call costs, in padded positions, when texts are cut into length groups. On the CPU
+        2.4 ms a call against 0.018 ms a padded position; on a GPU, where the host launching the calls' kernels
+        is the limit, more."""
 
     @classmethod
     def load(cls, folders: Path | Sequence[Path], device: str = "auto", dtype: str = "auto",
@@ -405,10 +409,8 @@ class Engine(Planner):
 
     def _head_groups(self, lengths: list[int]) -> list[list[int]]:
         """Texts (by index into ``lengths``) in length groups within ``head_batch_positions`` padded positions, so
-        short texts are not padded to a long one. A call of the head costs about twice what one of the
-        encoder does in padded positions (on the CPU: 2.4 ms a call against 0.018 ms a padded position),
-        so it is cut less often."""
-        return length_groups(lengths, 2 * self.backbone.call_overhead, self.head_batch_positions)
+        short texts are not padded to a long one, where that saves more than ``head_call_overhead``."""
+        return length_groups(lengths, self.head_call_overhead, self.head_batch_positions)
 
     def _heads(self, keys: list[str], enc: Encoded, specs: list[CreditSpec | None]) -> Prediction | None:
         """The heads' computation for texts whose chunks are all encoded (``enc``: their gathered hidden states; text
