@@ -12,7 +12,11 @@ sorted by length) run through :meth:`Engine.run`:
   heads' copy of the scores back waits for every kernel before it);
 - on a GPU, per batch: kernels launched and the device's busy time (the sum of its kernels' durations), and each
   phase's device milliseconds. A device busy for a small share of the wall time is waiting on the process that
-  launches its kernels.
+  launches its kernels;
+- ``host_us_per_text``: the engine's own work per text over the timed passes (see ``EngineClock``: everything in
+  ``run_chunks`` but the encoder's and heads' forward calls and the wait for the device; tokenizing is the fronts'
+  and is left out), timed without the profiler; ``torch_ops_per_batch``: the torch operators the engine calls
+  (not those they call in turn), from the profile.
 """
 
 from __future__ import annotations
@@ -40,21 +44,31 @@ def _sync(engine: Engine) -> Callable[[], None]:
     return torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
 
 
-def ms_per_batch(engine: Engine, batches: list[list[str]], seconds: float) -> float:
-    """Wall milliseconds per batch over whole passes of ``batches`` lasting at least ``seconds``."""
+def timed(engine: Engine, batches: list[list[str]], seconds: float) -> tuple[float, float]:
+    """Wall milliseconds per batch and the engine's host microseconds per text, over whole passes of ``batches``
+    lasting at least ``seconds`` (the texts tokenized once, before: that is the fronts' work)."""
     from service.serving.engine import Task
 
     sync = _sync(engine)
-    engine.run([Task(t) for t in batches[0]])  # warm-up at this size
+    model = engine.default
+    length = engine.max_length(model)
+    tasks = [[Task(t, e[length], model) for t, e in zip(batch, engine.encode(batch, [model] * len(batch)),
+                                                        strict=True)] for batch in batches]
+    engine.run(tasks[0])  # warm-up at this size
     sync()
+    host0 = engine.clock.host_s
+    passes = 0
 
     def one_pass() -> None:
-        for batch in batches:
-            engine.run([Task(t) for t in batch])
+        nonlocal passes
+        for batch in tasks:
+            engine.run(batch)
         sync()
+        passes += 1
 
     size = len(batches[0])
-    return 1000 * size / whole_passes(one_pass, size * len(batches), seconds)
+    rate = whole_passes(one_pass, size * len(batches), seconds)
+    return 1000 * size / rate, 1e6 * (engine.clock.host_s - host0) / (passes * size * len(batches))
 
 
 def phases(engine: Engine, batches: list[list[str]]) -> dict[str, Any]:
@@ -77,17 +91,28 @@ def phases(engine: Engine, batches: list[list[str]]) -> dict[str, Any]:
     n = len(batches)
     events = prof.events()
     ranges = [e for e in events if e.name in PHASES and e.device_type == DeviceType.CPU]
-    out: dict[str, Any] = {"profiled_ms_per_batch": 1000 * wall / n,
+    calls = [e for e in events if e.device_type == DeviceType.CPU and e.name.startswith("aten::") and _outermost(e)]
+    out: dict[str, Any] = {"profiled_ms_per_batch": 1000 * wall / n, "torch_ops_per_batch": len(calls) / n,
                            "process_ms": {p.removeprefix("engine."): sum(e.cpu_time_total for e in ranges
                                                                            if e.name == p) / 1000 / n
                                           for p in PHASES}}
-    if cuda:
+    if cuda:  # the ranges appear on the device too, spanning their kernels: they are none
         device = [e for e in events if e.device_type == DeviceType.CUDA and e.name not in PHASES]
         out["kernels_per_batch"] = sum(1 for e in device if not e.name.startswith(("Memcpy", "Memset"))) / n
         out["device_busy_ms"] = sum(e.time_range.elapsed_us() for e in device) / 1000 / n
         out["device_ms"] = {p.removeprefix("engine."): sum(e.device_time_total for e in ranges if e.name == p)
                             / 1000 / n for p in PHASES}
     return out
+
+
+def _outermost(event: Any) -> bool:
+    """Whether a profiled operator was called by the engine, not inside another operator."""
+    parent = getattr(event, "cpu_parent", None)
+    while parent is not None:
+        if parent.name.startswith("aten::"):
+            return False
+        parent = getattr(parent, "cpu_parent", None)
+    return True
 
 
 def run(engine: Engine, texts: list[str], sizes: list[int], seconds: float, profiled: int = 16
@@ -99,9 +124,9 @@ def run(engine: Engine, texts: list[str], sizes: list[int], seconds: float, prof
         batches = batches_of(texts, size)
         if not batches:
             continue
-        wall = ms_per_batch(engine, batches, seconds)
+        wall, host = timed(engine, batches, seconds)
         rows.append({"batch_size": size, "ms_per_batch": wall, "texts_per_s": 1000 * size / wall,
-                     **phases(engine, batches[:profiled])})
+                     "host_us_per_text": host, **phases(engine, batches[:profiled])})
     return rows
 
 

@@ -131,7 +131,9 @@ def main() -> None:
             ranges = [e for e in events if e.device_type == DeviceType.CUDA and e.name.startswith("engine.")]
             device = [e for e in events if e.device_type == DeviceType.CUDA and not e.name.startswith("engine.")]
             kernels = [e for e in device if not e.name.startswith(("Memcpy", "Memset"))]
-            def outermost(e: object) -> bool:  # an operator the engine called, not one inside another
+            # an operator the engine called, not one inside another (as bench engine counts them; written again
+            # here, since this script imports nothing of the version it measures beyond the engine)
+            def outermost(e: object) -> bool:
                 parent = getattr(e, "cpu_parent", None)
                 while parent is not None:
                     if parent.name.startswith("aten::"):

@@ -44,6 +44,18 @@ def test_a_row_per_batch_size_with_a_whole_batch(tiny_repo: Path) -> None:
     assert [r["batch_size"] for r in rows] == [1, 8]  # no batch of 100 in 24 texts
     for r in rows:
         assert abs(r["texts_per_s"] - 1000 * r["batch_size"] / r["ms_per_batch"]) < 1e-6
+        assert 0 < r["host_us_per_text"] < 1000 * r["ms_per_batch"] / r["batch_size"]  # a part of each text's time
+        assert r["torch_ops_per_batch"] > 10
+
+
+def test_torch_operators_per_batch_do_not_grow_with_its_texts(tiny_repo: Path) -> None:
+    """Texts of one length are one head call: a batch of 16 calls as many operators as a batch of 2 (the packed
+    stream is one encoder call, their states one gather, their scores one copy)."""
+    engine = Engine.load(tiny_repo / "tiny", device="cpu")
+    same = [f"text {k:02d} here" for k in range(16)]  # one token count each
+    assert len({e[16].n_tokens for e in engine.encode(same, [engine.default] * 16)}) == 1
+    ops = {n: phases(engine, batches_of(same, n)[:2])["torch_ops_per_batch"] for n in (2, 16)}
+    assert ops[2] == ops[16], ops
 
 
 def test_the_command_writes_a_row_per_batch_size(tiny_repo: Path, tmp_path: Path) -> None:

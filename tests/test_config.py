@@ -1,0 +1,39 @@
+"""Settings that depend on where the backbone computes: batch limits and the backbone's precision."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from service.config import CPU_BATCH, GPU_BATCH, Settings
+from service.serving.engine import resolve_dtype
+from tests.serving.test_tokenize_once import started
+
+
+def test_batch_limits_default_per_device_and_as_set() -> None:
+    s = Settings()
+    assert s.max_batch_size is None and s.max_batch_tokens is None  # chosen where the backbone loads
+    assert s.batch_limits("cpu") == CPU_BATCH == (32, 8192)
+    assert s.batch_limits("cuda:0") == s.batch_limits("cuda") == GPU_BATCH == (1024, 16384)
+    assert Settings(max_batch_size=8).batch_limits("cuda") == (8, 16384)
+    assert Settings(max_batch_tokens=4096).batch_limits("cpu") == (32, 4096)
+    with pytest.raises(ValueError, match="greater than or equal to 16"):
+        Settings(max_batch_tokens=8)
+
+
+def test_auto_precision_is_bfloat16_on_a_gpu_and_float32_on_a_cpu() -> None:
+    assert Settings().dtype == "auto"
+    assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
+    assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
+    assert resolve_dtype("float32", torch.device("cuda")) == torch.float32
+    with pytest.raises(ValueError, match="only supported on GPU"):
+        resolve_dtype("bfloat16", torch.device("cpu"))
+
+
+def test_a_server_on_the_cpu_batches_with_the_cpus_limits(tiny_repo: Path) -> None:
+    for c, _ in started(tiny_repo):
+        limits = c.app.state.app_state.inference.models["tiny"].batcher.limits
+        assert (limits.max_batch_size, limits.max_batch_tokens) == CPU_BATCH
+        assert c.get("/v1/models/tiny").json()["dtype"] == "float32"  # auto, on a CPU
