@@ -1,0 +1,60 @@
+"""`bench gpu --device cpu`: the same measurements as on a GPU, run here as CI's smoke test on the tiny model. Every
+section runs without error and the summary has every field, measured where a CPU measures it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from service.bench.gpu import ROOT, closed_loop, labelled_test, write_labelled
+from service.cli import app
+
+
+
+def test_every_section_runs_and_every_field_is_written_on_the_cpu(tiny_repo: Path, tmp_path: Path) -> None:
+    texts = tmp_path / "texts.json"
+    texts.write_text(json.dumps({"texts": [f"text {k} " + "word " * (k % 9) for k in range(40)],
+                                 "labels": [["alpha", "beta", "gamma"][k % 3] for k in range(40)]}))
+    out = tmp_path / "gpu.json"
+    res = CliRunner().invoke(app, [
+        "bench", "gpu", "--device", "cpu", "--model", "tiny", "--model-repository", str(tiny_repo),
+        "--texts-file", str(texts), "--texts", "32", "--budgets", "64", "--seconds", "0.05", "--rounds", "2",
+        "--baseline", str(ROOT), "--served-seconds", "0.3", "--concurrency", "4", "--load-processes", "2",
+        "--accuracy-texts", "20", "--variant", "head_call_overhead=4096", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(out.read_text())
+    results, summary = doc["results"], doc["summary"]
+    assert summary["failed_sections"] == [], {k: v.get("error") for k, v in results.items() if "error" in v}
+    assert set(results) == {"load", "engine", "profile", "latency", "accuracy", "served", "gpu_tests"}
+    empty = {k for k, v in summary.items() if v is None}
+    assert all(k.startswith("device_busy_share") for k in empty), empty  # a CPU has no device to be busy
+    assert summary["kernels_per_batch"] == 0 and summary["torch_ops_per_batch"] > 0
+    assert set(results["engine"]) == {"current", "baseline", "current-head_call_overhead-4096"}
+    for rows in results["engine"]["current"].values():  # both rounds, sequential and two batches in flight
+        assert len(rows) == 2 and all(r["texts_per_s"] > 0 and r["texts_per_s_pipelined"] > 0 for r in rows)
+        assert all(r["host_us_per_text"] > 0 for r in rows)
+    assert sorted(results["engine"]["current"]) == ["64", "8192"]  # the CPU's default budget is added
+    assert summary["accuracy"]["texts"] == 20 and 0 <= summary["accuracy"]["accuracy_float32"] <= 1
+    assert summary["accuracy"]["largest_probability_change_alone_vs_mixed_float32"] <= 1e-5  # batch invariance
+    served = summary["served"]
+    assert set(served) == {"c4x1", "c64x16"} and all(v["errors"] == 0 and v["texts_per_s"] > 0
+                                                      for v in served.values())
+    said = summary["gpu_tests"]  # pytest's last line: the GPU tests found and skipped here, none failing
+    assert " skipped" in said and "failed" not in said and "error" not in said, said
+
+
+def test_labelled_texts_round_trip_through_a_file(tmp_path: Path) -> None:
+    path = tmp_path / "t.json"
+    write_labelled("tweet-sentiment", 50, path)
+    texts, labels = labelled_test("tweet-sentiment", 50, path=path)
+    assert (texts, labels) == labelled_test("tweet-sentiment", 50)  # the same seeded sample
+    assert labelled_test("tweet-sentiment", 10, path=path) == (texts[:10], labels[:10])
+    assert set(labels) <= {"negative", "neutral", "positive"}
+
+
+def test_the_load_generator_counts_what_was_answered(tiny: object) -> None:
+    row = closed_loop(tiny.url, ["a text", "another text"], concurrency=4, per_request=2, seconds=0.3, processes=2)
+    assert row["errors"] == 0 and row["requests_per_s"] > 0
+    assert abs(row["texts_per_s"] - 2 * row["requests_per_s"]) < 1e-6 and row["p50_ms"] <= row["p99_ms"]
