@@ -12,7 +12,6 @@ from service.bench.gpu import ROOT, closed_loop, labelled_test, write_labelled
 from service.cli import app
 
 
-
 def test_every_section_runs_and_every_field_is_written_on_the_cpu(tiny_repo: Path, tmp_path: Path) -> None:
     texts = tmp_path / "texts.json"
     texts.write_text(json.dumps({"texts": [f"text {k} " + "word " * (k % 9) for k in range(40)],
