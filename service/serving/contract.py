@@ -112,12 +112,15 @@ class Credit:
 
 @dataclass
 class Result:
-    """One text's answer from one head; ``error`` (the scores were not finite) replaces everything else."""
+    """One text's answer from one head; ``error`` (the scores were not finite, or the device could not compute it)
+    replaces everything else; ``unavailable``: the error is the device's state, not the text's (out of memory even
+    alone): the client may retry."""
 
     label: str
     scores: dict[str, float]
     credit: Credit | None = None
     error: str | None = None
+    unavailable: bool = False
 
 
 Answer = list[Result]
@@ -137,6 +140,9 @@ class TextJob:
     states: list[Any]
     left: int
     key: int = field(default_factory=lambda: next(_JOB_KEYS))
+    failed: str | None = None
+    """Why a chunk of the text could not be computed (the device ran out of memory for it alone): the text is
+    answered with this error, unavailable, once its last chunk comes."""
 
     @classmethod
     def of(cls, encoding: Encoding, asks: Sequence[Ask]) -> TextJob:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -53,6 +54,7 @@ def _phase(name: str) -> contextlib.AbstractContextManager[object]:
     return record_function(name) if torch._C._autograd._profiler_enabled() else contextlib.nullcontext()
 
 
+log = logging.getLogger("service.engine")
 TORCH_DTYPES = {name: getattr(torch, name) for name in DTYPES}
 
 
@@ -259,8 +261,32 @@ class Engine(Planner):
     def run_chunks(self, works: list[ChunkWork]) -> list[Answer | None]:
         """Encode a batch of chunks once, as one packed token stream; run each head on every text completed here
         that asked for it (in length groups) and answer each such text at its last chunk's place. The other
-        places are None."""
-        return self.finish(self.submit(works))
+        places are None.
+
+        A batch the device has no memory for is split in two and each half run in turn (and so on); a chunk that
+        does not fit even alone fails its text only, answered ``unavailable`` (the server says 503: retry)."""
+        held = [(w.job, w.job.left, list(w.job.states)) for w in works]
+        try:
+            return self.finish(self.submit(works))
+        except torch.OutOfMemoryError as e:
+            for job, left, states in held:  # as before the attempt: each half starts from there
+                job.left, job.states = left, states
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            if len(works) > 1:
+                log.warning("backbone %s: out of memory for a batch of %d chunks (%d tokens): split in two",
+                            self.name, len(works), sum(len(w.ids) for w in works))
+                half = len(works) // 2
+                return self.run_chunks(works[:half]) + self.run_chunks(works[half:])
+            (w,) = works
+            job = w.job
+            job.failed = f"the device ran out of memory for this text's chunk of {len(w.ids)} tokens alone: {e}"
+            log.error("backbone %s: %s", self.name, job.failed)
+            job.left -= 1
+            if job.left:  # answered once its last chunk comes (see _submit)
+                return [None]
+            job.states = []
+            return [[Result(label="", scores={}, error=job.failed, unavailable=True) for _ in job.asks]]
 
     def run_pipelined(self, batches: Iterable[list[Task]]) -> Iterator[list[Result]]:
         """Each batch's results, as :meth:`run` gives them, with two batches in flight: batch ``k + 1`` is packed and
@@ -316,6 +342,8 @@ class Engine(Planner):
             w.job.left -= 1
             if w.job.left == 0:
                 done[pos] = w.job
+        failed = {pos: job for pos, job in done.items() if job.failed}
+        done = {pos: job for pos, job in done.items() if not job.failed}
         for pos, w in enumerate(works):
             if w.job.left:  # the text goes on in a later batch: its chunk's states kept (a copy: not the batch's)
                 w.job.states[w.k] = flat[starts[pos] : starts[pos] + lengths[pos]].clone()  # [L_c e d]
@@ -351,6 +379,10 @@ class Engine(Planner):
                 ready.record()
             else:
                 probs = on_device
+        for pos, job in failed.items():  # answered with why, no head run
+            job.states = []
+            calls.append(([(pos, a) for a in range(len(job.asks))], [a.model or self.default for a in job.asks], None))
+            done[pos] = job
         return Submitted(len(works), done, calls, probs, ready)
 
     def _sources(self, flat: torch.Tensor, starts: np.ndarray, lengths: np.ndarray, done: dict[int, TextJob]
@@ -437,9 +469,11 @@ class Engine(Planner):
         with _phase("engine.results"):
             at = 0
             for chosen, keys, pred in calls:
-                if pred is None:
+                if pred is None:  # a head dropped meanwhile, or a text the device could not compute
                     for place in chosen:
-                        results[place] = Result(label="", scores={}, error=f"model {model_of(keys[0])} was unloaded")
+                        why = done[place[0]].failed
+                        results[place] = (Result(label="", scores={}, error=why, unavailable=True) if why else
+                                          Result(label="", scores={}, error=f"model {model_of(keys[0])} was unloaded"))
                     continue
                 assert probs is not None
                 b, k = pred.probs.shape

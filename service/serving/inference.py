@@ -290,9 +290,11 @@ class Inference:
             for job, t, answer in zip(jobs, places, got, strict=True):
                 for ask, res in zip(job.asks, answer, strict=True):
                     results[(index[ask.model or ""], t)] = res
-        failed = next((r.error for r in results.values() if r.error), None)
-        if failed:
-            raise APIError(500, failed, reason="internal")
+        failed = next((r for r in results.values() if r.error), None)
+        if failed is not None and failed.unavailable:  # the device's state, not the text: the client may retry
+            raise errors.unavailable(failed.error or "", "overloaded")
+        if failed is not None:
+            raise APIError(500, failed.error or "", reason="internal")
         explained = {key: enc for key, enc in encodings.items() if specs[key[0]] is not None}
         tokens = await render.off_loop(lambda: self._tokens(backbones, explained)) if explained else {}
         return [[Scored(text, results[(m, t)], encodings[(m, t)], tokens.get(id(encodings[(m, t)])))
