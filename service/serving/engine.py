@@ -174,10 +174,12 @@ class Engine(Planner):
         self.head_batch_positions = backbone.chunk_batch_tokens * (1 if device.type == "cpu" else 4)
         """Padded positions (texts x their longest) per head call. On a GPU larger than the encoder's budget: a
         head call costs about a hundred kernel launches, a padded position little."""
-        self.head_call_overhead = 2 * backbone.call_overhead
+        self.head_call_overhead = 2 * backbone.call_overhead if device.type == "cpu" else 8192
         """What one more head call costs, in padded positions, when texts are cut into length groups. On the CPU
-        2.4 ms a call against 0.018 ms a padded position; on a GPU, where the host launching the calls' kernels
-        is the limit, more."""
+        2.4 ms a call against 0.018 ms a padded position (128). On a GPU the host launching the calls' kernels is
+        the limit: 8,192 cut batches of 456 tweets into fewer calls than 2,048 did, 371 kernels a batch against
+        495, and 13.3 against 10.2 thousand tweets/s at 4,096-token batches, 15.8 against 15.7 at 16,384 (an H200,
+        bench gpu --variant, bench-results/gpu-h200-2.json)."""
 
     @classmethod
     def load(cls, folders: Path | Sequence[Path], device: str = "auto", dtype: str = "auto",
