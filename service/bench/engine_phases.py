@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from service.bench.engine_worker import outermost
 from service.bench.report import whole_passes
 
 if TYPE_CHECKING:
@@ -91,7 +92,7 @@ def phases(engine: Engine, batches: list[list[str]]) -> dict[str, Any]:
     n = len(batches)
     events = prof.events()
     ranges = [e for e in events if e.name in PHASES and e.device_type == DeviceType.CPU]
-    calls = [e for e in events if e.device_type == DeviceType.CPU and e.name.startswith("aten::") and _outermost(e)]
+    calls = [e for e in events if e.device_type == DeviceType.CPU and e.name.startswith("aten::") and outermost(e)]
     out: dict[str, Any] = {"profiled_ms_per_batch": 1000 * wall / n, "torch_ops_per_batch": len(calls) / n,
                            "process_ms": {p.removeprefix("engine."): sum(e.cpu_time_total for e in ranges
                                                                            if e.name == p) / 1000 / n
@@ -103,16 +104,6 @@ def phases(engine: Engine, batches: list[list[str]]) -> dict[str, Any]:
         out["device_ms"] = {p.removeprefix("engine."): sum(e.device_time_total for e in ranges if e.name == p)
                             / 1000 / n for p in PHASES}
     return out
-
-
-def _outermost(event: Any) -> bool:
-    """Whether a profiled operator was called by the engine, not inside another operator."""
-    parent = getattr(event, "cpu_parent", None)
-    while parent is not None:
-        if parent.name.startswith("aten::"):
-            return False
-        parent = getattr(parent, "cpu_parent", None)
-    return True
 
 
 def run(engine: Engine, texts: list[str], sizes: list[int], seconds: float, profiled: int = 16

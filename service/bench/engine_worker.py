@@ -23,6 +23,17 @@ def answer(obj: object) -> None:
     sys.stdout.flush()
 
 
+def outermost(event: object) -> bool:
+    """Whether a profiled operator was called by the engine, not inside another operator (``bench engine`` counts
+    them with this too)."""
+    parent = getattr(event, "cpu_parent", None)
+    while parent is not None:
+        if parent.name.startswith("aten::"):
+            return False
+        parent = getattr(parent, "cpu_parent", None)
+    return True
+
+
 def main() -> None:
     cfg = json.loads(sys.stdin.readline())
     import torch
@@ -131,16 +142,6 @@ def main() -> None:
             ranges = [e for e in events if e.device_type == DeviceType.CUDA and e.name.startswith("engine.")]
             device = [e for e in events if e.device_type == DeviceType.CUDA and not e.name.startswith("engine.")]
             kernels = [e for e in device if not e.name.startswith(("Memcpy", "Memset"))]
-            # an operator the engine called, not one inside another (as bench engine counts them; written again
-            # here, since this script imports nothing of the version it measures beyond the engine)
-            def outermost(e: object) -> bool:
-                parent = getattr(e, "cpu_parent", None)
-                while parent is not None:
-                    if parent.name.startswith("aten::"):
-                        return False
-                    parent = getattr(parent, "cpu_parent", None)
-                return True
-
             ops = [e for e in events if e.device_type == DeviceType.CPU and e.name.startswith("aten::")
                    and outermost(e)]
             by_name: dict[str, float] = {}

@@ -37,12 +37,7 @@ def length_groups(lengths: Sequence[int], overhead: int, budget: int) -> list[li
             cost = best[i] + overhead + padded
             if cost < best[j]:
                 best[j], cut[j] = cost, i
-    groups: list[list[int]] = []
-    j = len(order)
-    while j > 0:
-        groups.append(order[cut[j] : j])
-        j = cut[j]
-    return groups[::-1]
+    return _cut(order, cut)
 
 
 def _run_groups(lengths: Sequence[int], order: list[int], overhead: int) -> list[list[int]]:
@@ -57,6 +52,11 @@ def _run_groups(lengths: Sequence[int], order: list[int], overhead: int) -> list
         longest = lengths[order[j - 1]]
         best[j], cut[j] = min((best[i] + overhead + (j - i) * longest, -i) for i in [0, *ends[:m]])
         cut[j] = -cut[j]
+    return _cut(order, cut)
+
+
+def _cut(order: list[int], cut: Sequence[int] | dict[int, int]) -> list[list[int]]:
+    """The groups the dynamic program chose, first to last: the last one is ``order[cut[n]:n]``, and so on back."""
     groups: list[list[int]] = []
     j = len(order)
     while j > 0:
