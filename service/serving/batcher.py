@@ -26,7 +26,7 @@ Groups share the worker fairly: each batch is built around the oldest item of th
 waited longest since its last batch finished, so a group of many items (a long text's chunks) is
 spread over several batches and a group that arrives meanwhile goes in the next one. ``run_batch``
 may answer an item with None when it is part of a group answered through another of its items;
-the observer gets each batch's payloads and results (None for a failed batch) and reads what it
+the observer gets each batch's payloads, results (None for a failed batch) and cost in all, and reads what it
 counts from them.
 
 Every accepted item gets exactly one answer: its result, the batch's exception, or
@@ -74,7 +74,7 @@ class BatchObserver(Protocol[P, R]):
 
     def on_queue_depth(self, depth: int) -> None: ...
     def on_drop(self, reason: str, payloads: Sequence[P]) -> None: ...
-    def on_batch(self, payloads: Sequence[P], results: Sequence[R] | None, padded_cost: int,
+    def on_batch(self, payloads: Sequence[P], results: Sequence[R] | None, cost: int,
                  waits: Sequence[float], seconds: float) -> None: ...
 
 
@@ -85,7 +85,7 @@ class NullObserver(Generic[P, R]):
     def on_drop(self, reason: str, payloads: Sequence[P]) -> None:
         pass
 
-    def on_batch(self, payloads: Sequence[P], results: Sequence[R] | None, padded_cost: int,
+    def on_batch(self, payloads: Sequence[P], results: Sequence[R] | None, cost: int,
                  waits: Sequence[float], seconds: float) -> None:
         pass
 
@@ -426,11 +426,10 @@ class Batcher(Generic[P, R]):
         queued = self._queued
         self._served = {g: t for g, t in self._served.items() if g in queued}
         self._served.update((it.group, finished) for it in batch if it.group in queued)
-        widest = max(it.cost for it in batch)
-        log.debug("batch %s: %d items, %d groups, cost %d (padded %d), %.4f s", self.name, len(batch),
-                  len({it.group for it in batch}), sum(it.cost for it in batch), widest * len(batch),
-                  finished - started)
-        self.observer.on_batch([it.payload for it in batch], results if ok else None, widest * len(batch),
+        cost = sum(it.cost for it in batch)
+        log.debug("batch %s: %d items, %d groups, cost %d, %.4f s", self.name, len(batch),
+                  len({it.group for it in batch}), cost, finished - started)
+        self.observer.on_batch([it.payload for it in batch], results if ok else None, cost,
                                [started - it.enqueued for it in batch], finished - started)
 
 

@@ -25,7 +25,6 @@ from service.serving.stats import InferenceStats
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 TOKEN_BUCKETS = (16, 64, 256, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
-RATIO_BUCKETS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 
 FAILURE_REASONS = ("validation", "overloaded", "deadline", "disconnected", "auth", "internal", "draining")
 
@@ -141,10 +140,9 @@ class Metrics:
                                        "batch", ["backbone"], buckets=LATENCY_BUCKETS, registry=r)
         self.batch_size = Histogram("routing_batch_size", f"Chunks {CHUNK} per batch", ["backbone"],
                                     buckets=BATCH_SIZE_BUCKETS, registry=r)
-        self.batch_tokens = Histogram("routing_batch_padded_tokens", "Padded tokens per batch", ["backbone"],
-                                      buckets=TOKEN_BUCKETS, registry=r)
-        self.padding_ratio = Histogram("routing_batch_padding_ratio", "Share of a batch's tokens that are padding",
-                                       ["backbone"], buckets=RATIO_BUCKETS, registry=r)
+        self.batch_tokens = Histogram("routing_batch_tokens", "Tokens per batch, special tokens included (what "
+                                      "ROUTING_MAX_BATCH_TOKENS limits; the encoder packs them, no padding)",
+                                      ["backbone"], buckets=TOKEN_BUCKETS, registry=r)
         self.queue_depth = Gauge("routing_queue_depth", f"Chunks {CHUNK} waiting in a backbone's queue",
                                  ["backbone"], registry=r)
         self.texts = Counter("routing_texts_processed_total", "Texts answered by the model (every chunk encoded, "
@@ -224,7 +222,7 @@ class BatchMetrics:
 
     def __init__(self, m: Metrics, backbone: str) -> None:
         self.m, self.backbone = m, backbone
-        for h in (m.batch_seconds, m.batch_size, m.batch_tokens, m.padding_ratio):
+        for h in (m.batch_seconds, m.batch_size, m.batch_tokens):
             h.labels(backbone)
         m.queue_depth.labels(backbone).set(0)
 
@@ -236,13 +234,11 @@ class BatchMetrics:
         for model, n in texts.items():
             self.m.dropped.labels(model, reason).inc(n)
 
-    def on_batch(self, payloads: Sequence[ChunkWork], results: Sequence[Answer | None] | None, padded_cost: int,
+    def on_batch(self, payloads: Sequence[ChunkWork], results: Sequence[Answer | None] | None, cost: int,
                  waits: Sequence[float], seconds: float) -> None:
         m, backbone = self.m, self.backbone
-        real_cost = sum(w.cost for w in payloads)
         m.batch_size.labels(backbone).observe(len(payloads))
-        m.batch_tokens.labels(backbone).observe(padded_cost)
-        m.padding_ratio.labels(backbone).observe(1.0 - real_cost / padded_cost if padded_cost else 0.0)
+        m.batch_tokens.labels(backbone).observe(cost)
         m.batch_seconds.labels(backbone).observe(seconds)
         chunks: Tally[str] = Tally()
         texts: Tally[str] = Tally()

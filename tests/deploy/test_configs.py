@@ -120,7 +120,7 @@ def test_dashboard_is_provisioned_with_the_datasource() -> None:
     uid = ds["datasources"][0]["uid"]
     assert all(p["datasource"]["uid"] == uid for p in dash["panels"])
     titles = " ".join(p["title"].lower() for p in dash["panels"])
-    for topic in ("request rate", "latency", "queue wait", "batch size", "padding", "errors", "cpu memory",
+    for topic in ("request rate", "latency", "queue wait", "batch size", "tokens per batch", "errors", "cpu memory",
                   "gpu memory"):
         assert topic in titles, topic
 

@@ -25,8 +25,7 @@ EXPECTED = {  # name: (type, labels)
     "routing_queue_wait_seconds": ("histogram", {"model"}),
     "routing_batch_compute_seconds": ("histogram", {"backbone"}),
     "routing_batch_size": ("histogram", {"backbone"}),
-    "routing_batch_padded_tokens": ("histogram", {"backbone"}),
-    "routing_batch_padding_ratio": ("histogram", {"backbone"}),
+    "routing_batch_tokens": ("histogram", {"backbone"}),
     "routing_queue_depth": ("gauge", {"backbone"}),
     "routing_texts_processed": ("counter", {"model"}),
     "routing_tokens_processed": ("counter", {"model"}),
@@ -116,9 +115,7 @@ def test_values_move_with_traffic_and_concurrent_load_batches(tiny: Server) -> N
     assert 0 < batches < 48  # texts shared batches
     assert delta("routing_batch_size_bucket", backbone=bb, le="1.0") < batches  # some batch held more than 1 text
     real_tokens = delta("routing_tokens_processed_total", model="tiny")
-    assert delta("routing_batch_padded_tokens_sum", backbone=bb) >= real_tokens
-    ratio_sum = delta("routing_batch_padding_ratio_sum", backbone=bb)
-    assert 0 <= ratio_sum < batches
+    assert delta("routing_batch_tokens_sum", backbone=bb) == real_tokens  # every text one chunk: each counted once
     assert metric(after, "routing_queue_depth", backbone=bb) == 0
     assert metric(after, "routing_requests_in_flight") == 1  # the /metrics request itself
 

@@ -79,7 +79,7 @@ def test_the_server_answers_503_for_the_text_the_device_cannot_take(tiny_repo: P
     for c, _ in started(tiny_repo, model_process=False, max_wait_ms=0):
         engine = c.app.state.app_state.inference.models["tiny"].engine
         bad = poison_id(engine)
-        failing(engine, lambda ids, lengths: bad in ids)
+        failing(engine, lambda ids, lengths, bad=bad: bad in ids)
         ok = c.post("/v1/classify", json={"inputs": ["a fine text", "and another"]})
         assert ok.status_code == 200 and len(ok.json()["results"]) == 2
         r = c.post("/v1/classify", json={"inputs": [f"a {POISON} here"]})
