@@ -52,6 +52,10 @@ class Settings(BaseSettings):
     log_json: bool = Field(False, description="One JSON object per log line")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list, description="Bearer keys for /v1")
+    cors_origins: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="Origins whose pages may call the API from a browser (CORS), e.g. "
+        "https://app.example.com; empty: none (no CORS headers). Credentials (cookies) are never allowed: an API key "
+        "travels in the Authorization header the page sets")
     protect_metrics: bool = Field(False, description="Require an API key for /metrics too")
 
     # where and with how many threads the models compute
@@ -120,14 +124,24 @@ class Settings(BaseSettings):
             raise ValueError("admin_keys and api_keys must differ: an inference key must not control models")
         return self
 
-    @field_validator("models", "api_keys", "admin_keys", mode="before")
+    @field_validator("cors_origins")
+    @classmethod
+    def _origins(cls, v: list[str]) -> list[str]:
+        for origin in v:
+            if origin != "*" and (not origin.startswith(("http://", "https://")) or origin.rstrip("/") != origin
+                                  or origin.count("/") != 2):
+                raise ValueError(f"a CORS origin is scheme://host[:port] with no path or trailing slash, or *; got "
+                                 f"{origin!r}")
+        return v
+
+    @field_validator("models", "api_keys", "admin_keys", "cors_origins", mode="before")
     @classmethod
     def _split_commas(cls, v: object) -> object:
         if isinstance(v, str):
             return [s.strip() for s in v.split(",") if s.strip()]
         return v
 
-    @field_validator("models", "api_keys", "admin_keys")
+    @field_validator("models", "api_keys", "admin_keys", "cors_origins")
     @classmethod
     def _once_each(cls, v: list[str]) -> list[str]:
         return list(dict.fromkeys(v))  # a name or key given twice counts once, in the order first given

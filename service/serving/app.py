@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 
 from service import __version__
 from service.config import Settings
@@ -17,6 +18,9 @@ from service.serving.metrics import Metrics
 from service.serving.middleware import BodyGuard, Observe
 from service.serving.routes import health, inference, kserve, models, page, repository, v2
 from service.serving.state import AppState
+
+CORS_HEADERS = ["Authorization", "Content-Type", "X-Request-ID"]
+"""The request headers a page on an allowed origin may send: a key, a JSON body, its own request id."""
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -60,6 +64,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     # added before `Observe`, so it runs inside it: its 413s get a request id and are counted
     app.add_middleware(BodyGuard, max_bytes=settings.max_body_bytes, timeout_s=settings.body_timeout_s)
+    if settings.cors_origins:  # outside the body guard: a preflight has no body; inside Observe: counted
+        app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins, allow_credentials=False,
+                           allow_methods=["GET", "POST"], allow_headers=CORS_HEADERS,
+                           expose_headers=["X-Request-ID", "Retry-After"], max_age=600)
 
     app.add_middleware(Observe, metrics=metrics)  # added last: the outermost, it sees every answer
     return app
