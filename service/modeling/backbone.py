@@ -183,6 +183,8 @@ class Backbone(torch.nn.Module):
         joined = [p[0] if len(p) == 1 else torch.cat(p, dim=0) for p in states]  # per text [n_t, d_depth, d_emb]
         hidden = torch.nn.utils.rnn.pad_sequence(joined, batch_first=True)  # [b n depth emb], zeros past each text
         lengths = torch.tensor([len(j) for j in joined])  # [b]
+        if bool((lengths == hidden.shape[1]).all()):  # no padding: none to mask (the head routes without a mask)
+            return Encoded(hidden, None, list(encodings))
         pad = (torch.arange(hidden.shape[1]) >= lengths[:, None]).to(hidden.device)  # [b n]
         return Encoded(hidden, pad, list(encodings))
 

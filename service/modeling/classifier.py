@@ -129,9 +129,9 @@ def classify(head: RoutingHead, enc: Encoded, explain: Sequence[CreditRequest | 
     for b, req in enumerate(requests):
         if req is not None:
             groups.setdefault((req.method, req.method == "contribution" and req.contrast), []).append(b)
-    # the predicted classes are read from the device only where credit needs them
-    predicted = probs.argmax(dim=-1).tolist() if any(requests[b].targets is None for g in groups.values()  # type: ignore[union-attr]
-                                                     for b in g) else []
+    # the predicted classes are read from the device only where credit needs them (a host sync otherwise)
+    needs_predicted = any(requests[b].targets is None for rows in groups.values() for b in rows)  # type: ignore[union-attr]
+    predicted = probs.argmax(dim=-1).tolist() if needs_predicted else []
     for (method, contrast), rows in groups.items():
         wanted = [list(requests[b].targets or (predicted[b],)) for b in rows]  # type: ignore[union-attr]
         idx = torch.tensor(rows, device=hidden.device)  # [b']

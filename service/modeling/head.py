@@ -95,15 +95,14 @@ class RoutingHead(nn.Module):
         Returns:
             :class:`HeadOutput`.
         """
-        # without padding no mask: the same routing, fewer operations (decided without reading the device)
-        mask_pad = pad is not None
+        masked = pad is not None  # no padding, no mask: the same routing in fewer operations (known on the host)
         if pad is None:
             pad = torch.zeros(hidden.shape[:-2], dtype=torch.bool, device=hidden.device)  # [...n]
         W, B = self.W.unsqueeze(-3), self.B.unsqueeze(-3)  # [1ed] (stacked: [b1ed])
         normed = nn.functional.layer_norm(hidden, (self.d_emb,))  # [...ned] each depth normed
         x = torch.addcmul(B, normed, W).flatten(-3, -2)  # [...id] scaled, plus each depth's bias; positions x depths
         absent = pad[..., None].expand(*pad.shape, self.d_depth).flatten(-2)  # [...i]
-        mask = absent[..., None].expand(*absent.shape, self.n_hid) if mask_pad else None  # [...ij]
+        mask = absent[..., None].expand(*absent.shape, self.n_hid) if masked else None  # [...ij]
         r1 = self.route[0](x, mask=mask)
         r2 = self.route[1](r1["x_out"])
         r3 = self.route[2](r2["x_out"])
