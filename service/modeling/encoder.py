@@ -34,12 +34,15 @@ class Packing:
     Attributes:
         ids: ``[T]`` token ids, the sequences back to back.
         positions: ``[T]`` each token's position within its sequence.
-        to_padded: ``[s, L]`` the stream index of each slot of the padded view (slots past a sequence's end
-            point at any real token: their keys are masked and their queries never read back); None when every
-            sequence has the same length (the view is then the stream itself, reshaped).
+        to_padded: ``[r, L]`` the stream index of each slot of the padded view, ``r`` rows of ``L`` slots (a
+            sequence a row, or several side by side; empty slots point at token 0: their keys are masked and
+            their queries never read back); None when every sequence has the same length and has a row of its
+            own (the view is then the stream itself, reshaped).
         from_padded: ``[T]`` each token's slot in the flattened padded view (None with ``to_padded``).
-        keep: bool ``[s, 1, 1, L]``, True where a key belongs to the sequence (None with ``to_padded``).
-        shape: ``(s, L)``.
+        keep: bool, True where a query may attend to a key: ``[r, 1, 1, L]`` with a sequence a row (every slot
+            but the padding), ``[r, 1, L, L]`` with several (the keys of the same sequence); None with
+            ``to_padded``.
+        shape: ``(r, L)``.
     """
 
     ids: torch.Tensor
