@@ -377,7 +377,7 @@ def long_text(n_chars: int, seed: int = 0) -> str:
     return ".".join(rng.choice(string.ascii_lowercase) for _ in range((n_chars + 1) // 2))[:n_chars]
 
 
-BATCH_LINE = re.compile(r"batch \S+: (\d+) items, \d+ groups, cost \d+ \(padded \d+\), ([0-9.]+) s")
+BATCH_LINE = re.compile(r"batch \S+: (\d+) items, \d+ groups, cost \d+, ([0-9.]+) s")
 
 
 def batch_seconds(log: str) -> list[float]:
