@@ -193,12 +193,11 @@ class Backbone(torch.nn.Module):
         """``[T, d_depth, d_emb]`` hidden states of chunks whose token ids (special tokens included) lie back to back
         in ``ids [T]``, ``lengths [c]`` each, in the same order: through :attr:`stream` in calls of at most
         ``chunk_batch_tokens`` tokens, else (an encoder it does not know) through :meth:`run_chunks`."""
+        bounds = np.cumsum(lengths)  # [c] each chunk's end in the stream
         if self.stream is None:
-            bounds = np.cumsum(lengths)
             chunks = [ids[a:b].tolist() for a, b in zip(bounds - lengths, bounds, strict=True)]
             return torch.cat(self.run_chunks(chunks)) if chunks else self._empty()
         parts, first, taken = [], 0, 0
-        bounds = np.cumsum(lengths)
         while first < len(lengths):  # calls of whole chunks within the budget (a longer chunk alone)
             last = max(first + 1, int(np.searchsorted(bounds, taken + self.chunk_batch_tokens, side="right")))
             end = int(bounds[last - 1])

@@ -124,6 +124,11 @@ class EngineClock:
         return self.wall_s - self.forward_s
 
 
+def _unloaded(key: str) -> Result:
+    """The answer for a text whose head was dropped while it waited (only texts whose callers have gone)."""
+    return Result(label="", scores={}, error=f"model {model_of(key)} was unloaded")
+
+
 class NonFiniteScores(RuntimeError):
     """The model produced NaN or Inf scores: a fault of the model, never an answer."""
 
@@ -255,9 +260,13 @@ class Engine(Planner):
 
     def run(self, tasks: list[Task]) -> list[Result]:
         """Classify a batch of whole texts, each on its own head (every chunk in this one call)."""
-        with _phase("engine.plan"):
-            chunks = [w for plan in self.plan(tasks) for w in plan]
+        chunks = self._chunks(tasks)
         return [answer[0] for answer in answers_of(chunks, self.run_chunks(chunks))]
+
+    def _chunks(self, tasks: list[Task]) -> list[ChunkWork]:
+        """The chunks of whole texts, in order (see :meth:`plan`)."""
+        with _phase("engine.plan"):
+            return [w for plan in self.plan(tasks) for w in plan]
 
     @torch.inference_mode()
     def run_chunks(self, works: list[ChunkWork]) -> list[Answer | None]:
@@ -296,8 +305,7 @@ class Engine(Planner):
         GPU; on a CPU it computes as it is launched)."""
         pending: tuple[list[ChunkWork], Submitted] | None = None
         for tasks in batches:
-            with _phase("engine.plan"):
-                chunks = [w for plan in self.plan(tasks) for w in plan]
+            chunks = self._chunks(tasks)
             submitted = self.submit(chunks)
             if pending is not None:
                 yield [answer[0] for answer in answers_of(pending[0], self.finish(pending[1]))]
@@ -475,7 +483,7 @@ class Engine(Planner):
                     for place in chosen:
                         why = done[place[0]].failed
                         results[place] = (Result(label="", scores={}, error=why, unavailable=True) if why else
-                                          Result(label="", scores={}, error=f"model {model_of(keys[0])} was unloaded"))
+                                          _unloaded(keys[0]))
                     continue
                 assert probs is not None
                 b, k = pred.probs.shape
@@ -487,7 +495,7 @@ class Engine(Planner):
                 for r, (place, key, spec) in enumerate(zip(chosen, keys, specs, strict=True)):
                     manifest = self.manifests.get(key)
                     if manifest is None:
-                        results[place] = Result(label="", scores={}, error=f"model {model_of(key)} was unloaded")
+                        results[place] = _unloaded(key)
                         continue
                     results[place] = self._result(manifest.name, manifest.labels, pred, scores[r], finite[r],
                                                   best[r], r, spec)
