@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from service.config import CPU_BATCH, GPU_BATCH, Settings
-from service.serving.engine import resolve_dtype
+from service.modeling.device import resolve_dtype
 from tests.serving.test_tokenize_once import started
 
 

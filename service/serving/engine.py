@@ -23,9 +23,9 @@ import numpy as np
 import torch
 from torch.profiler import record_function
 
-from service.config import DTYPES
 from service.modeling.backbone import Backbone, BackboneError, Encoded
 from service.modeling.classifier import CreditRequest, Explained, Prediction, RoutingClassifier, classify
+from service.modeling.device import resolve_device, resolve_dtype
 from service.modeling.encoder import to_device
 from service.modeling.encoding import Encoding
 from service.modeling.grouping import length_groups
@@ -55,27 +55,6 @@ def _phase(name: str) -> contextlib.AbstractContextManager[object]:
 
 
 log = logging.getLogger("service.engine")
-TORCH_DTYPES = {name: getattr(torch, name) for name in DTYPES}
-
-
-def resolve_device(device: str) -> torch.device:
-    """``auto`` picks the first GPU when there is one, else the CPU."""
-    if device == "auto":
-        return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {device!r} requested but CUDA is not available")
-    return dev
-
-
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """``auto``: bfloat16 for the backbone on a GPU (the heads, and their credit, compute in float32 whatever the
-    backbone's precision), float32 on a CPU."""
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if dtype != "float32" and device.type != "cuda":
-        raise ValueError(f"dtype {dtype} is only supported on GPU; use float32 on {device}")
-    return TORCH_DTYPES[dtype]
 
 
 def device_memory() -> list[dict[str, float | str]]:
