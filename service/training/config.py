@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Literal
 
 
 @dataclass
 class TrainConfig:
-    """How a head is trained (see ``service.training.trainer``); ``history`` collects each validation."""
+    """How a head is trained (see ``service.training.trainer``)."""
 
     steps: int = 1200  # optimizer steps at least, whatever the dataset's size (``epochs`` instead, when given)
     min_epochs: int = 5  # and at least this many epochs' worth of steps: a large dataset's budget grows with it
@@ -25,12 +25,11 @@ class TrainConfig:
     crop: float = 1.0  # train on a random window of at least this fraction of each text (1: whole texts)
     seed: int = 0
     threads: int | None = None
-    extend: bool = True  # train again with twice the step budget when it ended with validation still improving
-    history: list[dict[str, float]] = field(default_factory=list)
+    extend: bool = True  # a budget that ended with validation still improving: train on from there as long again
 
     def scaled(self, factor: int) -> TrainConfig:
         """The same settings with the budget times ``factor``: both its floors (``steps`` and ``min_epochs``, so a
-        large dataset's budget grows too), or ``epochs`` when training by epochs; a fresh ``history``."""
+        large dataset's budget grows too), or ``epochs`` when training by epochs."""
         budget = ({"epochs": self.epochs * factor} if self.epochs else
                   {"steps": self.steps * factor, "min_epochs": self.min_epochs * factor})
-        return replace(self, history=[], **budget)
+        return replace(self, **budget)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from service.config import GPU_BATCH
 from service.files import replacing
 from service.modeling.backbone import Backbone
 from service.training.progress import progress
@@ -50,21 +51,48 @@ class Features:
         return Features(self.flat, self.starts[rows], self.ends[rows])
 
 
-def cache_key(backbone_source: str, max_length: int, texts: list[str]) -> str:
-    h = hashlib.sha1(f"{backbone_source}|{max_length}".encode())
+def cache_key(backbone_source: str, max_length: int, texts: list[str], dtype: torch.dtype = torch.float32) -> str:
+    """What a feature file holds: the backbone, its chunk length, its precision (float32's files keep the key they had
+    before precisions were told apart) and the texts."""
+    precision = "" if dtype == torch.float32 else f"|{dtype}"
+    h = hashlib.sha1(f"{backbone_source}|{max_length}{precision}".encode())
     for t in texts:
         h.update(t.encode("utf-8"))
         h.update(b"\0")
     return h.hexdigest()[:16]
 
 
-def extract(backbone: Backbone, texts: list[str], batch_size: int = 64, cache_dir: Path | None = None,
+FEATURE_BATCH = {"cpu": (64, None), "cuda": GPU_BATCH}
+"""Texts and tokens per feature batch by device type: on a CPU 64 texts (whatever their length), on a GPU as many as
+the serving engine's batches hold (a smaller batch leaves the device waiting on the host)."""
+
+
+def feature_batches(order: list[int], n_tokens: list[int], texts: int, tokens: int | None) -> list[list[int]]:
+    """``order`` cut into consecutive batches of at most ``texts`` texts and ``tokens`` tokens (None: any number; a
+    longer text makes a batch of its own)."""
+    batches: list[list[int]] = []
+    current: list[int] = []
+    held = 0
+    for k in order:
+        if current and (len(current) >= texts or (tokens is not None and held + n_tokens[k] > tokens)):
+            batches.append(current)
+            current, held = [], 0
+        current.append(k)
+        held += n_tokens[k]
+    if current:
+        batches.append(current)
+    return batches
+
+
+def extract(backbone: Backbone, texts: list[str], batch_size: int | None = None, cache_dir: Path | None = None,
             source: str = "", desc: str = "features") -> Features:
     """Hidden states of ``texts`` (in order), from the cache when present (a cache file that cannot be read, e.g.
-    cut short by a stopped run, is computed again). Says which, and where the cache file is."""
+    cut short by a stopped run, is computed again). Says which, and where the cache file is. Computed on the
+    backbone's device in batches of :data:`FEATURE_BATCH` (``batch_size``: texts per batch instead), kept on the host
+    in float16."""
     path = None
     if cache_dir is not None:
-        path = cache_dir / f"{cache_key(source, backbone.max_length, texts)}.pt"
+        path = cache_dir / f"{cache_key(source, backbone.max_length, texts, backbone.dtype)}.pt"
         if path.is_file():
             try:
                 data = torch.load(path)
@@ -82,14 +110,16 @@ def extract(backbone: Backbone, texts: list[str], batch_size: int = 64, cache_di
                          torch.tensor([e.n_tokens for e in encodings], dtype=torch.long).cumsum(0)])  # [T + 1]
     flat = torch.empty(int(offsets[-1]), backbone.d_depth, backbone.d_emb, dtype=torch.float16)  # [N e d]
     order = sorted(range(len(texts)), key=lambda k: len(texts[k]))  # similar lengths together: less padding
-    batches = [order[s : s + batch_size] for s in range(0, len(order), batch_size)]
+    per_batch, tokens = FEATURE_BATCH["cuda" if backbone.device.type == "cuda" else "cpu"]
+    batches = feature_batches(order, [e.n_tokens for e in encodings], batch_size or per_batch, tokens)
     with progress(total=len(texts), desc=desc, unit="text") as bar:
         # the longest batch first: each batch's memory then fits where the last one's was (shortest first, every batch
         # needed more and the process kept them all: 1.7 against 1.4 GB for 3,000 tweets); the same batches either way
         for idx in reversed(batches):
             enc = backbone([encodings[k] for k in idx])
+            hidden = enc.hidden.to("cpu", torch.float16)  # [b n e d] one copy to the host
             for r, k in enumerate(idx):
-                flat[offsets[k] : offsets[k + 1]] = enc.hidden[r, : enc.lengths[r]]  # [n_t e d] to float16
+                flat[offsets[k] : offsets[k + 1]] = hidden[r, : enc.lengths[r]]  # [n_t e d]
             bar.update(len(idx))
     feats = Features.from_offsets(flat, offsets)
     if path is not None:

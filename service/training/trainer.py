@@ -12,12 +12,9 @@ has not improved for ``patience`` validations, keeping the checkpoint of the low
 
 from __future__ import annotations
 
-import copy
 import math
 import random
 import time
-from collections.abc import Callable
-from dataclasses import replace
 from typing import Any, Literal, cast
 
 import numpy as np
@@ -31,7 +28,7 @@ from service.training.config import TrainConfig
 from service.training.features import Features, pad_batch
 from service.training.progress import progress
 
-__all__ = ["TrainConfig", "train_head"]
+__all__ = ["TrainConfig", "Training", "train_head"]
 
 
 def budget_batches(order: list[int], lengths: torch.Tensor, batch_size: int, max_positions: int) -> list[list[int]]:
@@ -80,8 +77,8 @@ def mixup(hidden: torch.Tensor, pad: torch.Tensor, y: torch.Tensor, alpha: float
           gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Mix each sample's hidden states ``[b, n, e, d]`` and one-hot targets ``[b, k]`` with a partner's."""
     b = hidden.shape[0]
-    lam = torch.distributions.Beta(alpha, alpha).sample((b,))  # [b]
-    perm = torch.randperm(b, generator=gen)  # [b]
+    lam = torch.distributions.Beta(alpha, alpha).sample((b,)).to(hidden.device)  # [b]
+    perm = torch.randperm(b, generator=gen).to(hidden.device)  # [b]
     lam_h = lam[:, None, None, None]  # [b111]
     mixed = lam_h * hidden + (1 - lam_h) * hidden[perm]  # [bned]
     mixed_pad = pad & pad[perm]  # [bn] padding only where both are padding
@@ -90,16 +87,17 @@ def mixup(hidden: torch.Tensor, pad: torch.Tensor, y: torch.Tensor, alpha: float
 
 
 @torch.no_grad()
-def predict_features(head: RoutingHead, feats: Features, batch_size: int = 64,
-                     max_positions: int = 16384) -> np.ndarray:
-    """Class probabilities ``[T, k]`` for cached features."""
+def predict_features(head: RoutingHead, feats: Features, batch_size: int = 64, max_positions: int = 16384,
+                     device: torch.device | None = None) -> np.ndarray:
+    """Class probabilities ``[T, k]`` for cached features, computed on ``device`` (default: where ``head`` is)."""
     head.eval()
+    device = device or next(head.parameters()).device
     lengths = feats.lengths()
     order = sorted(range(len(feats)), key=lambda k: int(lengths[k]))
     probs = np.zeros((len(feats), head.n_classes), dtype=np.float32)
     for idx in budget_batches(order, lengths, batch_size, max_positions):
-        hidden, pad = pad_batch(feats, idx)
-        probs[idx] = head(hidden, pad).scores.softmax(-1).numpy()
+        hidden, pad = pad_batch(feats, idx)  # [b n e d], [b n]
+        probs[idx] = head(hidden.to(device), pad.to(device)).scores.softmax(-1).cpu().numpy()  # [b k]
     return probs
 
 
@@ -147,123 +145,164 @@ def step_plan(lengths: torch.Tensor, cfg: TrainConfig, rng: random.Random) -> li
     return plan
 
 
+class Training:
+    """One head's training: one-cycle schedules run one after another on the same weights, optimizer state and moving
+    average, validated as they go; the best checkpoint of all of them is kept (see :func:`train_head`)."""
+
+    def __init__(self, head: RoutingHead, train: Features, y_train: list[int], val: Features, y_val: list[int],
+                 cfg: TrainConfig, device: torch.device) -> None:
+        self.head, self.train, self.val, self.y_val, self.cfg, self.device = head, train, val, y_val, cfg, device
+        self.rng = random.Random(cfg.seed)
+        self.gen = torch.Generator().manual_seed(cfg.seed)
+        self.y_all = nn.functional.one_hot(torch.tensor(y_train), head.n_classes).float()  # [T k]
+        self.lengths = train.lengths()  # [T]
+        self.opt = torch.optim.RAdam(head.parameters(), lr=cfg.max_lr)
+        # the weights validated and kept: the trained ones, or their exponential moving average
+        self.averaged = (AveragedModel(head, multi_avg_fn=get_ema_multi_avg_fn(cfg.ema), use_buffers=True)
+                         if cfg.ema else None)
+        self.validated = cast(RoutingHead, self.averaged.module) if self.averaged is not None else head
+        self.best: tuple[float, float] | None = None
+        self.best_state: dict[str, torch.Tensor] | None = None
+        self.best_step = self.best_epoch = self.since_best = self.step = self.epoch = self.validations = 0
+        self.planned = 0  # steps of every schedule begun so far
+        self.history: list[dict[str, float]] = []  # every validation
+        self.t0 = time.time()
+
+    def schedule(self, plan: list[list[list[int]]]) -> bool:
+        """Train through ``plan`` (each epoch's batches) under one one-cycle learning rate, validating every epoch (at
+        most every ``eval_every`` steps); True when it stopped early (``patience`` validations without a better
+        checkpoint)."""
+        cfg = self.cfg
+        steps = sum(len(b) for b in plan)
+        self.planned += steps
+        sched = torch.optim.lr_scheduler.OneCycleLR(self.opt, max_lr=cfg.max_lr, total_steps=steps + 1,
+                                                    pct_start=min(0.3, cfg.warmup_steps / steps))
+        for batches in plan:
+            self.epoch += 1
+            self.head.train()
+            for part in (batches[k : k + cfg.eval_every] for k in range(0, len(batches), cfg.eval_every)):
+                train_loss = self._steps(part, sched)  # train on a part of the epoch, then validate
+                if self._validate(train_loss):
+                    return True
+        return False
+
+    def _steps(self, part: list[list[int]], sched: torch.optim.lr_scheduler.LRScheduler) -> float:
+        """One optimizer step per batch of ``part``; their mean training loss."""
+        cfg, dev = self.cfg, self.device
+        bar = progress(part, desc=f"epoch {self.epoch}, steps {self.step + 1}-{self.step + len(part)} of "
+                                  f"{self.planned}", unit="batch")
+        total = torch.zeros((), device=dev)  # []
+        for n, idx in enumerate(bar, 1):
+            spans = random_spans([int(self.lengths[k]) for k in idx], cfg.crop, self.rng) if cfg.crop < 1 else None
+            hidden, pad = pad_batch(self.train, idx, spans)  # [b n e d], [b n]
+            hidden, pad, y = hidden.to(dev), pad.to(dev), self.y_all[idx].to(dev)  # [b n e d], [b n], [b k]
+            hidden, pad, y = mixup(hidden, pad, y, cfg.mixup_alpha, self.gen)
+            loss = -(y * self.head(hidden, pad).scores.log_softmax(-1)).sum(-1).mean()  # []
+            self.opt.zero_grad(set_to_none=True)
+            loss.backward()
+            self.opt.step()
+            sched.step()
+            if self.averaged is not None:
+                self.averaged.update_parameters(self.head)
+            total += loss.detach()
+            if n % 16 == 0 or n == len(part):  # a device waits for the host only now and then
+                bar.set_postfix(loss=f"{total.item() / n:.4f}", lr=f"{sched.get_last_lr()[0]:.2e}", refresh=False)
+        self.step += len(part)
+        return total.item() / len(part)
+
+    def _validate(self, train_loss: float) -> bool:
+        """Validate the current weights (or their average), keep them when :func:`improves` says so; True when
+        ``patience`` validations in a row have not improved."""
+        cfg = self.cfg
+        acc, val_loss = validation_scores(predict_features(self.validated, self.val, device=self.device), self.y_val)
+        self.validations += 1
+        self.head.train()
+        self.history.append({"epoch": self.epoch, "step": self.step, "train_loss": train_loss, "val_accuracy": acc,
+                            "val_loss": val_loss})
+        print(f"step {self.step}/{self.planned} (epoch {self.epoch}): train loss {train_loss:.4f}, validation "
+              f"accuracy {acc:.4f}, validation loss {val_loss:.4f}; {time_so_far(self.t0, self.step, self.planned)}",
+              flush=True)
+        if improves(acc, val_loss, self.best, cfg.select):
+            self.best, self.best_step, self.best_epoch, self.since_best = (acc, val_loss), self.step, self.epoch, 0
+            self.best_state = {k: v.detach().to("cpu", copy=True) for k, v in self.validated.state_dict().items()}
+            return False
+        self.since_best += 1
+        if cfg.patience and self.since_best >= cfg.patience:
+            print(f"early stop: no better validation {cfg.select} for {self.since_best} validations; keeping step "
+                  f"{self.best_step}", flush=True)
+            return True
+        return False
+
+    def still_improving(self, stopped: bool, validations_before: int = 0) -> bool:
+        """Whether the last validation was the best of several (of this schedule's): the budget ended before
+        validation stopped improving."""
+        return not stopped and self.best_step == self.step and self.validations - validations_before > 1
+
+
 def train_head(head: RoutingHead, train: Features, y_train: list[int], val: Features, y_val: list[int],
-               cfg: TrainConfig) -> tuple[RoutingHead, dict[str, Any]]:
-    """Train ``head``; return the checkpoint chosen by :func:`improves` on validation, and a summary."""
+               cfg: TrainConfig, device: torch.device | str = "cpu") -> tuple[RoutingHead, dict[str, Any]]:
+    """Train ``head`` on ``device`` (features stay on the host; each batch goes over as it is used); return the
+    checkpoint chosen by :func:`improves` on validation, on the CPU, and a summary.
+
+    When a step budget (not ``epochs``, a length asked for) ends with validation still improving and ``cfg.extend``,
+    training goes on from where it is (the weights, the optimizer's state, the moving average) under a second
+    one-cycle schedule of the same budget, and the best checkpoint of both is kept: no step is thrown away. The
+    summary's ``extended`` records both schedules."""
+    device = torch.device(device)
     torch.manual_seed(cfg.seed)
-    rng = random.Random(cfg.seed)
-    gen = torch.Generator().manual_seed(cfg.seed)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    y_all = nn.functional.one_hot(torch.tensor(y_train), head.n_classes).float()  # [T k]
-    lengths = train.lengths()
-    plan = step_plan(lengths, cfg, rng)
-    steps = sum(len(b) for b in plan)
-    opt = torch.optim.RAdam(head.parameters(), lr=cfg.max_lr)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=cfg.max_lr, total_steps=steps + 1,
-                                                pct_start=min(0.3, cfg.warmup_steps / steps))
-    # the weights validated and kept: the trained ones, or their exponential moving average
-    averaged = (AveragedModel(head, multi_avg_fn=get_ema_multi_avg_fn(cfg.ema), use_buffers=True) if cfg.ema
-                else None)
-    validated = cast(RoutingHead, averaged.module) if averaged is not None else head
-    best: tuple[float, float] | None = None
-    best_state, best_step, best_epoch, since_best, step, validations = None, 0, 0, 0, 0, 0
-    stopped = False
-    t0 = time.time()
-    for epoch, batches in enumerate(plan, 1):
-        head.train()
-        cut = [batches[k : k + cfg.eval_every] for k in range(0, len(batches), cfg.eval_every)]
-        for part in cut:  # train on a part of the epoch, then validate
-            bar = progress(part, desc=f"epoch {epoch}/{len(plan)}, steps {step + 1}-{step + len(part)} of {steps}",
-                           unit="batch")
-            total = 0.0
-            for n, idx in enumerate(bar, 1):
-                spans = random_spans([int(lengths[k]) for k in idx], cfg.crop, rng) if cfg.crop < 1 else None
-                hidden, pad = pad_batch(train, idx, spans)
-                hidden, pad, y = mixup(hidden, pad, y_all[idx], cfg.mixup_alpha, gen)
-                loss = -(y * head(hidden, pad).scores.log_softmax(-1)).sum(-1).mean()
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                opt.step()
-                sched.step()
-                if averaged is not None:
-                    averaged.update_parameters(head)
-                total += loss.item()
-                bar.set_postfix(loss=f"{total / n:.4f}", lr=f"{sched.get_last_lr()[0]:.2e}", refresh=False)
-            step += len(part)
-            acc, val_loss = validation_scores(predict_features(validated, val), y_val)
-            validations += 1
-            head.train()
-            cfg.history.append({"epoch": epoch, "step": step, "train_loss": total / len(part), "val_accuracy": acc,
-                                "val_loss": val_loss})
-            print(f"step {step}/{steps} (epoch {epoch}): train loss {total / len(part):.4f}, validation accuracy "
-                  f"{acc:.4f}, validation loss {val_loss:.4f}; {time_so_far(t0, step, steps)}", flush=True)
-            if improves(acc, val_loss, best, cfg.select):
-                best, best_step, best_epoch = (acc, val_loss), step, epoch
-                best_state = copy.deepcopy(validated.state_dict())
-                since_best = 0
-            else:
-                since_best += 1
-            if cfg.patience and since_best >= cfg.patience:
-                print(f"early stop: no better validation {cfg.select} for {since_best} validations; keeping step "
-                      f"{best_step}", flush=True)
-                stopped = True
-                break
-        if stopped:
-            break
-    assert best is not None and best_state is not None
-    head.load_state_dict(best_state)
-    # the last validation was the best of several: the budget ended before validation stopped improving
-    still_improving = not stopped and best_step == step and validations > 1
+    run = Training(head.to(device), train, y_train, val, y_val, cfg, device)
+    plan = step_plan(run.lengths, cfg, run.rng)
+    first = sum(len(b) for b in plan)
+    stopped = run.schedule(plan)
+    still_improving = run.still_improving(stopped)
+    schedules = [_schedule_summary(run, first, still_improving)]
+    if still_improving and cfg.extend and not cfg.epochs:  # whole epochs: the length asked for
+        print(f"validation {cfg.select} was still improving at the last step ({run.step}): training on from here "
+              f"under another schedule of {first} steps at most; the best checkpoint of both is kept", flush=True)
+        before = run.validations
+        stopped = run.schedule(step_plan(run.lengths, cfg, run.rng))
+        still_improving = run.still_improving(stopped, before)
+        schedules.append(_schedule_summary(run, run.planned - first, still_improving))
     if still_improving:
-        print(f"validation {cfg.select} was still improving at the last step ({step})", flush=True)
-    summary = {"best_step": best_step, "best_epoch": best_epoch, "best_val_accuracy": best[0],
-               "best_val_loss": best[1], "steps_run": step, "stopped_early": stopped,
+        print(f"validation {cfg.select} was still improving at the last step ({run.step})"
+              + (f"; a longer budget ({_longer_flag(cfg, run.planned, 2)}) or --search may train a better head"
+                 if not cfg.epochs else ""), flush=True)
+    assert run.best is not None and run.best_state is not None
+    head.load_state_dict(run.best_state)
+    summary = {"best_step": run.best_step, "best_epoch": run.best_epoch, "best_val_accuracy": run.best[0],
+               "best_val_loss": run.best[1], "steps_run": run.step, "stopped_early": stopped,
                "still_improving": still_improving,
-               "train_seconds": round(time.time() - t0, 1), "history": cfg.history, "steps": steps,
+               "train_seconds": round(time.time() - run.t0, 1), "history": run.history, "steps": run.planned,
                "min_epochs": cfg.min_epochs, "epochs": cfg.epochs, "warmup_steps": cfg.warmup_steps,
-               "eval_every": cfg.eval_every,
+               "eval_every": cfg.eval_every, "device": str(device),
                "patience": cfg.patience, "checkpoint": f"best validation {cfg.select}", "batch_size": cfg.batch_size,
                "max_batch_positions": cfg.max_batch_positions, "max_lr": cfg.max_lr, "crop": cfg.crop,
                "optimizer": "RAdam", "schedule": "one-cycle", "ema": cfg.ema,
                "mixup": f"Beta({cfg.mixup_alpha}, {cfg.mixup_alpha})", "seed": cfg.seed}
-    return head.eval(), summary
+    if len(schedules) > 1:
+        kept = "continued" if run.best_step > schedules[0]["steps_run"] else "first"
+        summary["extended"] = {"rule": "when a budget ends with validation still improving, training goes on from "
+                                       "the current state under a second one-cycle schedule of the same budget; the "
+                                       "best checkpoint of both is kept",
+                               "schedules": schedules, "kept": kept}
+        print(f"kept step {run.best_step} ({'of the continued schedule' if kept == 'continued' else 'of the first'}): "
+              f"validation loss {run.best[1]:.4f}, accuracy {run.best[0]:.4f}", flush=True)
+    return head.cpu().eval(), summary
 
 
-def _longer_flag(cfg: TrainConfig, summary: dict[str, Any], factor: int) -> str:
-    """The command-line flag for ``factor`` times the budget of the run ``summary`` describes."""
-    return f"--epochs {factor * cfg.epochs}" if cfg.epochs else f"--steps {factor * summary['steps']}"
+def _schedule_summary(run: Training, steps: int, still_improving: bool) -> dict[str, Any]:
+    """Where one schedule of ``run`` ended: its budget, the steps run so far, the best checkpoint so far."""
+    assert run.best is not None
+    return {"steps": steps, "steps_run": run.step, "best_step": run.best_step, "best_val_loss": run.best[1],
+            "best_val_accuracy": run.best[0], "still_improving": still_improving,
+            "train_seconds": round(time.time() - run.t0, 1)}
 
 
-def train_with_extension(make_head: Callable[[], RoutingHead], train: Features, y_train: list[int], val: Features,
-                         y_val: list[int], cfg: TrainConfig) -> tuple[RoutingHead, dict[str, Any]]:
-    """:func:`train_head` on a head from ``make_head()``. When its step budget (not ``epochs``, a length asked for)
-    ended with validation still improving (and ``cfg.extend``), train again from ``make_head()`` (the same seeded
-    initial weights) with twice the budget and keep whichever checkpoint :func:`improves` prefers; the summary's
-    ``extended`` records both runs."""
-    head, summary = train_head(make_head(), train, y_train, val, y_val, replace(cfg, history=[]))
-    if not (cfg.extend and summary["still_improving"] and not cfg.epochs):  # whole epochs: the length asked for
-        if summary["still_improving"]:
-            print(f"a longer budget ({_longer_flag(cfg, summary, 2)}) or --search may train a better head", flush=True)
-        return head, summary
-    longer = cfg.scaled(2)
-    print(f"training again with twice the budget ({2 * summary['steps']} steps at most), from the same initial "
-          f"weights; the better on validation is kept", flush=True)
-    head_2, summary_2 = train_head(make_head(), train, y_train, val, y_val, longer)
-    keep_longer = improves(summary_2["best_val_accuracy"], summary_2["best_val_loss"],
-                           (summary["best_val_accuracy"], summary["best_val_loss"]), cfg.select)
-    runs = [{k: s[k] for k in ("steps", "best_step", "best_val_loss", "best_val_accuracy", "still_improving",
-                               "train_seconds")} for s in (summary, summary_2)]
-    kept_head, kept = (head_2, summary_2) if keep_longer else (head, summary)
-    print(f"kept the {'longer' if keep_longer else 'first'} run: validation loss {kept['best_val_loss']:.4f}, "
-          f"accuracy {kept['best_val_accuracy']:.4f}", flush=True)
-    if keep_longer and kept["still_improving"]:
-        print(f"a longer budget still ({_longer_flag(cfg, summary, 4)}) or --search may train a better head",
-              flush=True)
-    extended = {"rule": "budget x2 when the last validation was the best; the better on validation kept",
-                "runs": runs, "kept": "longer" if keep_longer else "first"}
-    return kept_head, {**kept, "extended": extended,
-                       "train_seconds": round(summary["train_seconds"] + summary_2["train_seconds"], 1)}
+def _longer_flag(cfg: TrainConfig, steps: int, factor: int) -> str:
+    """The command-line flag for ``factor`` times the budget of a run of ``steps`` steps."""
+    return f"--epochs {factor * cfg.epochs}" if cfg.epochs else f"--steps {factor * steps}"
 
 
 def classification_metrics(y_true: list[int], y_pred: np.ndarray, n_classes: int) -> dict[str, Any]:

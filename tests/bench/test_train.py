@@ -174,13 +174,16 @@ def test_run_trains_with_the_default_settings_or_another_seed_and_drops_its_fini
     train.run(["toy"], None, tmp_path / "cache", out)
     assert seen == [True] and out.exists() and not train.parts_file(out, "toy").exists()
     assert configs == [TrainConfig()] and reported[0]["train_config"]["seed"] == 0  # the default settings
+    assert (reported[0]["device"], reported[0]["backbone_dtype"]) == ("cpu", "float32")  # auto, on this CPU
     train.run(["toy"], None, tmp_path / "cache", out, seed=3)  # another seed: only the seed differs, and is reported
     assert configs[1] == TrainConfig(seed=3) and reported[1]["train_config"]["seed"] == 3
     called: list[tuple] = []
     monkeypatch.setattr(train, "run", lambda *args: called.append(args))
     monkeypatch.setattr(cli, "keep_freed_memory", lambda: False)  # not in the test's process
-    res = CliRunner().invoke(app, ["bench", "train", "--datasets", "toy", "--out", str(out), "--seed", "3"])
-    assert res.exit_code == 0 and called == [(["toy"], None, Path(".cache/features"), out, 3)], res.output
+    res = CliRunner().invoke(app, ["bench", "train", "--datasets", "toy", "--out", str(out), "--seed", "3",
+                                   "--device", "cpu"])
+    assert res.exit_code == 0 and called == [(["toy"], None, Path(".cache/features"), out, 3, "cpu", "auto")], \
+        res.output
 
 
 def test_a_parts_file_that_cannot_be_read_is_trained_again_not_a_crash(tmp_path: Path) -> None:

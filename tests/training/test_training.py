@@ -34,7 +34,6 @@ from service.training.trainer import (
     predict_features,
     time_so_far,
     train_head,
-    train_with_extension,
     validation_scores,
 )
 
@@ -306,11 +305,13 @@ def test_train_extends_a_budget_that_ended_improving_and_no_extend_does_not(tmp_
     (plain, out) = runs["--no-extend"]
     assert plain["still_improving"] and "extended" not in plain and "(--steps 12)" in out
     (extended, out) = runs["--extend"]
-    first, longer = extended["extended"]["runs"]
-    assert (first["steps"], longer["steps"]) == (6, 12) and "training again with twice the budget" in out
-    assert first["best_val_loss"] == plain["best_val_loss"]  # the first run is the run without the extension
-    kept = longer if extended["extended"]["kept"] == "longer" else first
-    assert extended["best_val_loss"] == kept["best_val_loss"] == min(first["best_val_loss"], longer["best_val_loss"])
+    first, continued = extended["extended"]["schedules"]
+    assert (first["steps"], continued["steps"], extended["steps_run"]) == (6, 6, 12)
+    assert "training on from here under another schedule of 6 steps" in out
+    # the first schedule is the run without the extension, validation by validation
+    assert first["best_val_loss"] == plain["best_val_loss"]
+    assert extended["history"][:3] == plain["history"]
+    assert extended["best_val_loss"] == min(h["val_loss"] for h in extended["history"])
 
 
 def test_the_search_triples_the_budget_of_a_large_dataset_too() -> None:
@@ -440,7 +441,7 @@ def test_a_budget_that_ends_while_validation_still_improves_is_flagged(capsys: p
     train, val = feats.subset(list(range(64))), feats.subset(list(range(64, 96)))
     cfg = TrainConfig(steps=12, min_epochs=0, batch_size=8, eval_every=4, patience=3, max_lr=3e-2, ema=0,
                       extend=False)
-    _, summary = train_with_extension(tiny_head, train, y[:64], val, y[64:], cfg)
+    _, summary = train_head(tiny_head(), train, y[:64], val, y[64:], cfg)
     losses = [h["val_loss"] for h in summary["history"]]
     assert losses == sorted(losses, reverse=True) and len(losses) == 3  # falling at every validation
     assert summary["still_improving"] and summary["best_step"] == summary["steps_run"] == 12
@@ -456,25 +457,43 @@ def test_each_validation_line_says_the_time_spent_and_the_most_left(capsys: pyte
     cfg = TrainConfig(steps=12, min_epochs=0, batch_size=8, eval_every=4, patience=3, max_lr=3e-2, ema=0)
     train_head(tiny_head(), feats.subset(list(range(64))), y[:64], feats.subset(list(range(64, 96))), y[64:], cfg)
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
-    assert len(lines) == 3 and all(re.search(r"; \d\d:\d\d elapsed, at most \d\d:\d\d left$", line) for line in lines)
-    assert lines[-1].endswith("at most 00:00 left")
+    assert len(lines) == 6 and all(re.search(r"; \d\d:\d\d elapsed, at most \d\d:\d\d left$", line) for line in lines)
+    # the budget ended improving and training went on: from then on, the steps and the time left count both schedules
+    assert [line.split()[1] for line in lines] == ["4/12", "8/12", "12/12", "16/24", "20/24", "24/24"]
+    assert lines[2].endswith("at most 00:00 left") and lines[-1].endswith("at most 00:00 left")
 
 
-def test_a_budget_that_ends_improving_is_trained_again_twice_as_long_and_the_better_kept() -> None:
+def test_a_budget_that_ends_improving_goes_on_from_where_it_is_and_keeps_the_best_of_both() -> None:
     feats, y = learnable(96, seed=2)
     train, val = feats.subset(list(range(64))), feats.subset(list(range(64, 96)))
     cfg = TrainConfig(steps=12, min_epochs=0, batch_size=8, eval_every=4, patience=3, max_lr=3e-2, ema=0)
-    head, summary = train_with_extension(tiny_head, train, y[:64], val, y[64:], cfg)
-    first, longer = summary["extended"]["runs"]
-    assert first["steps"] == 12 and first["still_improving"] and longer["steps"] == 24
-    assert longer["best_val_loss"] < first["best_val_loss"] and summary["extended"]["kept"] == "longer"
-    assert summary["steps"] == 24 and summary["best_val_loss"] == longer["best_val_loss"]
-    assert summary["train_seconds"] == pytest.approx(first["train_seconds"] + longer["train_seconds"], abs=0.11)
-    assert validation_scores(predict_features(head, val), y[64:])[1] == pytest.approx(longer["best_val_loss"],
+    seen: list[tuple[bool, list[torch.Tensor]]] = []  # (training?, the weights) at every forward of the head
+
+    def look(module: torch.nn.Module, args: object) -> None:
+        seen.append((module.training, [p.detach().clone() for p in module.parameters()]))
+
+    start = tiny_head()
+    start.register_forward_pre_hook(look)
+    head, summary = train_head(start, train, y[:64], val, y[64:], cfg)
+    first, continued = summary["extended"]["schedules"]
+    assert (first["steps"], first["still_improving"], continued["steps"]) == (12, True, 12)
+    assert summary["steps"] == summary["steps_run"] == 24 and len(summary["history"]) == 6
+    # the second schedule's first step starts from the weights the first schedule ended with (those its last
+    # validation saw; with ema=0 the weights validated are the trained ones), not from the initial weights
+    steps = [k for k, (training, _) in enumerate(seen) if training]
+    assert len(steps) == 24
+    twelfth, thirteenth = steps[11], steps[12]
+    validated = [weights for training, weights in seen[twelfth + 1 : thirteenth] if not training]
+    assert validated and all(torch.equal(a, b) for a, b in zip(validated[-1], seen[thirteenth][1], strict=True))
+    assert not all(torch.equal(a, b) for a, b in zip(seen[steps[0]][1], seen[thirteenth][1], strict=True))
+    # the first schedule is the run without the extension; the checkpoint kept is the best of both
+    _, alone = train_head(tiny_head(), train, y[:64], val, y[64:], replace(cfg, extend=False))
+    assert summary["history"][:3] == alone["history"] and first["best_val_loss"] == alone["best_val_loss"]
+    best = min(summary["history"], key=lambda h: h["val_loss"])
+    assert (summary["best_val_loss"], summary["best_step"]) == (best["val_loss"], best["step"])
+    assert summary["extended"]["kept"] == ("continued" if best["step"] > 12 else "first")
+    assert validation_scores(predict_features(head, val), y[64:])[1] == pytest.approx(summary["best_val_loss"],
                                                                                        abs=1e-5)
-    # the longer run is exactly the run of the doubled budget: the same seeded start, the same steps
-    _, alone = train_head(tiny_head(), train, y[:64], val, y[64:], replace(cfg, steps=24))
-    assert alone["best_val_loss"] == longer["best_val_loss"]
 
 
 def test_a_moving_average_of_the_weights_is_what_validates_and_is_kept() -> None:
