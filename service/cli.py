@@ -373,6 +373,24 @@ def bench_heads(
               open_share, out)
 
 
+@bench_app.command("metrics")
+def bench_metrics(
+    model_repository: Path = Path("models"),
+    heads: Annotated[int, typer.Option(min=1, help="Heads, each asked one text")] = 1000,
+    baseline: Annotated[Path | None, typer.Option(help="Another checkout of this repository (its root), measured "
+                                                       "the same way, e.g. a worktree of an earlier commit")] = None,
+    out: Annotated[Path, typer.Option(help="JSON result file")] = Path("bench-results/metrics.json"),
+) -> None:
+    """The size of /metrics (kB, series) once every one of many heads has answered: at the default
+    ROUTING_METRICS_MODELS, with every model labelled, and on a baseline checkout."""
+    with extras("bench metrics"):
+        from service.bench import heads as bench
+    if baseline is not None and not (baseline / "service").is_dir():
+        raise typer.BadParameter(f"{baseline} is not a checkout of this repository (no service/ folder)",
+                                 param_hint="--baseline")
+    bench.metrics_page(model_repository, heads, out, baseline)
+
+
 @bench_app.command("profile")
 def bench_profile(
     concurrency: Annotated[str, typer.Option(help="Closed-loop levels, a server profiled at each")] = "8,32",

@@ -10,6 +10,8 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 DType = Literal["auto", "float32", "float16", "bfloat16"]
 DTYPES: tuple[str, ...] = get_args(DType)[1:]  # the precisions a backbone may run in (half: GPU only)
+OTHER_MODELS = "_other"
+"""The ``model`` label of every model whose metrics are not labelled one by one (see ``metrics_models``)."""
 CPU_BATCH = (32, 8192)
 """``max_batch_size``, ``max_batch_tokens`` on a CPU: 32 texts (or chunks) in at most 8,192 tokens."""
 GPU_BATCH = (1024, 16384)
@@ -57,6 +59,12 @@ class Settings(BaseSettings):
         "https://app.example.com; empty: none (no CORS headers). Credentials (cookies) are never allowed: an API key "
         "travels in the Authorization header the page sets")
     protect_metrics: bool = Field(False, description="Require an API key for /metrics too")
+    metrics_models: Annotated[list[str], NoDecode] = Field(
+        default_factory=lambda: ["pinned"], description="Models whose metrics carry their own model label: pinned "
+        "(the default: the models loaded at start, i.e. `models`, or the whole repository, or with a head cache the "
+        "pinned ones), all, or a comma-separated list. Every other model is counted under model=\"_other\" (the "
+        "statistics extension, /v2/models/stats, keeps every model's own numbers): a thousand heads do not make a "
+        "thousand series of each metric")
 
     # where and with how many threads the models compute
     model_process: bool = Field(True, description="Compute each model in a process of its own (the HTTP server, "
@@ -134,14 +142,25 @@ class Settings(BaseSettings):
                                  f"{origin!r}")
         return v
 
-    @field_validator("models", "api_keys", "admin_keys", "cors_origins", mode="before")
+    @field_validator("metrics_models")
+    @classmethod
+    def _metrics_models(cls, v: list[str]) -> list[str]:
+        if not v:
+            raise ValueError("metrics_models: pinned, all, or a comma-separated list of models")
+        if len(v) > 1 and ({"pinned", "all"} & set(v)):
+            raise ValueError("metrics_models: pinned or all alone, or a list of models")
+        if OTHER_MODELS in v:
+            raise ValueError(f"metrics_models: {OTHER_MODELS} is the label of the models not listed")
+        return v
+
+    @field_validator("models", "api_keys", "admin_keys", "cors_origins", "metrics_models", mode="before")
     @classmethod
     def _split_commas(cls, v: object) -> object:
         if isinstance(v, str):
             return [s.strip() for s in v.split(",") if s.strip()]
         return v
 
-    @field_validator("models", "api_keys", "admin_keys", "cors_origins")
+    @field_validator("models", "api_keys", "admin_keys", "cors_origins", "metrics_models")
     @classmethod
     def _once_each(cls, v: list[str]) -> list[str]:
         return list(dict.fromkeys(v))  # a name or key given twice counts once, in the order first given

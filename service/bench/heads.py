@@ -264,3 +264,45 @@ def report(ks: list[int], concurrency: int, step: dict[str, Any], serving: dict[
                       summary)
     echo(f"\nsummary: {json.dumps(summary)}\nwrote {path}")
     return summary
+
+
+def metrics_page(repository: Path, heads: int, out: Path, baseline: Path | None = None, model: str = MODEL,
+                 text: str = "a text for every head") -> dict[str, Any]:
+    """The size of ``/metrics`` once ``heads`` perturbed copies of ``model``'s head have each answered ``text`` (a
+    head cache with room for all, ``model`` pinned): at the default ``ROUTING_METRICS_MODELS``, with every model
+    labelled, and with ``baseline`` (another checkout's service, e.g. the version before the setting) the same
+    way."""
+    setups: list[tuple[str, Path | None, dict[str, str]]] = [
+        ("default (pinned)", None, {}), ("ROUTING_METRICS_MODELS=all", None, {"metrics_models": "all"})]
+    if baseline is not None:
+        setups.append((f"baseline {baseline}", baseline, {}))
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bench-metrics-") as tmp:
+        repo, logs = Path(tmp) / "models", Path(tmp) / "logs"
+        shutil.copytree(repository / model, repo / model)
+        echo(f"bench metrics: {heads} perturbed copies of {model}'s head in {repo}", err=True)
+        names = make_heads(repository / model, repo, heads)
+        head_bytes = (repo / names[0] / "head.safetensors").stat().st_size
+        for name, checkout, extra in setups:
+            server = LocalServer(logs, checkout, model_repository=repo, models=model, default_model=model,
+                                 max_queue=100000, head_cache_bytes=int(2 * head_bytes * (heads + 1)),
+                                 **extra).wait_ready()
+            try:
+                statuses = run_async(_answers(server.url, [(n, text) for n in [model, *names]], 16))
+                page = httpx.get(f"{server.url}/metrics", timeout=60).text
+            finally:
+                server.stop()
+            failed = [s for s in statuses if isinstance(s, int)]
+            if failed:
+                raise RuntimeError(f"{name}: {len(failed)} heads did not answer (statuses {sorted(set(failed))})")
+            series = sum(1 for line in page.splitlines() if line and not line.startswith("#"))
+            rows.append({"setting": name, "bytes": len(page.encode()), "kb": round(len(page.encode()) / 1000, 1),
+                         "series": series})
+            echo(f"  {name}: /metrics {rows[-1]['kb']:,} kB, {series:,} series", err=True)
+    echo(table(rows, ["setting", "kb", "series"]))
+    summary = {"default_kb": rows[0]["kb"], "default_series": rows[0]["series"], "goal_kb": 200,
+               "goal_met": rows[0]["kb"] <= 200}
+    path = write_json(out, "metrics", {"heads": heads, "model": model, "baseline": str(baseline) if baseline else None},
+                      {"rows": rows}, summary)
+    echo(f"\nsummary: {json.dumps(summary)}\nwrote {path}")
+    return summary

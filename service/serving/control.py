@@ -152,7 +152,7 @@ class ModelControl:
                     self._status.pop(name, None)
                     if self.app.cache is not None:
                         self.app.cache.loaded(name)
-                    self.app.metrics.model_loads.labels(name, "success").inc()
+                    self.app.metrics.model_loads.labels(self.app.metrics.model_label(name), "success").inc()
                     log.info("model %s loaded from %s in %.3f s", name, folder, seconds)
             return out
 
@@ -160,7 +160,7 @@ class ModelControl:
         why = str(e) if isinstance(e, ModelLoadError) else f"{type(e).__name__}: {e}"
         reason = f"load failed: {why}"
         self._status[name] = ("UNAVAILABLE", reason)
-        self.app.metrics.model_loads.labels(name, "failure").inc()
+        self.app.metrics.model_loads.labels(self.app.metrics.model_label(name), "failure").inc()
         log.error("model %s: %s", name, reason)
         return APIError(400, f"model {name}: {reason}")
 

@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Proc
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from service.config import OTHER_MODELS
 from service.serving.contract import Answer, ChunkWork
 from service.serving.planner import model_of
 from service.serving.stats import InferenceStats
@@ -176,8 +177,29 @@ class Metrics:
                                          buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10), registry=r)
         self.stats = InferenceStats()  # the same figures in Triton's statistics shape (/v2/models/stats)
         self._info: dict[str, tuple[str, str, str, str]] = {}  # loaded model -> its routing_model_info labels
+        self._weights: dict[str, int] = {}  # loaded model -> its head's bytes
+        self._labelled: frozenset[str] | None = None  # models with a model label of their own (None: every model)
         for reason in FAILURE_REASONS:
             self.failures.labels(reason)  # export zeros so dashboards and alerts see every series
+
+    def label_models(self, names: Iterable[str] | None) -> None:
+        """From now on only the models ``names`` (None: every model) have series of their own; every other model's
+        are summed under ``model="_other"``, exported at zero from now so that ``rate()`` over them is defined. Set
+        once, as the server starts: a set that moved with traffic would make series come and go."""
+        self._labelled = None if names is None else frozenset(names)
+        if self._labelled is not None:
+            self._exported(OTHER_MODELS)
+
+    def model_label(self, name: str) -> str:
+        """The ``model`` label that model ``name``'s metrics carry: its name, or ``_other``."""
+        return name if self._labelled is None or name in self._labelled else OTHER_MODELS
+
+    def _exported(self, label: str) -> None:
+        """Every per-model series of ``label``, at zero until it counts something."""
+        for series in (self.queue_wait, self.texts, self.tokens):
+            series.labels(label)
+        for reason in ("disconnected", "deadline"):
+            self.dropped.labels(label, reason)
 
     def observer(self, backbone: str) -> BatchMetrics:
         return BatchMetrics(self, backbone)
@@ -188,31 +210,45 @@ class Metrics:
             self.queue_depth.remove(backbone)
 
     def loaded(self, name: str, backbone: str, device: str, dtype: str, seconds: float, weight_bytes: int) -> None:
-        """Model ``name`` serves from now on (loaded at start, at runtime, or reloaded)."""
+        """Model ``name`` serves from now on (loaded at start, at runtime, or reloaded). A model without a label of
+        its own counts in ``_other``'s gauges: ``routing_model_info`` then holds how many such models are loaded (on
+        that backbone and device), ``routing_model_weight_bytes`` their sum, ``routing_model_load_seconds`` the last
+        one's."""
         self.unloaded(name, count=False)
-        for series in (self.queue_wait, self.texts, self.tokens):  # each model's series, exported at zero
-            series.labels(name)
-        for reason in ("disconnected", "deadline"):
-            self.dropped.labels(name, reason)
-        self._info[name] = (name, backbone, device, dtype)
-        self.model_info.labels(*self._info[name]).set(1)
-        self.model_load.labels(name).set(seconds)
-        self.model_weight_bytes.labels(name).set(weight_bytes)
+        label = self.model_label(name)
+        self._exported(label)
+        self._info[name] = (label, backbone, device, dtype)
+        self._weights[name] = weight_bytes
+        if label == name:
+            self.model_info.labels(*self._info[name]).set(1)
+            self.model_weight_bytes.labels(name).set(weight_bytes)
+        else:
+            self.model_info.labels(*self._info[name]).inc()
+            self.model_weight_bytes.labels(label).inc(weight_bytes)
+        self.model_load.labels(label).set(seconds)
         self.stats.loaded(name)
 
     def unloaded(self, name: str, count: bool = True) -> None:
-        """Model ``name`` serves no more: its per-model gauges go (counters stay, as Prometheus expects)."""
+        """Model ``name`` serves no more: its per-model gauges go, or leave ``_other``'s (counters stay, as
+        Prometheus expects)."""
         labels = self._info.pop(name, None)
         if labels is None:
             return
-        self.model_info.remove(*labels)
-        self.model_weight_bytes.remove(name)
+        weight_bytes = self._weights.pop(name)
+        label = labels[0]
+        if label == name:
+            self.model_info.remove(*labels)
+            self.model_weight_bytes.remove(name)
+        else:
+            self.model_info.labels(*labels).dec()
+            self.model_weight_bytes.labels(label).dec(weight_bytes)
         if count:
-            self.model_unloads.labels(name).inc()
+            self.model_unloads.labels(label).inc()
             self.stats.unloaded(name)
 
 
 def _models(work: ChunkWork) -> list[str]:
+    """The models that ``work`` is for."""
     return [model_of(a.model or "") for a in work.job.asks]
 
 
@@ -230,9 +266,10 @@ class BatchMetrics:
         self.m.queue_depth.labels(self.backbone).set(depth)
 
     def on_drop(self, reason: str, payloads: Sequence[ChunkWork]) -> None:
-        texts = Tally(m for w in {id(w.job): w for w in payloads}.values() for m in _models(w))  # per model
-        for model, n in texts.items():
-            self.m.dropped.labels(model, reason).inc(n)
+        texts = Tally(self.m.model_label(m) for w in {id(w.job): w for w in payloads}.values()
+                      for m in _models(w))  # per model label
+        for label, n in texts.items():
+            self.m.dropped.labels(label, reason).inc(n)
 
     def on_batch(self, payloads: Sequence[ChunkWork], results: Sequence[Answer | None] | None, cost: int,
                  waits: Sequence[float], seconds: float) -> None:
@@ -245,13 +282,14 @@ class BatchMetrics:
         waited: dict[str, float] = {}
         for w, wait in zip(payloads, waits, strict=True):
             for model in _models(w):
-                m.queue_wait.labels(model).observe(wait)
-                m.tokens.labels(model).inc(w.cost)
+                label = m.model_label(model)
+                m.queue_wait.labels(label).observe(wait)
+                m.tokens.labels(label).inc(w.cost)
                 chunks[model] += 1
                 waited[model] = waited.get(model, 0.0) + wait
         for w, answer in zip(payloads, results or [None] * len(payloads), strict=True):
             if answer is not None:
                 for model in _models(w):
-                    m.texts.labels(model).inc()
+                    m.texts.labels(m.model_label(model)).inc()
                     texts[model] += 1
-        m.stats.batch(chunks, texts, waited, len(payloads), seconds)
+        m.stats.batch(chunks, texts, waited, len(payloads), seconds)  # every model's own numbers

@@ -123,6 +123,8 @@ class AppState:
                          os.environ.get("OMP_WAIT_POLICY", "(runtime default)"),
                          os.environ.get("GOMP_SPINCOUNT", "(runtime default)"))
             names = self.model_names(s.model_repository)
+            chosen = s.metrics_models
+            self.metrics.label_models(None if chosen == ["all"] else names if chosen == ["pinned"] else chosen)
             if not names and not may_start_empty(s):
                 raise ValueError(f"no models in {s.model_repository} (ROUTING_MODEL_CONTROL=poll or explicit, or a "
                                  "head cache, ROUTING_HEAD_CACHE_BYTES, starts a server without any to load them while "

@@ -5,6 +5,7 @@ evicted and brought back and every answer equals the unlimited server's."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -36,3 +37,12 @@ def test_heads_are_served_measured_and_answer_alike_under_a_budget(tiny_repo: Pa
                             reference=reference, logs=tmp_path / "logs")
     assert budget["errors"] == 0 and budget["misses"] > 0 and budget["evictions"] > 0
     assert budget["answers_compared"] == 12 and budget["answers_differing"] == 0
+
+
+def test_the_metrics_page_is_measured_with_every_head_used_at_each_setting(tiny_repo: Path, tmp_path: Path) -> None:
+    summary = heads.metrics_page(tiny_repo, 12, tmp_path / "metrics.json", model="tiny")
+    rows = {r["setting"]: r for r in json.loads((tmp_path / "metrics.json").read_text())["results"]["rows"]}
+    pinned, every = rows["default (pinned)"], rows["ROUTING_METRICS_MODELS=all"]
+    assert summary["default_series"] == pinned["series"] and summary["goal_met"]
+    # every model labelled: each of the 12 heads adds its own series of every per-model metric
+    assert every["series"] >= pinned["series"] + 12 * 20 and every["bytes"] > pinned["bytes"]

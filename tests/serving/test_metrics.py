@@ -15,6 +15,8 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from service.bench.server import children, process_state
+from service.modeling.encoding import Encoding
+from service.serving.contract import Ask, TextJob
 from service.serving.metrics import Metrics, freeze_garbage_collection
 from tests.serving.server import Server, metric
 
@@ -208,3 +210,60 @@ def test_the_servers_process_holds_no_torch(tiny: Server) -> None:
     process."""
     maps = Path(f"/proc/{tiny.proc.pid}/maps").read_text()
     assert "libtorch" not in maps
+
+
+def used_once_each(metrics: Metrics, names: list[str]) -> None:
+    """Each of ``names`` loaded, then asked one text of 5 tokens (one batch each) and one dropped text."""
+    observer = metrics.observer("bb")
+    for name in names:
+        metrics.loaded(name, "bb", "cpu", "float32", 0.5, 1000)
+        encoding = Encoding(chunks=((101, 7, 8, 9, 102),), offsets=((0, 0),) * 5, special=(False,) * 5,
+                            word_ids=(0,) * 5)
+        work = TextJob.of(encoding, [Ask(model=name)]).chunks()
+        observer.on_batch(work, [object()], 5, [0.01], 0.02)  # type: ignore[list-item]  # any answer counts
+        observer.on_drop("deadline", work)
+
+
+@pytest.mark.parametrize("chosen", [["m0", "m7"], None])
+def test_models_outside_the_labelled_ones_count_under_one_label_and_the_page_stays_small(
+        chosen: list[str] | None) -> None:
+    metrics = Metrics()
+    metrics.label_models(chosen)
+    names = [f"m{k}" for k in range(1000)]
+    used_once_each(metrics, names)
+    page = generate_latest(metrics.registry).decode()
+    fams = {f.name: f for f in text_string_to_metric_families(page)}
+    texts = {s.labels["model"]: s.value for s in fams["routing_texts_processed"].samples if s.name.endswith("_total")}
+    if chosen is None:  # every model labelled: the page grows with the models (2.3 MB with 1,000 heads served)
+        assert len(texts) == 1000 and len(page) > 1_000_000
+        return
+    assert texts == {"m0": 1, "m7": 1, "_other": 998} and len(page) < 200_000
+    info = {s.labels["model"]: s.value for s in fams["routing_model_info"].samples}
+    assert info == {"m0": 1, "m7": 1, "_other": 998}  # how many models count under _other
+    weights = {s.labels["model"]: s.value for s in fams["routing_model_weight_bytes"].samples}
+    assert weights == {"m0": 1000, "m7": 1000, "_other": 998_000}
+    dropped = {s.labels["model"]: s.value for s in fams["routing_dropped_texts"].samples
+               if s.name.endswith("_total") and s.labels["reason"] == "deadline"}
+    assert dropped == {"m0": 1, "m7": 1, "_other": 998}
+    waits = {s.labels["model"]: s.value for s in fams["routing_queue_wait_seconds"].samples
+             if s.name.endswith("_count")}
+    assert waits == {"m0": 1, "m7": 1, "_other": 998}
+    # the statistics extension keeps every model's own numbers
+    assert metrics.stats.models["m500"].inference_count == 1 and metrics.stats.models["m0"].inference_count == 1
+    metrics.unloaded("m500")
+    metrics.unloaded("m0")
+    fams = {f.name: f for f in text_string_to_metric_families(generate_latest(metrics.registry).decode())}
+    info = {s.labels["model"]: s.value for s in fams["routing_model_info"].samples}
+    assert info == {"m7": 1, "_other": 997}
+    weights = {s.labels["model"]: s.value for s in fams["routing_model_weight_bytes"].samples}
+    assert weights == {"m7": 1000, "_other": 997_000}
+
+
+def test_the_labelled_models_setting_is_pinned_all_or_a_list() -> None:
+    from service.config import Settings
+
+    assert Settings().metrics_models == ["pinned"]
+    assert Settings(metrics_models="a, b,a").metrics_models == ["a", "b"]
+    for bad in ("", "all,a", "_other"):
+        with pytest.raises(ValueError, match="metrics_models"):
+            Settings(metrics_models=bad)
