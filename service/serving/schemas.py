@@ -198,6 +198,8 @@ class ModelInfo(BaseModel):
     evaluation: dict[str, Any]
     load_seconds: float
     default: bool = False
+    ready: bool = Field(True, description="KServe V1's model readiness, as GET /v2/models/{model}/ready says it: "
+                                          "a model described here is loaded and serves (one that is not is 404)")
 
 
 class ModelList(BaseModel):

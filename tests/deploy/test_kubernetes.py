@@ -114,6 +114,14 @@ def test_custom_resources_agree_with_the_deployment() -> None:
     assert pc["readinessProbe"]["httpGet"]["path"] == "/readyz"
     models = {p.name for p in (ROOT / "models").iterdir() if (p / "manifest.json").is_file()}
     assert isvc["metadata"]["name"] in models  # KServe V1 paths name the model: /v1/models/<name>:predict
+    runtime = docs(K8S / "extras/servingruntime.yaml")[0]
+    assert (runtime["apiVersion"], runtime["kind"]) == ("serving.kserve.io/v1alpha1", "ServingRuntime")
+    (rc,) = runtime["spec"]["containers"]
+    assert rc["name"] == "kserve-container" and rc["image"] == c["image"]
+    assert rc["ports"][0]["containerPort"] == c["ports"][0]["containerPort"] == 8000
+    assert rc["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert set(runtime["spec"]["protocolVersions"]) == {"v1", "v2"}  # KServe V1 and the Open Inference Protocol
+    assert [f["name"] for f in runtime["spec"]["supportedModelFormats"]] == ["routing-head"]
 
 
 def test_prometheus_rule_holds_the_compose_stacks_alerting_rules() -> None:

@@ -170,4 +170,7 @@ def test_kserve_v1_verbs_misused_are_explained(tiny: Server) -> None:
     assert r.json()["error"]["message"] == "GET is not allowed on /v1/models/tiny:predict; use POST"
     r = httpx.post(f"{tiny.url}/v1/models/tiny:predcit", json={"instances": ["a"]})
     assert r.status_code == 404 and "no KServe V1 verb ':predcit'" in r.json()["error"]["message"], r.text
-    assert httpx.get(f"{tiny.url}/v1/models/tiny").status_code == 200  # a model's own path is still its metadata
+    r = httpx.get(f"{tiny.url}/v1/models/tiny")  # a model's own path is still its metadata, with KServe V1's readiness
+    assert r.status_code == 200 and r.json()["name"] == "tiny" and r.json()["ready"] is True
+    r = httpx.get(f"{tiny.url}/v1/models/nope")
+    assert r.status_code == 404 and "nope" in r.json()["error"]["message"]  # not ready: KServe V1's 404
