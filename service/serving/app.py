@@ -13,14 +13,14 @@ from fastapi.middleware.cors import CORSMiddleware
 
 from service import __version__
 from service.config import Settings
-from service.serving import errors
+from service.serving import errors, tracing
 from service.serving.metrics import Metrics
 from service.serving.middleware import BodyGuard, Observe
 from service.serving.routes import health, inference, kserve, models, page, repository, v2
 from service.serving.state import AppState
 
-CORS_HEADERS = ["Authorization", "Content-Type", "X-Request-ID"]
-"""The request headers a page on an allowed origin may send: a key, a JSON body, its own request id."""
+CORS_HEADERS = ["Authorization", "Content-Type", "X-Request-ID", "traceparent", "tracestate"]
+"""The request headers a page on an allowed origin may send: a key, a JSON body, its own request id, its trace."""
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -32,6 +32,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         state: AppState = app.state.app_state
+        tracing.configure()  # before the models load: their batches' observers are traced from the start
         loader = asyncio.create_task(state.load())
         app.state.loader = loader
         try:
@@ -43,6 +44,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 await loader
             state.abort("server stopped")  # nothing is left after a drain; after a forced stop, answer the rest
             await state.close(timeout_s=1.0)
+            tracing.shutdown()  # the spans still held are exported
 
     app = FastAPI(title="routing-service", version=__version__, lifespan=lifespan,
                   description="Text classification with routing heads (Heinsen 2022) and end-to-end credit "

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Literal
 
 from service.config import Settings
 from service.modeling.encoding import Encoding
-from service.serving import errors, render
+from service.serving import errors, render, tracing
 from service.serving.batcher import Batcher, DeadlineExceeded, Draining, Overloaded
 from service.serving.contract import (
     Answer,
@@ -268,10 +268,11 @@ class Inference:
             backbone = groups[name]
             engine = backbone.engine
             heads = [keys[m] for m in ms]
-            if sum(map(len, texts)) <= INLINE_CHARS:  # a thread hop would cost more than the tokenizing
-                per_text = engine.encode(texts, heads)
-            else:
-                per_text = await loop.run_in_executor(None, engine.encode, texts, heads)
+            with tracing.span("tokenize", **{"routing.backbone": name, "routing.texts": len(texts)}):
+                if sum(map(len, texts)) <= INLINE_CHARS:  # a thread hop would cost more than the tokenizing
+                    per_text = engine.encode(texts, heads)
+                else:
+                    per_text = await loop.run_in_executor(None, engine.encode, texts, heads)
             jobs: list[TextJob] = []
             places: list[int] = []
             for t, by_length in enumerate(per_text):
@@ -280,6 +281,7 @@ class Inference:
                 text_jobs = engine.jobs(by_length, [Ask(keys[m], specs[m]) for m in ms])
                 jobs += text_jobs
                 places += [t] * len(text_jobs)
+            tracing.follow(jobs)  # their batches' spans link to this request's
             plans.append((backbone, jobs, places))
         self._check_tokens(backbones, keys, specs, encodings)
         answers = await self._submit([(b, [w for j in jobs for w in j.chunks()]) for b, jobs, _ in plans], deadline,
@@ -370,7 +372,8 @@ class Inference:
         specs = [self.credit_spec(m, method=method, contrast=contrast) if explain else None for m in models]
         scored = await self.run(models, texts, specs, until, gone)
         build = lambda: [[render.classify_result(s.result, s.tokens) for s in per] for per in scored]  # noqa: E731
-        return build() if not explain else await render.off_loop(build)
+        with tracing.span("render", **{"routing.texts": len(texts)}):
+            return build() if not explain else await render.off_loop(build)
 
     async def explain(self, models: Sequence[str], texts: list[str], target: Target = None,
                       method: Method = "contribution", contrast: bool = True, matrix: bool = False, phi: bool = False,
@@ -385,9 +388,10 @@ class Inference:
         until = self.deadline(timeout_s)
         specs = [self.credit_spec(m, target, method, contrast, "full", matrix, phi) for m in models]
         scored = await self.run(models, texts, specs, until, gone)
-        return await render.off_loop(lambda: [[render.explain_result(s.result, s.text, s.tokens or [],
-                                                                     s.encoding.word_ids) for s in per]
-                                              for per in scored])
+        with tracing.span("render", **{"routing.texts": len(texts)}):
+            return await render.off_loop(lambda: [[render.explain_result(s.result, s.text, s.tokens or [],
+                                                                         s.encoding.word_ids) for s in per]
+                                                  for per in scored])
 
 
 def _refused(e: Overloaded | Draining) -> APIError:

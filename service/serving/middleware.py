@@ -17,7 +17,7 @@ import uuid
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service.serving import errors
+from service.serving import errors, tracing
 from service.serving.metrics import Metrics
 from service.serving.state import AppState
 
@@ -72,6 +72,7 @@ class Observe:
         life = state.lifecycle
         life.in_flight += 1
         m.in_flight.inc()
+        traced = tracing.start_request(scope["headers"], method, path, request_id)  # None: tracing is off
         try:
             if life.draining and (path.startswith("/v1/") or errors.is_v2(path)):
                 # requests that arrived before the drain began finish; new ones are turned away
@@ -92,6 +93,7 @@ class Observe:
                 status = CLIENT_CLOSED
                 m.failures.labels("disconnected").inc()
             endpoint = getattr(scope.get("route"), "path", "unmatched")
+            tracing.end_request(traced, endpoint if endpoint != "unmatched" else None, status)
             elapsed = time.perf_counter() - t0
             m.requests.labels(endpoint, str(status)).inc()
             m.request_duration.labels(endpoint).observe(elapsed)

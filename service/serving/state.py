@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from service.config import Settings
 from service.modeling.manifest import WEIGHTS, ModelLoadError, discover, read_manifest
+from service.serving import tracing
 from service.serving.batcher import Batcher, BatchLimits
 from service.serving.cache import HeadCache
 from service.serving.control import ModelControl
@@ -165,7 +166,10 @@ class AppState:
         size, tokens = s.batch_limits(str(engine.device))
         limits = BatchLimits(max_batch_size=size, max_batch_tokens=tokens, max_wait_s=s.max_wait_ms / 1000,
                              max_queue=s.max_queue)
-        batcher = Batcher(engine.runners, limits, self.metrics.observer(engine.name), engine.name)
+        observer = self.metrics.observer(engine.name)
+        if tracing.enabled():  # each batch's span, linked to its texts' requests
+            observer = tracing.TracedBatches(observer, engine.name)
+        batcher = Batcher(engine.runners, limits, observer, engine.name)
         batcher.start()
         backbone = Backbone(engine, batcher)
         self.inference.add(backbone)
