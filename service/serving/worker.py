@@ -253,44 +253,58 @@ class BackboneProcess(Planner):
 
     def run_chunks(self, works: list[ChunkWork]) -> list[Answer | None]:
         """Compute a batch in the backbone's process (started again first if it has exited). A text whose
-        earlier chunks a process that exited had computed is answered with an error, not computed."""
+        earlier chunks a process that exited had computed is answered with an error, not computed. A process that
+        exits while computing the batch (killed, or dead just before the batch reached it) is started again and the
+        batch computed once more; a second exit fails the batch."""
         with self._lock:
-            if self._proc.poll() is not None:
-                log.error("the process of backbone %s had exited (code %s): starting it again", self.name,
-                          self._proc.returncode)
-                self._conn.close()
-                self._lost |= self._watched  # their earlier chunks' states went with it
-                self._restarts += 1
-                self._start()
-            answers: list[Answer | None] = [None] * len(works)
-            send = []
-            for pos, w in enumerate(works):
-                if w.job.key in self._lost:
-                    lost = Result(label="", scores={}, error=f"the process of backbone {self.name} exited while "
-                                  "this text was being computed")
-                    answers[pos] = [lost for _ in w.job.asks]
-                    continue
-                send.append(pos)
-                if len(w.job.states) > 1 and w.job.key not in self._watched:
-                    self._watched.add(w.job.key)
-                    weakref.finalize(w.job, self._given_up, w.job.key)
-            if not send:
-                return answers
-            forget = [self._forget.popleft() for _ in range(len(self._forget))]
-            try:
-                self._conn.send(RunBatch([works[pos] for pos in send], forget))
-                msg: Computed | Failed = self._conn.recv()
-            except (EOFError, OSError):
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    self._proc.wait(5)
-                raise ModelProcessError(f"the process of backbone {self.name} exited (code {self._proc.returncode}) "
-                                        "while computing this batch; it starts again with the next one") from None
+            for attempt in (1, 2):
+                if self._proc.poll() is not None:
+                    log.error("the process of backbone %s had exited (code %s): starting it again", self.name,
+                              self._proc.returncode)
+                    self._conn.close()
+                    self._lost |= self._watched  # their earlier chunks' states went with it
+                    self._restarts += 1
+                    self._start()
+                answers, send = self._sendable(works)
+                if not send:
+                    return answers
+                forget = [self._forget.popleft() for _ in range(len(self._forget))]
+                try:
+                    self._conn.send(RunBatch([works[pos] for pos in send], forget))
+                    msg: Computed | Failed = self._conn.recv()
+                    break
+                except (EOFError, OSError):
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        self._proc.wait(5)
+                    if attempt == 2:
+                        raise ModelProcessError(f"the process of backbone {self.name} exited (code "
+                                                f"{self._proc.returncode}) twice while computing this batch; it "
+                                                "starts again with the next one") from None
+                    log.error("the process of backbone %s exited (code %s) while computing a batch: computing it "
+                              "again", self.name, self._proc.returncode)
         if isinstance(msg, Failed):
             raise ModelProcessError(msg.error)
         self._memory, self.held_texts = msg.memory, msg.held
         for pos, answer in zip(send, msg.answers, strict=True):
             answers[pos] = answer
         return answers
+
+    def _sendable(self, works: list[ChunkWork]) -> tuple[list[Answer | None], list[int]]:
+        """The answers known before computing (an error for a text whose earlier chunks were lost with an exited
+        process) and the positions of the chunks to send; texts of several chunks are watched from now on."""
+        answers: list[Answer | None] = [None] * len(works)
+        send = []
+        for pos, w in enumerate(works):
+            if w.job.key in self._lost:
+                lost = Result(label="", scores={}, error=f"the process of backbone {self.name} exited while "
+                              "this text was being computed")
+                answers[pos] = [lost for _ in w.job.asks]
+                continue
+            send.append(pos)
+            if len(w.job.states) > 1 and w.job.key not in self._watched:
+                self._watched.add(w.job.key)
+                weakref.finalize(w.job, self._given_up, w.job.key)
+        return answers, send
 
     def add_heads(self, folders: Sequence[Path], keys: Sequence[str], warmup: bool = True) -> None:
         manifests = {k: read_manifest(Path(f)) for f, k in zip(folders, keys, strict=True)}

@@ -79,23 +79,32 @@ def test_a_process_that_exits_is_started_again_and_closes_cleanly(tiny_repo: Pat
         os.kill(pids[-1], signal.SIGKILL)  # during a batch (it is seen exiting only once the batch is sent):
         mp._proc.wait()
         with monkeypatch.context() as m:
-            m.setattr(mp._proc, "poll", lambda: None)
-            with pytest.raises(ModelProcessError, match=r"exited .* while computing this batch"):
-                mp.run_chunks(work)  # that batch fails
-        ((answer,),) = mp.run_chunks(work)  # and the next one is computed by a new process
+            seen_alive = iter([None])  # the first look still finds it running
+            m.setattr(mp._proc, "poll", lambda real=mp._proc.poll: next(seen_alive, real()))
+            ((answer,),) = mp.run_chunks(work)  # the batch is computed again, by a new process
+        assert answer.error is None and answer.label in mp.labels("tiny")
         assert mp.pid not in pids and mp.restarts() == 2
+        pids.append(mp.pid)
+        os.kill(pids[-1], signal.SIGKILL)  # a process that dies under the batch twice: the batch fails
+        mp._proc.wait()
+        with monkeypatch.context() as m:
+            m.setattr(mp._proc, "poll", lambda: None)
+            with pytest.raises(ModelProcessError, match=r"exited .* twice while computing this batch"):
+                mp.run_chunks(work)
+        ((answer,),) = mp.run_chunks(work)  # and the next one is computed by a new process
+        assert mp.pid not in pids and mp.restarts() == 3
         long = [w for plan in mp.plan([Task("Long one. " * 30)]) for w in plan]
         mp.run_chunks(long[:1])
         mp.add_heads([tiny_repo / "tiny"], ["again"], warmup=False)
         os.kill(mp.pid, signal.SIGKILL)  # with a text half computed: its first chunk's states are gone
         mp._proc.wait()
         mp.remove_heads(["again"])  # heads dropped from a process that has exited are dropped all the same
-        assert mp.models == ["tiny"] and mp.restarts() == 2
+        assert mp.models == ["tiny"] and mp.restarts() == 3
         answers = mp.run_chunks(long[1:] + work)
         lost = [a[0] for a in answers[:-1] if a is not None]
         assert lost and all(a.error and "exited while this text was being computed" in a.error for a in lost)
         assert answers[-1] is not None and answers[-1][0].error is None  # other texts are computed as usual
-        assert mp.restarts() == 3 and set(mp._descriptions) == {"tiny"}  # the new process loaded only 'tiny'
+        assert mp.restarts() == 4 and set(mp._descriptions) == {"tiny"}  # the new process loaded only 'tiny'
     finally:
         mp.close(timeout_s=30)
     assert mp._proc.returncode == 0  # asked to close after a batch, it exited on its own, not killed after the timeout
