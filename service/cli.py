@@ -424,11 +424,14 @@ def bench_engine(
     profiled: Annotated[int, typer.Option(min=1, help="Batches profiled per batch size")] = 16,
     device: Annotated[str, typer.Option(help="cpu | cuda[:n]")] = "cpu",
     model_repository: Path = Path("models"),
+    onnx: Annotated[bool, typer.Option(help="Also the backbone against ONNX Runtime (CPU, float32) on the same "
+                                            "batches of 32, in turns (needs onnx and onnxruntime)")] = False,
+    onnx_rounds: Annotated[int, typer.Option(min=1, help="Turns of the ONNX Runtime comparison")] = 5,
     out: Annotated[Path, typer.Option(help="JSON result file")] = Path("bench-results/engine.json"),
 ) -> None:
     """Where a batch's time goes in the engine alone: milliseconds per batch by batch size, the process's time in
     each phase (planning, encoding, joining, heads, results) from a torch profile, and on a GPU the kernels launched
-    per batch and the device's busy time."""
+    per batch and the device's busy time; with --onnx, the backbone against ONNX Runtime in turns."""
     from service.bench import engine_phases as bench
     from service.bench import report
     from service.serving.engine import Engine
@@ -443,13 +446,28 @@ def bench_engine(
             raise typer.BadParameter(str(e), param_hint="--device") from None
     typer.echo(f"engine alone: {model} on {engine.device}, {len(texts)} test texts in sampled order, batch sizes "
                f"{sizes}, at least {seconds:g} s each", err=True)
+    if onnx and engine.device.type != "cpu":
+        raise typer.BadParameter("the ONNX Runtime comparison runs on the CPU", param_hint="--onnx")
     rows = bench.run(engine, texts, sizes, seconds, profiled)
     flat = [bench.flat(r) for r in rows]
     typer.echo(report.table(flat, list(flat[0]) if flat else ["batch_size"]))
+    summary: dict[str, object] = {str(r["batch_size"]): r["ms_per_batch"] for r in rows}
+    results: dict[str, object] = {"rows": rows}
+    if onnx:
+        with extras("bench engine --onnx", "bench"):
+            from service.bench import onnx as versus_onnx
+        backbone = engine.backbone
+        cmp = versus_onnx.compare(backbone, engine.manifests[engine.default].backbone.source, texts, 32, onnx_rounds)
+        typer.echo(f"backbone against ONNX Runtime {cmp['onnxruntime_version']}, {cmp['texts']} texts in batches "
+                   f"of 32, {onnx_rounds} turns: torch {cmp['torch_ms_per_batch']:.1f} ms, ONNX Runtime "
+                   f"{cmp['onnxruntime_ms_per_batch']:.1f} ms per batch (torch / ONNX Runtime "
+                   f"{cmp['torch_over_onnxruntime']:.2f}); outputs differ by at most {cmp['max_abs_difference']:.1e}")
+        results["onnxruntime"] = cmp
+        summary["torch_over_onnxruntime"] = cmp["torch_over_onnxruntime"]
     path = report.write_json(out, "engine", {"model": model, "preset": preset or model, "texts": len(texts),
                                              "batch_sizes": sizes, "seconds": seconds, "profiled_batches": profiled,
                                              "device": str(engine.device)},
-                             rows, {str(r["batch_size"]): r["ms_per_batch"] for r in rows})
+                             rows if not onnx else results, summary)
     typer.echo(f"wrote {path}")
 
 

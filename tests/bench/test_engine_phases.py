@@ -75,3 +75,16 @@ def test_a_device_that_is_not_there_exits_2(tiny_repo: Path, tmp_path: Path) -> 
                                    "--out", str(tmp_path / "e.json")])
     said = " ".join(res.output.replace("│", " ").split())
     assert res.exit_code == 2 and "CUDA is not available" in said, res.output
+
+
+def test_the_backbone_is_compared_with_onnx_runtime_on_the_same_batches(tiny_backbone_dir: Path) -> None:
+    from service.bench import onnx
+    from service.modeling.backbone import Backbone
+
+    backbone = Backbone(str(tiny_backbone_dir), max_length=16)
+    texts = [f"text number {k} " + "word " * (k % 5) for k in range(10)]
+    cmp = onnx.compare(backbone, str(tiny_backbone_dir), texts, batch=4, rounds=2)
+    assert (cmp["texts"], cmp["batches"], cmp["rounds"]) == (8, 2, 2)  # whole batches only
+    assert len(cmp["torch_ms_rounds"]) == len(cmp["onnxruntime_ms_rounds"]) == 2
+    assert cmp["torch_over_onnxruntime"] == cmp["torch_ms_per_batch"] / cmp["onnxruntime_ms_per_batch"] > 0
+    assert cmp["max_abs_difference"] < 1e-4  # the same encoder: the same hidden states on the real tokens
