@@ -58,6 +58,7 @@ ENV PATH=/opt/service/bin:/opt/venv/bin:$PATH \
     TOKENIZERS_PARALLELISM=false \
     ROUTING_HOST=0.0.0.0 \
     ROUTING_PORT=8000 \
+    ROUTING_GRPC_PORT=8001 \
     ROUTING_MODEL_REPOSITORY=/app/models \
     ROUTING_LOG_JSON=true
 RUN groupadd --system --gid 10001 routing \
@@ -67,7 +68,7 @@ COPY --from=builder /opt/service /opt/service
 WORKDIR /app
 COPY --chown=routing:routing models ./models
 USER 10001:10001
-EXPOSE 8000
+EXPOSE 8000 8001
 HEALTHCHECK --interval=15s --timeout=5s --start-period=120s --retries=3 \
     CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:' + os.environ.get('ROUTING_PORT', '8000') + '/healthz', timeout=4)"]
 STOPSIGNAL SIGTERM

@@ -51,6 +51,8 @@ class Settings(BaseSettings):
     # HTTP
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
+    grpc_port: int = Field(8001, ge=0, le=65535, description="The Open Inference Protocol v2 over gRPC and the gRPC "
+                           "health service (Triton's port); 0 turns gRPC off")
     log_json: bool = Field(False, description="One JSON object per log line")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list, description="Bearer keys for /v1")

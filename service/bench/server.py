@@ -187,6 +187,7 @@ class LocalServer(ServerProcess):
         env = {k: v for k, v in os.environ.items() if not k.startswith("ROUTING_")}
         env.update({"ROUTING_HOST": "127.0.0.1", "ROUTING_PORT": str(port), "HF_HUB_OFFLINE": "1",
                     "TOKENIZERS_PARALLELISM": "false"})
+        env["ROUTING_GRPC_PORT"] = "0"  # none unless asked for: many servers run side by side
         env.update({f"ROUTING_{k.upper()}": str(v) for k, v in settings.items()})
         if checkout is not None:  # ``-m`` finds the package in the working folder first
             env["PYTHONPATH"] = str(checkout.resolve())

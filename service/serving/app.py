@@ -13,7 +13,7 @@ from fastapi.middleware.cors import CORSMiddleware
 
 from service import __version__
 from service.config import Settings
-from service.serving import errors, tracing
+from service.serving import errors, grpc_service, tracing
 from service.serving.metrics import Metrics
 from service.serving.middleware import BodyGuard, Observe
 from service.serving.routes import health, inference, kserve, models, page, repository, v2
@@ -36,7 +36,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         loader = asyncio.create_task(state.load())
         app.state.loader = loader
         try:
-            yield
+            async with grpc_service.serving(state):
+                yield
         finally:
             state.start_draining()
             loader.cancel()

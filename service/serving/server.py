@@ -110,6 +110,14 @@ def run_server(settings: Settings) -> None:
                   "address)", settings.host, settings.port, e.strerror or e,
                   "another server listens there; " if e.errno == errno.EADDRINUSE else "")
         sys.exit(CANNOT_LISTEN)
+    if settings.grpc_port:
+        try:
+            check_address(settings.host, settings.grpc_port)
+        except OSError as e:
+            log.error("cannot listen for gRPC on %s:%d: %s (%sROUTING_GRPC_PORT sets the port, 0 turns gRPC off)",
+                      settings.host, settings.grpc_port, e.strerror or e,
+                      "another server listens there; " if e.errno == errno.EADDRINUSE else "")
+            sys.exit(CANNOT_LISTEN)
     app = create_app(settings)
     state: AppState = app.state.app_state
     limits = HttpLimits(max_headers=settings.max_headers, max_header_bytes=settings.max_header_bytes,

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+import tritonclient.grpc as triton
 import yaml
 
 from tests.deploy import alert_rules, podman
@@ -42,7 +43,8 @@ def stack() -> Iterator[dict[str, str]]:
     podman.ensure_prometheus(cfg["services"]["prometheus"]["image"])
     podman.build("localhost/routing-service:cpu")  # the tag compose's CPU profile names (layers are cached)
     env = {**os.environ, "CONTAINERS_CONF": str(podman.containers_conf()), "TORCH_VARIANT": "cpu",
-           "GRAFANA_ADMIN_PASSWORD": "compose-test", "ROUTING_PUBLISHED_PORT": str(free_port())}
+           "GRAFANA_ADMIN_PASSWORD": "compose-test", "ROUTING_PUBLISHED_PORT": str(free_port()),
+           "ROUTING_GRPC_PUBLISHED_PORT": str(free_port())}
     compose("--profile", "cpu", "up", "-d", "--no-build", "routing-service-cpu", "prometheus", env=env)
     try:
         yield env
@@ -86,6 +88,8 @@ def test_prometheus_scrapes_the_service_on_the_compose_network(stack: dict[str, 
     assert ready == 200, "the service never became ready"
     r = httpx.post(f"http://127.0.0.1:{port}/v1/classify", json={"inputs": ["What a great day!"]}, timeout=60)
     assert r.status_code == 200, r.text
+    grpc = triton.InferenceServerClient(f"127.0.0.1:{stack['ROUTING_GRPC_PUBLISHED_PORT']}")  # the published gRPC port
+    assert grpc.is_server_ready() and grpc.is_model_ready("tweet-sentiment")
     t1 = time.monotonic()
     seen: list[dict] = []
     while time.monotonic() - t1 < 60:  # scraped every 5 s

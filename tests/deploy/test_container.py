@@ -33,6 +33,7 @@ def container(image: str) -> Iterator[tuple[str, str, float]]:
     t0 = time.monotonic()
     cid = podman.cli("run", "-d", "--network", "host", "--read-only", "--tmpfs", "/tmp",
                      "--user", "10001:10001", "-e", f"ROUTING_PORT={port}", "-e", "ROUTING_HOST=127.0.0.1",
+                     "-e", f"ROUTING_GRPC_PORT={free_port()}",  # the host's network: a port of its own
                      "-e", "ROUTING_DRAIN_TIMEOUT_S=10", image).stdout.strip()
     url = f"http://127.0.0.1:{port}"
     ready = None

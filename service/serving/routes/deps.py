@@ -39,10 +39,14 @@ def check_key(state: AppState, authorization: str | None) -> None:
 
 
 async def require_admin(request: Request) -> None:
-    """401 unless the request carries an admin key (``ROUTING_ADMIN_KEYS``); 403 with an inference key, or when
-    no admin key is configured (model control is then closed to every client)."""
-    settings = (await get_state(request)).settings
-    authorization = request.headers.get("authorization")
+    """401 unless the request carries an admin key (see :func:`check_admin`)."""
+    check_admin(await get_state(request), request.headers.get("authorization"))
+
+
+def check_admin(state: AppState, authorization: str | None) -> None:
+    """401 unless ``authorization`` carries an admin key (``ROUTING_ADMIN_KEYS``); 403 with an inference key, or
+    when no admin key is configured (model control is then closed to every client)."""
+    settings = state.settings
     if not settings.admin_keys:
         raise APIError(403, "the model repository needs an admin key, and none is configured (ROUTING_ADMIN_KEYS)")
     if _bearer_in(settings.admin_keys, authorization):

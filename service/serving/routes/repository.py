@@ -35,7 +35,7 @@ async def _body(request: Request) -> dict[str, Any]:
     return body
 
 
-def _controlled(state: State) -> None:
+def controlled(state: State) -> None:
     """400 unless models may be loaded and unloaded through the API (``model_control=explicit``)."""
     mode = state.settings.model_control
     if mode != "explicit":
@@ -72,7 +72,7 @@ async def index(request: Request, state: State) -> list[dict[str, str]]:
 @repository.post("/models/{model}/load", summary="Load a model from its folder, or reload it")
 async def load(request: Request, state: State, model: str) -> dict[str, Any]:
     _parameters(await _body(request), "load", why=": a model loads from its folder in the repository")
-    _controlled(state)
+    controlled(state)
     await state.control.load(model)
     return {}
 
@@ -82,7 +82,7 @@ async def unload(request: Request, state: State, model: str) -> dict[str, Any]:
     params = _parameters(await _body(request), "unload", frozenset({"unload_dependents"}))  # Triton's one
     if not isinstance(params.get("unload_dependents", False), bool):  # (no model here has dependents to unload)
         raise APIError(400, "parameters.unload_dependents must be a bool")
-    _controlled(state)
+    controlled(state)
     await state.control.unload(model)
     return {}
 

@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from service import __version__
 from service.serving.contract import CreditSpec
 from service.serving.errors import APIError
-from service.serving.inference import Inference, Scored
+from service.serving.inference import Gone, Inference, Scored
 from service.serving.routes.deps import State, require_key
 from service.serving.routes.inference import client_gone
 
@@ -93,10 +93,13 @@ def _tensor_meta(name: str, datatype: str, shape: list[int]) -> dict[str, Any]:
     return {"name": name, "datatype": datatype, "shape": shape}
 
 
+SERVER_METADATA = {"name": "routing-service", "version": __version__,
+                   "extensions": ["binary_tensor_data", "model_repository", "statistics"]}
+
+
 @router.get("", summary="Server metadata")
 async def server_metadata() -> dict[str, Any]:
-    return {"name": "routing-service", "version": __version__,
-            "extensions": ["binary_tensor_data", "model_repository", "statistics"]}
+    return SERVER_METADATA
 
 
 @router.get("/health/live", summary="Server liveness")
@@ -114,8 +117,13 @@ async def ready(state: State) -> JSONResponse:
 @models.get("/models/{model}/versions/{version}", summary="Model metadata", include_in_schema=False)
 async def model_metadata(state: State, model: str, version: str = "1") -> dict[str, Any]:
     await state.inference.require([model])
-    labels = state.inference.labels(model)
     check_version(version)
+    return metadata_of(state.inference, model)
+
+
+def metadata_of(inf: Inference, model: str) -> dict[str, Any]:
+    """Model ``model``'s metadata (in memory): its tensors, labels and parameters, over REST and gRPC alike."""
+    labels = inf.labels(model)
     n = len(labels)
     return {
         "name": model, "versions": ["1"], "platform": "pytorch_routing_head",
@@ -150,13 +158,21 @@ async def infer(request: Request, state: State, model: str, version: str = "1") 
     check_version(version)
     body, binary = await _parse(request)
     await inf.require([model])  # no await from here to the run: its head stays in memory
-    labels = inf.labels(model)
     texts = _texts(body.inputs[0], binary)
+    wanted = [o.name for o in body.outputs] if body.outputs else None
+    outputs = await infer_tensors(inf, model, texts, body.parameters or {}, wanted, client_gone(request))
+    return InferResponse(model_name=model, id=body.id, outputs=outputs)
+
+
+async def infer_tensors(inf: Inference, model: str, texts: list[str], params: dict[str, Any],
+                        wanted: list[str] | None, gone: Gone | None = None) -> list[TensorOut]:
+    """The output tensors ``wanted`` (default: label and probabilities, and the credit outputs when asked) of
+    ``texts`` on ``model`` (already in memory), with the request's ``parameters``: what ``infer`` answers over
+    REST and gRPC alike."""
+    labels = inf.labels(model)
     inf.check_limits(texts)
-    params = body.parameters or {}
     spec = _credit_spec(inf, model, params)
     available = [*BASIC, *(CREDIT if spec.method == "contribution" else CREDIT[:4])]
-    wanted = [o.name for o in body.outputs] if body.outputs else None
     unknown = sorted(set(wanted or []) - set(available))
     if unknown:
         raise APIError(400, f"unknown output(s) {unknown}; with method {spec.method!r} this model gives "
@@ -169,10 +185,10 @@ async def infer(request: Request, state: State, model: str, version: str = "1") 
     if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0):
         raise APIError(422, "parameters.timeout must be a positive number of microseconds")
     deadline = inf.deadline(timeout / 1e6 if timeout is not None else None)
-    (scored,) = await inf.run([model], texts, [spec if explain else None], deadline, client_gone(request))
+    (scored,) = await inf.run([model], texts, [spec if explain else None], deadline, gone)
     outputs = _outputs(scored, labels, explain)
     names = wanted or (available if explain else list(BASIC))
-    return InferResponse(model_name=model, id=body.id, outputs=[outputs[n] for n in names])
+    return [outputs[n] for n in names]
 
 
 def check_version(version: str) -> None:

@@ -1,0 +1,254 @@
+"""The Open Inference Protocol v2 over gRPC (``inference.GRPCInferenceService``, from the definitions tritonclient
+ships) and the standard gRPC health service, on ``ROUTING_GRPC_PORT``, over the same inference layer, batches,
+limits, keys and lifecycle as HTTP: a thin layer, as ``routes/v2.py`` is for REST.
+
+Keys travel as call metadata (``authorization: Bearer <key>``). Errors map to gRPC codes by their HTTP status: 400
+and 422 INVALID_ARGUMENT, 401 UNAUTHENTICATED, 403 PERMISSION_DENIED, 404 NOT_FOUND, 413 RESOURCE_EXHAUSTED, 503
+UNAVAILABLE (queue full, draining, models not loaded), 504 DEADLINE_EXCEEDED, anything else INTERNAL. Outputs are
+returned as ``raw_output_contents`` (little-endian, BYTES as 4-byte length and bytes), as Triton does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import struct
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from tritonclient.grpc import service_pb2 as pb
+from tritonclient.grpc import service_pb2_grpc as pb_grpc
+
+from service.serving.errors import APIError
+from service.serving.routes.deps import check_admin, check_key
+from service.serving.routes.repository import controlled
+from service.serving.routes.v2 import SERVER_METADATA, _unpack_bytes, check_version, infer_tensors, metadata_of
+from service.serving.state import AppState
+
+log = logging.getLogger("service.grpc")
+SERVICE = "inference.GRPCInferenceService"
+CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 422: grpc.StatusCode.INVALID_ARGUMENT,
+         401: grpc.StatusCode.UNAUTHENTICATED, 403: grpc.StatusCode.PERMISSION_DENIED, 404: grpc.StatusCode.NOT_FOUND,
+         413: grpc.StatusCode.RESOURCE_EXHAUSTED, 503: grpc.StatusCode.UNAVAILABLE,
+         504: grpc.StatusCode.DEADLINE_EXCEEDED}
+DTYPES = {"FP32": "<f4", "INT32": "<i4"}
+Reply = TypeVar("Reply")
+
+
+def _authorization(context: grpc.aio.ServicerContext) -> str | None:
+    return next((v for k, v in context.invocation_metadata() or () if k == "authorization"), None)
+
+
+def _parameter(p: pb.InferParameter) -> str | bool | int | float:
+    """An InferParameter's value, as the REST body would hold it."""
+    which = p.WhichOneof("parameter_choice")
+    return getattr(p, which) if which is not None else ""
+
+
+def _texts(request: pb.ModelInferRequest) -> list[str]:
+    """The ``text`` input's strings, from ``raw_input_contents`` or ``contents.bytes_contents``."""
+    if len(request.inputs) != 1:
+        raise APIError(400, f"expected one input named 'text' of datatype BYTES, got {len(request.inputs)} inputs")
+    tensor = request.inputs[0]
+    if tensor.name != "text" or tensor.datatype != "BYTES":
+        raise APIError(400, f"expected one input named 'text' of datatype BYTES, got {tensor.name!r} "
+                            f"{tensor.datatype}")
+    shape = list(tensor.shape)
+    n = int(np.prod(shape)) if shape else 0
+    if not shape or n < 1 or any(d != 1 for d in shape[1:]):
+        raise APIError(400, f"input 'text' must have shape [n] (n >= 1), got {shape}")
+    if request.raw_input_contents:
+        items = _unpack_bytes(request.raw_input_contents[0])
+    else:
+        items = list(tensor.contents.bytes_contents)
+    if len(items) != n:
+        raise APIError(400, f"input 'text' has {len(items)} elements but shape {shape}")
+    texts = []
+    for k, item in enumerate(items):
+        try:
+            text = item.decode("utf-8")
+        except UnicodeDecodeError:
+            raise APIError(400, f"text {k} is not valid UTF-8") from None
+        if not text.strip():
+            raise APIError(422, f"inputs.0.contents.{k}: a text must be a non-blank string")
+        texts.append(text)
+    return texts
+
+
+def _raw(datatype: str, data: list[Any]) -> bytes:
+    """A tensor's elements as ``raw_output_contents`` bytes."""
+    if datatype == "BYTES":
+        out = bytearray()
+        for item in data:
+            b = str(item).encode("utf-8")
+            out += struct.pack("<I", len(b)) + b
+        return bytes(out)
+    return np.asarray(data, dtype=DTYPES[datatype]).tobytes()
+
+
+class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
+    """Each RPC of the protocol that this server has (model configuration, shared memory, logging and trace settings
+    are left to the servicer's UNIMPLEMENTED)."""
+
+    def __init__(self, state: AppState) -> None:
+        self.state = state
+
+    async def _call(self, context: grpc.aio.ServicerContext, work: Callable[[], Awaitable[Reply]], *,
+                    key: str = "api", inference: bool = False) -> Reply:
+        """``work()`` with the key checked (``api``, ``admin`` or ``none``), counted in flight as an HTTP request is,
+        and an APIError turned into its gRPC status; a new inference call is UNAVAILABLE while the server drains."""
+        state = self.state
+        try:
+            if key == "api":
+                check_key(state, _authorization(context))
+            elif key == "admin":
+                check_admin(state, _authorization(context))
+            if inference and state.lifecycle.draining:
+                raise APIError(503, "the server is shutting down: send the request again (to another replica)")
+            with state.lifecycle.request():
+                return await work()
+        except APIError as e:
+            await context.abort(CODES.get(e.status, grpc.StatusCode.INTERNAL), e.message)
+            raise  # abort raises; this line is for the type checker
+
+    async def ServerLive(self, request: pb.ServerLiveRequest, context: grpc.aio.ServicerContext
+                         ) -> pb.ServerLiveResponse:
+        return pb.ServerLiveResponse(live=True)
+
+    async def ServerReady(self, request: pb.ServerReadyRequest, context: grpc.aio.ServicerContext
+                          ) -> pb.ServerReadyResponse:
+        return pb.ServerReadyResponse(ready=self.state.lifecycle.ready)
+
+    async def ModelReady(self, request: pb.ModelReadyRequest, context: grpc.aio.ServicerContext
+                         ) -> pb.ModelReadyResponse:
+        async def work() -> pb.ModelReadyResponse:
+            check_version(request.version or "1")
+            try:
+                await self.state.inference.require([request.name])  # as GET /v2/models/{model}/ready
+            except APIError as e:
+                if e.status != 404:
+                    raise
+                return pb.ModelReadyResponse(ready=False)  # as Triton: a model it does not serve is not ready
+            return pb.ModelReadyResponse(ready=True)
+        return await self._call(context, work)
+
+    async def ServerMetadata(self, request: pb.ServerMetadataRequest,
+                             context: grpc.aio.ServicerContext) -> pb.ServerMetadataResponse:
+        return pb.ServerMetadataResponse(**SERVER_METADATA)
+
+    async def ModelMetadata(self, request: pb.ModelMetadataRequest,
+                            context: grpc.aio.ServicerContext) -> pb.ModelMetadataResponse:
+        async def work() -> pb.ModelMetadataResponse:
+            inf = self.state.inference
+            await inf.require([request.name])
+            check_version(request.version or "1")
+            meta = metadata_of(inf, request.name)
+            tensors = lambda ts: [pb.ModelMetadataResponse.TensorMetadata(**t) for t in ts]  # noqa: E731
+            return pb.ModelMetadataResponse(name=meta["name"], versions=meta["versions"], platform=meta["platform"],
+                                            inputs=tensors(meta["inputs"]), outputs=tensors(meta["outputs"]))
+        return await self._call(context, work)
+
+    async def ModelInfer(self, request: pb.ModelInferRequest,
+                         context: grpc.aio.ServicerContext) -> pb.ModelInferResponse:
+        async def work() -> pb.ModelInferResponse:
+            inf, model = self.state.inference, request.model_name
+            inf.check_name(model)
+            check_version(request.model_version or "1")
+            await inf.require([model])  # no await from here to the run: its head stays in memory
+            texts = _texts(request)
+            params = {k: _parameter(v) for k, v in request.parameters.items()}
+            wanted = [o.name for o in request.outputs] or None
+            outputs = await infer_tensors(inf, model, texts, params, wanted)
+            reply = pb.ModelInferResponse(model_name=model, model_version="1", id=request.id)
+            for t in outputs:
+                reply.outputs.add(name=t.name, datatype=t.datatype, shape=t.shape)
+                reply.raw_output_contents.append(_raw(t.datatype, t.data))
+            return reply
+        return await self._call(context, work, inference=True)
+
+    async def RepositoryIndex(self, request: pb.RepositoryIndexRequest,
+                              context: grpc.aio.ServicerContext) -> pb.RepositoryIndexResponse:
+        async def work() -> pb.RepositoryIndexResponse:
+            entries = self.state.control.index(ready_only=request.ready)
+            return pb.RepositoryIndexResponse(models=[pb.RepositoryIndexResponse.ModelIndex(**e.json())
+                                                      for e in entries])
+        return await self._call(context, work, key="admin")
+
+    async def RepositoryModelLoad(self, request: pb.RepositoryModelLoadRequest,
+                                  context: grpc.aio.ServicerContext) -> pb.RepositoryModelLoadResponse:
+        async def work() -> pb.RepositoryModelLoadResponse:
+            if request.parameters:
+                raise APIError(400, f"load parameters {sorted(request.parameters)} are not supported: a model loads "
+                                    "from its folder in the repository")
+            controlled(self.state)
+            await self.state.control.load(request.model_name)
+            return pb.RepositoryModelLoadResponse()
+        return await self._call(context, work, key="admin")
+
+    async def RepositoryModelUnload(self, request: pb.RepositoryModelUnloadRequest,
+                                    context: grpc.aio.ServicerContext) -> pb.RepositoryModelUnloadResponse:
+        async def work() -> pb.RepositoryModelUnloadResponse:
+            unsupported = sorted(set(request.parameters) - {"unload_dependents"})
+            if unsupported:
+                raise APIError(400, f"unload parameters {unsupported} are not supported")
+            controlled(self.state)
+            await self.state.control.unload(request.model_name)
+            return pb.RepositoryModelUnloadResponse()
+        return await self._call(context, work, key="admin")
+
+    async def ModelStatistics(self, request: pb.ModelStatisticsRequest,
+                              context: grpc.aio.ServicerContext) -> pb.ModelStatisticsResponse:
+        async def work() -> pb.ModelStatisticsResponse:
+            from google.protobuf import json_format
+
+            inf = self.state.inference
+            if request.name:
+                inf.backbone_of(request.name)
+                check_version(request.version or "1")
+            names = [request.name] if request.name else inf.resolve("all")
+            stats = self.state.metrics.stats.json(names)
+            return json_format.ParseDict(stats, pb.ModelStatisticsResponse(), ignore_unknown_fields=True)
+        return await self._call(context, work)
+
+
+@contextlib.asynccontextmanager
+async def serving(state: AppState) -> AsyncIterator[grpc.aio.Server | None]:
+    """The gRPC server on ``grpc_port`` (none when it is 0) for as long as the block runs: the inference service,
+    and the health service, SERVING while the server is ready and NOT_SERVING otherwise (loading, draining)."""
+    s = state.settings
+    if not s.grpc_port:
+        yield None
+        return
+    limit = s.max_body_bytes
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", limit),
+                                      ("grpc.max_send_message_length", -1)])
+    pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceService(state), server)
+    checks = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(checks, server)
+    server.add_insecure_port(f"{s.host}:{s.grpc_port}")
+    await server.start()
+    log.info("gRPC (Open Inference Protocol v2, health) on %s:%d", s.host, s.grpc_port)
+
+    async def follow() -> None:  # the health service says what the lifecycle says
+        said = None
+        while True:
+            status = (health_pb2.HealthCheckResponse.SERVING if state.lifecycle.ready
+                      else health_pb2.HealthCheckResponse.NOT_SERVING)
+            if status != said:
+                for service in ("", SERVICE):
+                    await checks.set(service, status)
+                said = status
+            await asyncio.sleep(0.05)
+
+    follower = asyncio.create_task(follow())
+    try:
+        yield server
+    finally:
+        follower.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await follower
+        await server.stop(grace=1.0)

@@ -1,0 +1,233 @@
+"""The Open Inference Protocol v2 over gRPC, through ``tritonclient.grpc`` (sync and asyncio) as Triton's users call
+it: the same cases as the REST tests (health, metadata, infer with and without credit, the repository with and
+without the admin key, statistics, each error's code), answers equal to REST's, gRPC and HTTP texts sharing a batch,
+and the standard health service going NOT_SERVING while the server drains."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import httpx
+import numpy as np
+import pytest
+import tritonclient.grpc as triton
+import tritonclient.grpc.aio as triton_aio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from tritonclient.utils import InferenceServerException
+
+from tests.conftest import write_tiny_model
+from tests.serving.server import Server, free_port, metric
+
+ADMIN, USER = "admin-key-1", "user-key-1"
+AS_ADMIN, AS_USER = {"authorization": f"Bearer {ADMIN}"}, {"authorization": f"Bearer {USER}"}
+TEXTS = ["a short text", "another one, a little longer than the first"]
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory: pytest.TempPathFactory, tiny_backbone_dir: Path) -> Path:
+    repo = tmp_path_factory.mktemp("grpc") / "models"
+    write_tiny_model(repo, tiny_backbone_dir, name="tiny", seed=0)
+    write_tiny_model(repo, tiny_backbone_dir, name="tiny-b", seed=1)
+    return repo
+
+
+@pytest.fixture(scope="module")
+def server(repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    s = Server(tmp_path_factory.mktemp("grpc-logs"), model_repository=repo, models="tiny", default_model="tiny",
+               model_control="explicit", admin_keys=ADMIN, api_keys=USER, grpc_port=free_port(),
+               max_wait_ms=150).wait_ready()
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+def grpc_url(server: Server) -> str:
+    port = next(line.rsplit(":", 1)[1] for line in server.full_log().splitlines() if "gRPC (Open Inference" in line)
+    return f"127.0.0.1:{int(port)}"
+
+
+@pytest.fixture(scope="module")
+def client(server: Server) -> triton.InferenceServerClient:
+    return triton.InferenceServerClient(grpc_url(server))
+
+
+def text_input(texts: list[str]) -> triton.InferInput:
+    tensor = triton.InferInput("text", [len(texts)], "BYTES")
+    tensor.set_data_from_numpy(np.array([t.encode() for t in texts], dtype=object))
+    return tensor
+
+
+def code(e: pytest.ExceptionInfo[InferenceServerException]) -> str:
+    return str(e.value.status())
+
+
+def rest(server: Server, model: str, body: dict) -> dict:
+    r = httpx.post(f"{server.url}/v2/models/{model}/infer", json=body, headers=AS_USER, timeout=60)
+    assert r.status_code == 200, r.text
+    return {o["name"]: np.array(o["data"]).reshape(o["shape"]) for o in r.json()["outputs"]}
+
+
+def test_health_and_metadata(client: triton.InferenceServerClient, server: Server) -> None:
+    assert client.is_server_live() and client.is_server_ready()
+    assert client.is_model_ready("tiny", headers=AS_USER)
+    assert not client.is_model_ready("nope", headers=AS_USER)  # as Triton: not served, not ready
+    meta = client.get_server_metadata(as_json=True)
+    assert meta["name"] == "routing-service" and "model_repository" in meta["extensions"]
+    model = client.get_model_metadata("tiny", headers=AS_USER, as_json=True)
+    rest_meta = httpx.get(f"{server.url}/v2/models/tiny", headers=AS_USER).json()
+    assert model["inputs"] == [{"name": "text", "datatype": "BYTES", "shape": ["-1"]}]
+    assert [o["name"] for o in model["outputs"]] == [o["name"] for o in rest_meta["outputs"]]
+    with grpc.insecure_channel(grpc_url(server)) as channel:
+        checks = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "inference.GRPCInferenceService"):
+            status = checks.Check(health_pb2.HealthCheckRequest(service=service)).status
+            assert status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_infer_with_and_without_credit_equals_rest(client: triton.InferenceServerClient, server: Server) -> None:
+    got = client.infer("tiny", [text_input(TEXTS)], headers=AS_USER)
+    want = rest(server, "tiny", {"inputs": [{"name": "text", "datatype": "BYTES", "shape": [2], "data": TEXTS}]})
+    assert [b.decode() for b in got.as_numpy("label")] == list(want["label"])
+    np.testing.assert_allclose(got.as_numpy("probabilities"), want["probabilities"], atol=1e-5)
+    assert got.get_response().model_name == "tiny"
+    explained = client.infer("tiny", [text_input(TEXTS)], headers=AS_USER, parameters={"explain": True,
+                                                                                        "target": "all"})
+    want = rest(server, "tiny", {"inputs": [{"name": "text", "datatype": "BYTES", "shape": [2], "data": TEXTS}],
+                                 "parameters": {"explain": True, "target": "all"}})
+    for name in ("credit", "logit", "baseline"):
+        np.testing.assert_allclose(explained.as_numpy(name), want[name], atol=1e-5)
+    assert explained.as_numpy("token_lengths").tolist() == want["token_lengths"].tolist()
+    credit, logit, baseline = (explained.as_numpy(n) for n in ("credit", "logit", "baseline"))
+    np.testing.assert_allclose(credit.sum(1) + baseline, logit, atol=1e-4)  # complete, as over REST
+    only = client.infer("tiny", [text_input(TEXTS)], headers=AS_USER,
+                        outputs=[triton.InferRequestedOutput("probabilities")])
+    assert only.as_numpy("label") is None and only.as_numpy("probabilities").shape == (2, 3)
+
+
+def test_the_asyncio_client_gets_the_same_answers(client: triton.InferenceServerClient, server: Server) -> None:
+    async def calls() -> tuple[bool, np.ndarray]:
+        async with triton_aio.InferenceServerClient(grpc_url(server)) as aio:
+            ready = await aio.is_model_ready("tiny", headers=AS_USER)
+            result = await aio.infer("tiny", [text_input(TEXTS)], headers=AS_USER)
+            return ready, result.as_numpy("probabilities")
+
+    ready, probabilities = asyncio.run(calls())
+    assert ready
+    np.testing.assert_allclose(probabilities, client.infer("tiny", [text_input(TEXTS)], headers=AS_USER)
+                               .as_numpy("probabilities"), atol=1e-6)
+
+
+def test_each_error_has_its_code(client: triton.InferenceServerClient, server: Server) -> None:
+    with pytest.raises(InferenceServerException) as e:
+        client.infer("tiny", [text_input(TEXTS)])  # no key
+    assert code(e) == "StatusCode.UNAUTHENTICATED"
+    with pytest.raises(InferenceServerException) as e:
+        client.infer("nope", [text_input(TEXTS)], headers=AS_USER)
+    assert code(e) == "StatusCode.NOT_FOUND" and "nope" in e.value.message()
+    wrong = triton.InferInput("words", [1], "BYTES")
+    wrong.set_data_from_numpy(np.array([b"x"], dtype=object))
+    with pytest.raises(InferenceServerException) as e:
+        client.infer("tiny", [wrong], headers=AS_USER)
+    assert code(e) == "StatusCode.INVALID_ARGUMENT" and "'text'" in e.value.message()
+    with pytest.raises(InferenceServerException) as e:
+        client.infer("tiny", [text_input(["  "])], headers=AS_USER)
+    assert code(e) == "StatusCode.INVALID_ARGUMENT"
+    with pytest.raises(InferenceServerException) as e:
+        client.infer("tiny", [text_input(TEXTS)], headers=AS_USER, parameters={"method": "guess"})
+    assert code(e) == "StatusCode.INVALID_ARGUMENT"
+    with pytest.raises(InferenceServerException) as e:  # a deadline of 1 us (Triton's timeout) passes in the queue
+        client.infer("tiny", [text_input(TEXTS)], headers=AS_USER, timeout=1)
+    assert code(e) == "StatusCode.DEADLINE_EXCEEDED"
+    big = "word " * 20_000  # over the server's body limit (ROUTING_MAX_BODY_BYTES), as over HTTP
+    with pytest.raises(InferenceServerException) as e:
+        client.infer("tiny", [text_input([big] * 20)], headers=AS_USER)
+    assert code(e) == "StatusCode.RESOURCE_EXHAUSTED"
+
+
+def test_repository_load_and_unload_need_the_admin_key(client: triton.InferenceServerClient) -> None:
+    index = {m["name"]: m.get("state") for m in client.get_model_repository_index(headers=AS_ADMIN,
+                                                                                   as_json=True)["models"]}
+    assert index == {"tiny": "READY", "tiny-b": "UNAVAILABLE"}
+    for headers, status in ((None, "StatusCode.UNAUTHENTICATED"), (AS_USER, "StatusCode.PERMISSION_DENIED")):
+        with pytest.raises(InferenceServerException) as e:
+            client.load_model("tiny-b", headers=headers)
+        assert code(e) == status
+        with pytest.raises(InferenceServerException) as e:
+            client.get_model_repository_index(headers=headers)
+        assert code(e) == status
+    client.load_model("tiny-b", headers=AS_ADMIN)
+    assert client.is_model_ready("tiny-b", headers=AS_USER)
+    assert client.infer("tiny-b", [text_input(TEXTS)], headers=AS_USER).as_numpy("label").shape == (2,)
+    client.unload_model("tiny-b", headers=AS_ADMIN)
+    assert not client.is_model_ready("tiny-b", headers=AS_USER)
+    with pytest.raises(InferenceServerException) as e:
+        client.load_model("no-such-folder", headers=AS_ADMIN)
+    assert code(e) in ("StatusCode.NOT_FOUND", "StatusCode.INVALID_ARGUMENT")
+
+
+def test_statistics_count_grpc_requests(client: triton.InferenceServerClient) -> None:
+    before = client.get_inference_statistics("tiny", headers=AS_USER, as_json=True)["model_stats"][0]
+    client.infer("tiny", [text_input(TEXTS)], headers=AS_USER)
+    after = client.get_inference_statistics("tiny", headers=AS_USER, as_json=True)["model_stats"][0]
+    assert after["name"] == "tiny" and int(after["inference_count"]) == int(before.get("inference_count", 0)) + 2
+    with pytest.raises(InferenceServerException) as e:
+        client.get_inference_statistics("nope", headers=AS_USER)
+    assert code(e) == "StatusCode.NOT_FOUND"
+
+
+def test_a_grpc_and_an_http_request_share_a_batch(client: triton.InferenceServerClient, server: Server) -> None:
+    bb = "tiny-bert@random"
+    page = httpx.get(f"{server.url}/metrics").text
+    batches, chunks = (metric(page, f"routing_batch_size_{s}", backbone=bb) for s in ("count", "sum"))
+
+    async def both() -> None:
+        async with triton_aio.InferenceServerClient(grpc_url(server)) as aio, httpx.AsyncClient() as http:
+            grpc_call = aio.infer("tiny", [text_input(["from grpc"])], headers=AS_USER)
+            http_call = http.post(f"{server.url}/v1/classify", json={"inputs": ["from http"]}, headers=AS_USER)
+            result, response = await asyncio.gather(grpc_call, http_call)
+            assert response.status_code == 200 and result.as_numpy("label").shape == (1,)
+
+    asyncio.run(both())  # the server waits up to 150 ms for a batch to fill: both texts arrive within it
+    page = httpx.get(f"{server.url}/metrics").text
+    assert metric(page, "routing_batch_size_count", backbone=bb) == batches + 1
+    assert metric(page, "routing_batch_size_sum", backbone=bb) == chunks + 2
+
+
+def test_health_says_not_serving_while_the_server_drains(repo: Path, tmp_path: Path) -> None:
+    port = free_port()
+    s = Server(tmp_path, model_repository=repo, models="tiny", default_model="tiny", grpc_port=port,
+               drain_timeout_s=5).wait_ready()
+    statuses = []
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            checks = health_pb2_grpc.HealthStub(channel)
+            end = time.monotonic() + 5  # the health service follows the server's state within 50 ms
+            while time.monotonic() < end and statuses[-1:] != [health_pb2.HealthCheckResponse.SERVING]:
+                statuses.append(checks.Check(health_pb2.HealthCheckRequest()).status)
+            # requests being computed keep the drain going a moment
+            slow = triton.InferenceServerClient(f"127.0.0.1:{port}")
+            answered: list[object] = []
+            for _ in range(4):
+                slow.async_infer("tiny", [text_input(["held " * 200] * 16)],
+                                 lambda result, error: answered.append(error or result))
+            os.kill(s.proc.pid, signal.SIGTERM)
+            end = time.monotonic() + 10
+            while time.monotonic() < end:
+                try:
+                    statuses.append(checks.Check(health_pb2.HealthCheckRequest(), timeout=1).status)
+                except grpc.RpcError:
+                    break  # the server has gone
+                if statuses[-1] == health_pb2.HealthCheckResponse.NOT_SERVING:
+                    break
+                time.sleep(0.01)
+    finally:
+        s.stop()
+    serving = statuses.index(health_pb2.HealthCheckResponse.SERVING)
+    assert health_pb2.HealthCheckResponse.NOT_SERVING in statuses[serving:]  # after serving: draining
