@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import logging
 import struct
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -97,23 +98,44 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
     def __init__(self, state: AppState) -> None:
         self.state = state
 
-    async def _call(self, context: grpc.aio.ServicerContext, work: Callable[[], Awaitable[Reply]], *,
+    async def _call(self, context: grpc.aio.ServicerContext, method: str, work: Callable[[], Awaitable[Reply]], *,
                     key: str = "api", inference: bool = False) -> Reply:
         """``work()`` with the key checked (``api``, ``admin`` or ``none``), counted in flight as an HTTP request is,
-        and an APIError turned into its gRPC status; a new inference call is UNAVAILABLE while the server drains."""
-        state = self.state
+        and an APIError turned into its gRPC status (anything else: INTERNAL); a new inference call is UNAVAILABLE
+        while the server drains. The request metrics count it under ``endpoint="grpc <method>"`` with the HTTP
+        status its gRPC code stands for, as the failures do by reason."""
+        state, m = self.state, self.state.metrics
+        status, t0 = 200, time.perf_counter()
         try:
             if key == "api":
                 check_key(state, _authorization(context))
             elif key == "admin":
                 check_admin(state, _authorization(context))
             if inference and state.lifecycle.draining:
-                raise APIError(503, "the server is shutting down: send the request again (to another replica)")
+                raise APIError(503, "the server is shutting down: send the request again (to another replica)",
+                               reason="draining")
             with state.lifecycle.request():
                 return await work()
         except APIError as e:
+            status = e.status
+            if e.reason:
+                m.failures.labels(e.reason).inc()
             await context.abort(CODES.get(e.status, grpc.StatusCode.INTERNAL), e.message)
             raise  # abort raises; this line is for the type checker
+        except asyncio.CancelledError:
+            status = 499  # the client cancelled the call or went away
+            m.failures.labels("disconnected").inc()
+            raise
+        except Exception as e:
+            status = 500
+            m.failures.labels("internal").inc()
+            log.exception("gRPC %s failed", method)
+            await context.abort(grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}")
+            raise
+        finally:
+            endpoint = f"grpc {method}"
+            m.requests.labels(endpoint, str(status)).inc()
+            m.request_duration.labels(endpoint).observe(time.perf_counter() - t0)
 
     async def ServerLive(self, request: pb.ServerLiveRequest, context: grpc.aio.ServicerContext
                          ) -> pb.ServerLiveResponse:
@@ -134,7 +156,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
                     raise
                 return pb.ModelReadyResponse(ready=False)  # as Triton: a model it does not serve is not ready
             return pb.ModelReadyResponse(ready=True)
-        return await self._call(context, work)
+        return await self._call(context, "ModelReady", work)
 
     async def ServerMetadata(self, request: pb.ServerMetadataRequest,
                              context: grpc.aio.ServicerContext) -> pb.ServerMetadataResponse:
@@ -150,7 +172,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
             tensors = lambda ts: [pb.ModelMetadataResponse.TensorMetadata(**t) for t in ts]  # noqa: E731
             return pb.ModelMetadataResponse(name=meta["name"], versions=meta["versions"], platform=meta["platform"],
                                             inputs=tensors(meta["inputs"]), outputs=tensors(meta["outputs"]))
-        return await self._call(context, work)
+        return await self._call(context, "ModelMetadata", work)
 
     async def ModelInfer(self, request: pb.ModelInferRequest,
                          context: grpc.aio.ServicerContext) -> pb.ModelInferResponse:
@@ -168,7 +190,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
                 reply.outputs.add(name=t.name, datatype=t.datatype, shape=t.shape)
                 reply.raw_output_contents.append(_raw(t.datatype, t.data))
             return reply
-        return await self._call(context, work, inference=True)
+        return await self._call(context, "ModelInfer", work, inference=True)
 
     async def RepositoryIndex(self, request: pb.RepositoryIndexRequest,
                               context: grpc.aio.ServicerContext) -> pb.RepositoryIndexResponse:
@@ -176,7 +198,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
             entries = self.state.control.index(ready_only=request.ready)
             return pb.RepositoryIndexResponse(models=[pb.RepositoryIndexResponse.ModelIndex(**e.json())
                                                       for e in entries])
-        return await self._call(context, work, key="admin")
+        return await self._call(context, "RepositoryIndex", work, key="admin")
 
     async def RepositoryModelLoad(self, request: pb.RepositoryModelLoadRequest,
                                   context: grpc.aio.ServicerContext) -> pb.RepositoryModelLoadResponse:
@@ -187,7 +209,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
             controlled(self.state)
             await self.state.control.load(request.model_name)
             return pb.RepositoryModelLoadResponse()
-        return await self._call(context, work, key="admin")
+        return await self._call(context, "RepositoryModelLoad", work, key="admin")
 
     async def RepositoryModelUnload(self, request: pb.RepositoryModelUnloadRequest,
                                     context: grpc.aio.ServicerContext) -> pb.RepositoryModelUnloadResponse:
@@ -198,7 +220,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
             controlled(self.state)
             await self.state.control.unload(request.model_name)
             return pb.RepositoryModelUnloadResponse()
-        return await self._call(context, work, key="admin")
+        return await self._call(context, "RepositoryModelUnload", work, key="admin")
 
     async def ModelStatistics(self, request: pb.ModelStatisticsRequest,
                               context: grpc.aio.ServicerContext) -> pb.ModelStatisticsResponse:
@@ -212,7 +234,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
             names = [request.name] if request.name else inf.resolve("all")
             stats = self.state.metrics.stats.json(names)
             return json_format.ParseDict(stats, pb.ModelStatisticsResponse(), ignore_unknown_fields=True)
-        return await self._call(context, work)
+        return await self._call(context, "ModelStatistics", work)
 
 
 @contextlib.asynccontextmanager

@@ -172,11 +172,18 @@ def test_repository_load_and_unload_need_the_admin_key(client: triton.InferenceS
     assert code(e) in ("StatusCode.NOT_FOUND", "StatusCode.INVALID_ARGUMENT")
 
 
-def test_statistics_count_grpc_requests(client: triton.InferenceServerClient) -> None:
+def test_statistics_and_metrics_count_grpc_requests(client: triton.InferenceServerClient, server: Server) -> None:
+    page = httpx.get(f"{server.url}/metrics").text
+    counted = {s: metric(page, "routing_requests_total", endpoint="grpc ModelInfer", status=s) for s in ("200", "404")}
     before = client.get_inference_statistics("tiny", headers=AS_USER, as_json=True)["model_stats"][0]
     client.infer("tiny", [text_input(TEXTS)], headers=AS_USER)
     after = client.get_inference_statistics("tiny", headers=AS_USER, as_json=True)["model_stats"][0]
     assert after["name"] == "tiny" and int(after["inference_count"]) == int(before.get("inference_count", 0)) + 2
+    with pytest.raises(InferenceServerException):
+        client.infer("nope", [text_input(TEXTS)], headers=AS_USER)
+    page = httpx.get(f"{server.url}/metrics").text  # what the clients got, as for HTTP requests
+    assert metric(page, "routing_requests_total", endpoint="grpc ModelInfer", status="200") == counted["200"] + 1
+    assert metric(page, "routing_requests_total", endpoint="grpc ModelInfer", status="404") == counted["404"] + 1
     with pytest.raises(InferenceServerException) as e:
         client.get_inference_statistics("nope", headers=AS_USER)
     assert code(e) == "StatusCode.NOT_FOUND"
