@@ -187,7 +187,8 @@ class LocalServer(ServerProcess):
         env = {k: v for k, v in os.environ.items() if not k.startswith("ROUTING_")}
         env.update({"ROUTING_HOST": "127.0.0.1", "ROUTING_PORT": str(port), "HF_HUB_OFFLINE": "1",
                     "TOKENIZERS_PARALLELISM": "false"})
-        env["ROUTING_GRPC_PORT"] = "0"  # none unless asked for: many servers run side by side
+        env["ROUTING_GRPC_PORT"] = str(free_port())  # gRPC serves as by default, on a port of its own: many servers
+        # run side by side (a version without gRPC ignores the variable)
         env.update({f"ROUTING_{k.upper()}": str(v) for k, v in settings.items()})
         if checkout is not None:  # ``-m`` finds the package in the working folder first
             env["PYTHONPATH"] = str(checkout.resolve())
