@@ -251,7 +251,7 @@ async def serving(state: AppState) -> AsyncIterator[grpc.aio.Server | None]:
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceService(state), server)
     checks = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(checks, server)
-    server.add_insecure_port(f"{s.host}:{s.grpc_port}")
+    server.add_insecure_port(f"[{s.host}]:{s.grpc_port}" if ":" in s.host else f"{s.host}:{s.grpc_port}")  # IPv6
     await server.start()
     log.info("gRPC (Open Inference Protocol v2, health) on %s:%d", s.host, s.grpc_port)
 
