@@ -270,7 +270,9 @@ def _part(feats: Features, labels: list[int], part: tuple[list[int], list[int], 
     head, summary = train_head(make_head(), f_train, y_train, f_val, y_val, cfg, device)
     got: dict[str, Any] = {"train_seconds": time.perf_counter() - t1,
                            "steps": {"steps_run": summary["steps_run"], "best_step": summary["best_step"],
-                                     "extended": summary.get("extended", {}).get("kept")},
+                                     "extended": summary.get("extended", {}).get("kept"),
+                                     "best_val_loss": summary["best_val_loss"],
+                                     "best_val_accuracy": summary["best_val_accuracy"]},
                            "head": predict_features(head, f_test).argmax(1).tolist()}
     for layers in ("last", "all"):
         probe = logistic_probe(f_train, y_train, f_val, y_val, f_test, y_test, n_labels, layers)

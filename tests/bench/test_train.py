@@ -41,6 +41,7 @@ def test_measure_compares_the_head_with_both_probes(tiny_backbone_dir: Path, tmp
                         head_kwargs={"n_hid": 4, "d_hid": 8})
     assert got["head"]["n"] == got["baseline"]["test"]["n"] == got["probe_all_layers"]["test"]["n"] == 80
     assert len(got["parts"]) == 3 and len(got["steps"]) == 3 and got["train_seconds"] > 0
+    assert all(s["best_val_loss"] > 0 and 0 <= s["best_val_accuracy"] <= 1 for s in got["steps"])  # each fold's
     c = got["comparison"]
     assert c["probe"] == "all layers" and 0 <= c["p_value"] <= 1
     assert c["only_head_right"] + c["only_probe_right"] <= 80
