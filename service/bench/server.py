@@ -85,7 +85,7 @@ class ServerProcess:
 
     def __init__(self, log_dir: Path, command: list[str], env: dict[str, str], name: str, port: int,
                  cwd: Path | None = None, own_session: bool = False) -> None:
-        self.port = port
+        self.port, self.env = port, env
         self.url = f"http://127.0.0.1:{self.port}"
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = log_dir / f"{name}-{self.port}.log"

@@ -24,6 +24,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc as pb_grpc
 
+from service.serving import tracing
 from service.serving.errors import APIError
 from service.serving.routes.deps import check_admin, check_key
 from service.serving.routes.repository import controlled
@@ -106,6 +107,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         status its gRPC code stands for, as the failures do by reason."""
         state, m = self.state, self.state.metrics
         status, t0 = 200, time.perf_counter()
+        traced = tracing.start_call(context.invocation_metadata() or (), method)  # None: tracing is off
         try:
             if key == "api":
                 check_key(state, _authorization(context))
@@ -133,6 +135,8 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
             await context.abort(grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}")
             raise
         finally:
+            code = "OK" if status == 200 else CODES.get(status, grpc.StatusCode.INTERNAL).name
+            tracing.end_request(traced, None, status, code if status != 499 else "CANCELLED")
             endpoint = f"grpc {method}"
             m.requests.labels(endpoint, str(status)).inc()
             m.request_duration.labels(endpoint).observe(time.perf_counter() - t0)

@@ -88,17 +88,34 @@ def start_request(headers: Iterable[tuple[bytes, bytes]], method: str, path: str
     current span; with the token that :func:`end_request` needs. None when tracing is off."""
     if _tracer is None:
         return None
+    carrier = {k.decode("latin-1"): v.decode("latin-1") for k, v in headers if k in (b"traceparent", b"tracestate")}
+    return _server_span(f"{method} {path}", carrier, {"http.request.method": method, "url.path": path,
+                                                      "routing.request_id": request_id})
+
+
+def start_call(metadata: Iterable[tuple[str, str | bytes]], method: str) -> tuple[Span, object] | None:
+    """A server span for a gRPC call (``grpc <method>``), continuing the ``traceparent`` its metadata carries, made
+    the current span; None when tracing is off. :func:`end_request` ends it."""
+    if _tracer is None:
+        return None
+    carrier = {k: v for k, v in metadata if k in ("traceparent", "tracestate") and isinstance(v, str)}
+    return _server_span(f"grpc {method}", carrier, {"rpc.system": "grpc", "rpc.method": method})
+
+
+def _server_span(name: str, carrier: dict[str, str], attributes: dict[str, str]) -> tuple[Span, object]:
     from opentelemetry import context, propagate, trace
 
-    carrier = {k.decode("latin-1"): v.decode("latin-1") for k, v in headers if k in (b"traceparent", b"tracestate")}
-    span = _tracer.start_span(f"{method} {path}", context=propagate.extract(carrier), kind=trace.SpanKind.SERVER,
-                              attributes={"http.request.method": method, "url.path": path,
-                                          "routing.request_id": request_id})
+    assert _tracer is not None
+    span = _tracer.start_span(name, context=propagate.extract(carrier), kind=trace.SpanKind.SERVER,
+                              attributes=attributes)
     return span, context.attach(trace.set_span_in_context(span))
 
 
-def end_request(started: tuple[Span, object] | None, route: str | None, status: int) -> None:
-    """End the span of :func:`start_request`: named by its route (``POST /v1/classify``), its status recorded."""
+def end_request(started: tuple[Span, object] | None, route: str | None, status: int,
+                grpc_code: str | None = None) -> None:
+    """End the span of :func:`start_request` (named by its ``route``, ``POST /v1/classify``, with its HTTP
+    ``status``) or :func:`start_call` (with its ``grpc_code``, e.g. ``OK``, ``NOT_FOUND``); an error status for a
+    server's error (5xx)."""
     if started is None:
         return
     from opentelemetry import context, trace
@@ -107,7 +124,10 @@ def end_request(started: tuple[Span, object] | None, route: str | None, status: 
     if route is not None:
         span.update_name(f"{span.attributes.get('http.request.method')} {route}")  # type: ignore[union-attr]
         span.set_attribute("http.route", route)
-    span.set_attribute("http.response.status_code", status)
+    if grpc_code is not None:
+        span.set_attribute("rpc.grpc.status_code", grpc_code)
+    else:
+        span.set_attribute("http.response.status_code", status)
     if status >= 500:
         span.set_status(trace.Status(trace.StatusCode.ERROR))
     span.end()

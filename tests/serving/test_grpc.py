@@ -49,8 +49,8 @@ def server(repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ser
 
 
 def grpc_url(server: Server) -> str:
-    port = next(line.rsplit(":", 1)[1] for line in server.full_log().splitlines() if "gRPC (Open Inference" in line)
-    return f"127.0.0.1:{int(port)}"
+    assert "gRPC (Open Inference Protocol v2, health) on" in server.full_log()
+    return f"127.0.0.1:{server.env['ROUTING_GRPC_PORT']}"
 
 
 @pytest.fixture(scope="module")

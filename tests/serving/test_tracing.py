@@ -11,7 +11,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
+import tritonclient.grpc as triton
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
     ExportTraceServiceResponse,
@@ -22,6 +24,7 @@ from service.serving import tracing
 from tests.serving.server import running
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
+GRPC_TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
 PARENT_ID = "00f067aa0ba902b7"
 
 
@@ -81,8 +84,14 @@ def test_a_request_its_children_and_its_batch_reach_the_otlp_endpoint(tiny_repo:
         r = httpx.post(f"{server.url}/v1/classify", json={"inputs": ["one text", "and another"]},
                        headers={"traceparent": f"00-{TRACE_ID}-{PARENT_ID}-01", "X-Request-ID": "trace-me"})
         assert r.status_code == 200, r.text
+        text = triton.InferInput("text", [1], "BYTES")
+        text.set_data_from_numpy(np.array([b"over grpc"], dtype=object))
+        port = server.env["ROUTING_GRPC_PORT"]
+        triton.InferenceServerClient(f"127.0.0.1:{port}").infer(
+            "tiny", [text], headers={"traceparent": f"00-{GRPC_TRACE_ID}-{PARENT_ID}-01"})
         end = time.monotonic() + 20
-        while time.monotonic() < end and not (receiver.named("POST /v1/classify") and receiver.named("batch")):
+        while time.monotonic() < end and not (receiver.named("POST /v1/classify") and receiver.named("batch")
+                                              and receiver.named("grpc ModelInfer")):
             time.sleep(0.1)
     assert set(receiver.paths) == {"/v1/traces"} and {s for s, _ in receiver.spans} == {"routing-under-test"}
     (request,) = receiver.named("POST /v1/classify")
@@ -107,6 +116,10 @@ def test_a_request_its_children_and_its_batch_reach_the_otlp_endpoint(tiny_repo:
     assert got["routing.backbone"] == "tiny-bert@random" and got["routing.texts"] >= 1 and got["routing.tokens"] > 0
     queued = [s for s in children if s.name == "queue wait"]
     assert all(q.end_time_unix_nano <= batch.start_time_unix_nano + 1000 for q in queued)  # waited, then computed
+    (call,) = receiver.named("grpc ModelInfer")  # a gRPC call continues its metadata's trace likewise
+    assert call.trace_id.hex() == GRPC_TRACE_ID and attributes(call)["rpc.grpc.status_code"] == "OK"
+    names = sorted(s.name for _, s in receiver.spans if s.parent_span_id == call.span_id)
+    assert names == ["queue wait", "tokenize"], names
 
 
 def test_tracing_is_off_without_an_endpoint_or_when_disabled() -> None:
