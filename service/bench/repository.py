@@ -154,8 +154,10 @@ def measure(repository: Path, model: str, texts: list[str], loads: int, concurre
         copy_model(repository / model, repo, copy)
         echo(f"bench repository: {copy} ({(repo / copy / 'head.safetensors').stat().st_size / MIB:.1f} MiB of head "
              f"weights) onto the running backbone of {model}", err=True)
+        # the copy loads at runtime: its load time is read from its own series (ROUTING_METRICS_MODELS names it)
         server = LocalServer(logs, model_repository=repo, models=model, default_model=model,
-                             model_control="explicit", admin_keys=KEY, max_queue=100000).wait_ready()
+                             model_control="explicit", admin_keys=KEY, max_queue=100000,
+                             metrics_models=f"{model},{copy}").wait_ready()
         try:
             loading = load_times(server, copy, loads)
             load = under_load(server, repo, model, copy, texts, concurrency, seconds)
