@@ -10,7 +10,7 @@ response shows are built from the encoding the front already holds.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -166,6 +166,19 @@ class ChunkWork:
     @property
     def cost(self) -> int:
         return len(self.ids)
+
+
+class Answers(list):  # type: ignore[type-arg]  # list[Answer | None]
+    """A batch's answers, as a runner gives them (each text's at its last chunk's place, None elsewhere), with where
+    the engine's time on the batch went: ``phases``, seconds by phase (``encode``: the encoder's forward calls;
+    ``heads``: the heads' and their credit's, and on a GPU the wait for the device; ``host``: the engine's own work),
+    which the batch's trace reads. A plain list that pickles with its phases (a backbone's process sends it)."""
+
+    phases: dict[str, float]
+
+    def __init__(self, answers: Iterable[Answer | None] = (), phases: dict[str, float] | None = None) -> None:
+        super().__init__(answers)
+        self.phases = phases or {}
 
 
 def answers_of(chunks: Sequence[ChunkWork], answers: Sequence[Answer | None]) -> list[Answer]:

@@ -33,6 +33,7 @@ from service.modeling.head import StackSpace, head_shape, stack_heads
 from service.modeling.repository import MANIFEST, Manifest, ModelLoadError, load_model, read_manifest
 from service.serving.contract import (
     Answer,
+    Answers,
     Ask,
     ChunkWork,
     Credit,
@@ -248,13 +249,22 @@ class Engine(Planner):
             return [w for plan in self.plan(tasks) for w in plan]
 
     @torch.inference_mode()
-    def run_chunks(self, works: list[ChunkWork]) -> list[Answer | None]:
+    def run_chunks(self, works: list[ChunkWork]) -> Answers:
         """Encode a batch of chunks once, as one packed token stream; run each head on every text completed here
         that asked for it (in length groups) and answer each such text at its last chunk's place. The other
-        places are None.
+        places are None. The answers carry the batch's phases (see :class:`Answers`), from the engine's clock.
 
         A batch the device has no memory for is split in two and each half run in turn (and so on); a chunk that
         does not fit even alone fails its text only, answered ``unavailable`` (the server says 503: retry)."""
+        wall, forward, encode = self.clock.wall_s, self.clock.forward_s, self.backbone.forward_seconds
+        answers = self._run_chunks(works)
+        wall, forward = self.clock.wall_s - wall, self.clock.forward_s - forward
+        encode = self.backbone.forward_seconds - encode
+        return Answers(answers, {"encode": encode, "heads": max(forward - encode, 0.0),
+                                 "host": max(wall - forward, 0.0)})
+
+    def _run_chunks(self, works: list[ChunkWork]) -> list[Answer | None]:
+        """:meth:`run_chunks`'s answers (a half of a batch split for memory comes here again)."""
         held = [(w.job, w.job.left, list(w.job.states)) for w in works]
         try:
             return self.finish(self.submit(works))
@@ -267,7 +277,7 @@ class Engine(Planner):
                 log.warning("backbone %s: out of memory for a batch of %d chunks (%d tokens): split in two",
                             self.name, len(works), sum(len(w.ids) for w in works))
                 half = len(works) // 2
-                return self.run_chunks(works[:half]) + self.run_chunks(works[half:])
+                return self._run_chunks(works[:half]) + self._run_chunks(works[half:])
             (w,) = works
             job = w.job
             job.failed = f"the device ran out of memory for this text's chunk of {len(w.ids)} tokens alone: {e}"

@@ -2,9 +2,11 @@
 is set (``OTEL_EXPORTER_OTLP_ENDPOINT`` or ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``; ``OTEL_SDK_DISABLED=true`` or
 ``OTEL_TRACES_EXPORTER=none`` keep it off).
 
-Spans: one per HTTP request (W3C ``traceparent`` continued from the client; the request id an attribute), with
-children for tokenizing, each text's wait in the queue and rendering the answer; one per batch (backbone, texts,
-chunks, tokens), linked to the request spans of the texts it served. Exported over OTLP/HTTP by the SDK's batch
+Spans: one per HTTP request (W3C ``traceparent`` continued from the client; the request id an attribute) or gRPC
+call, with children for tokenizing, each text's wait in the queue and rendering the answer; one per batch (backbone,
+texts, chunks, tokens), linked to the request spans of the texts it served, with the engine's phases as children
+(``encode``, ``heads`` with their credit, ``host``: their durations as the engine measured them, laid end to end from
+the batch's start, since they interleave). Exported over OTLP/HTTP by the SDK's batch
 processor (its own thread): a request waits for no export.
 
 The batch span is written when the batch ends, from the times the batcher measured (its wait, its compute), so the
@@ -203,4 +205,10 @@ class TracedBatches:
                                               "routing.tokens": cost, "routing.requests": len(requests)})
         if results is None:
             batch.set_status(trace.Status(trace.StatusCode.ERROR, "the batch failed"))
+        at = start  # the engine's phases (see contract.Answers): measured durations, laid end to end from the start
+        inside = trace.set_span_in_context(batch)
+        for phase, seconds in getattr(results, "phases", {}).items():
+            child = tracer.start_span(phase, context=inside, start_time=at)
+            at += int(seconds * 1e9)
+            child.end(end_time=min(at, end))
         batch.end(end_time=end)

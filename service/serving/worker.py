@@ -42,6 +42,7 @@ from service.modeling.tokenizer import BackboneError, ChunkTokenizer
 from service.serving import logs
 from service.serving.contract import (
     Answer,
+    Answers,
     ChunkWork,
     Computed,
     Failed,
@@ -287,7 +288,7 @@ class BackboneProcess(Planner):
         self._memory, self.held_texts = msg.memory, msg.held
         for pos, answer in zip(send, msg.answers, strict=True):
             answers[pos] = answer
-        return answers
+        return Answers(answers, getattr(msg.answers, "phases", None))
 
     def _sendable(self, works: list[ChunkWork]) -> tuple[list[Answer | None], list[int]]:
         """The answers known before computing (an error for a text whose earlier chunks were lost with an exited

@@ -199,3 +199,13 @@ def test_replicas_answer_as_one_process_and_keep_a_texts_chunks_together(tiny_re
     for p in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(p, 0)
+
+
+def test_a_batchs_answers_carry_the_engines_phases_across_the_process(model: BackboneProcess) -> None:
+    """The answers of a batch computed in a backbone's process come back with the engine's time in each phase (a
+    batch's trace reads them), each measured, not made up: the encoder's and the heads' time are above zero."""
+    answers = model.run_chunks([w for plan in model.plan([Task("a short text"), Task("another")]) for w in plan])
+    assert len(answers) == 2 and all(a is not None for a in answers)
+    phases = answers.phases  # type: ignore[attr-defined]
+    assert set(phases) == {"encode", "heads", "host"} and phases["encode"] > 0 and phases["heads"] > 0
+    assert all(s >= 0 for s in phases.values())

@@ -114,6 +114,11 @@ def test_a_request_its_children_and_its_batch_reach_the_otlp_endpoint(tiny_repo:
     assert {link.trace_id.hex() for link in batch.links} == {TRACE_ID}
     got = attributes(batch)
     assert got["routing.backbone"] == "tiny-bert@random" and got["routing.texts"] >= 1 and got["routing.tokens"] > 0
+    phases = [s for _, s in receiver.spans if s.parent_span_id == batch.span_id]  # the engine's, in its process
+    assert sorted(s.name for s in phases) == ["encode", "heads", "host"]
+    assert all(batch.start_time_unix_nano <= s.start_time_unix_nano <= s.end_time_unix_nano
+               <= batch.end_time_unix_nano for s in phases)
+    assert next(s for s in phases if s.name == "encode").end_time_unix_nano > batch.start_time_unix_nano
     queued = [s for s in children if s.name == "queue wait"]
     assert all(q.end_time_unix_nano <= batch.start_time_unix_nano + 1000 for q in queued)  # waited, then computed
     (call,) = receiver.named("grpc ModelInfer")  # a gRPC call continues its metadata's trace likewise
