@@ -207,12 +207,16 @@ def test_a_grpc_and_an_http_request_share_a_batch(client: triton.InferenceServer
     assert metric(page, "routing_batch_size_sum", backbone=bb) == chunks + 2
 
 
-def test_health_says_not_serving_while_the_server_drains(repo: Path, tmp_path: Path) -> None:
+def test_a_full_queue_is_unavailable_and_health_says_not_serving_while_the_server_drains(repo: Path,
+                                                                                         tmp_path: Path) -> None:
     port = free_port()
     s = Server(tmp_path, model_repository=repo, models="tiny", default_model="tiny", grpc_port=port,
-               drain_timeout_s=5).wait_ready()
+               drain_timeout_s=5, max_queue=16).wait_ready()
     statuses = []
     try:
+        with pytest.raises(InferenceServerException) as e:  # more texts than the queue holds: turned away at once
+            triton.InferenceServerClient(f"127.0.0.1:{port}").infer("tiny", [text_input(["a text"] * 17)])
+        assert code(e) == "StatusCode.UNAVAILABLE" and "overloaded" in e.value.message()
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             checks = health_pb2_grpc.HealthStub(channel)
             end = time.monotonic() + 5  # the health service follows the server's state within 50 ms
@@ -222,7 +226,7 @@ def test_health_says_not_serving_while_the_server_drains(repo: Path, tmp_path: P
             slow = triton.InferenceServerClient(f"127.0.0.1:{port}")
             answered: list[object] = []
             for _ in range(4):
-                slow.async_infer("tiny", [text_input(["held " * 200] * 16)],
+                slow.async_infer("tiny", [text_input(["held " * 200] * 4)],
                                  lambda result, error: answered.append(error or result))
             os.kill(s.proc.pid, signal.SIGTERM)
             end = time.monotonic() + 10
