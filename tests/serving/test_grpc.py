@@ -111,17 +111,53 @@ def test_infer_with_and_without_credit_equals_rest(client: triton.InferenceServe
     assert only.as_numpy("label") is None and only.as_numpy("probabilities").shape == (2, 3)
 
 
-def test_the_asyncio_client_gets_the_same_answers(client: triton.InferenceServerClient, server: Server) -> None:
-    async def calls() -> tuple[bool, np.ndarray]:
-        async with triton_aio.InferenceServerClient(grpc_url(server)) as aio:
-            ready = await aio.is_model_ready("tiny", headers=AS_USER)
-            result = await aio.infer("tiny", [text_input(TEXTS)], headers=AS_USER)
-            return ready, result.as_numpy("probabilities")
+def test_the_asyncio_client_passes_the_same_cases(client: triton.InferenceServerClient, server: Server) -> None:
+    """``tritonclient.grpc.aio``: health, metadata, infer with and without credit (the sync client's answers), the
+    repository with and without the admin key, statistics, and the error codes."""
 
-    ready, probabilities = asyncio.run(calls())
-    assert ready
-    np.testing.assert_allclose(probabilities, client.infer("tiny", [text_input(TEXTS)], headers=AS_USER)
-                               .as_numpy("probabilities"), atol=1e-6)
+    async def calls() -> dict[str, object]:
+        got: dict[str, object] = {}
+        async with triton_aio.InferenceServerClient(grpc_url(server)) as aio:
+            got["live"], got["ready"] = await aio.is_server_live(), await aio.is_server_ready()
+            got["model_ready"] = await aio.is_model_ready("tiny", headers=AS_USER)
+            got["server"] = (await aio.get_server_metadata(as_json=True))["name"]
+            got["outputs"] = [o["name"] for o in (await aio.get_model_metadata("tiny", headers=AS_USER,
+                                                                                 as_json=True))["outputs"]]
+            plain = await aio.infer("tiny", [text_input(TEXTS)], headers=AS_USER)
+            explained = await aio.infer("tiny", [text_input(TEXTS)], headers=AS_USER, parameters={"explain": True})
+            got["probabilities"], got["credit"] = plain.as_numpy("probabilities"), explained.as_numpy("credit")
+            got["index"] = [m["name"] for m in (await aio.get_model_repository_index(headers=AS_ADMIN,
+                                                                                      as_json=True))["models"]]
+            got["stats"] = (await aio.get_inference_statistics("tiny", headers=AS_USER, as_json=True)
+                            )["model_stats"][0]["name"]
+            codes = []
+            for call in (lambda: aio.get_model_repository_index(headers=AS_USER),  # an inference key
+                         lambda: aio.load_model("tiny-b"),  # no key
+                         lambda: aio.infer("nope", [text_input(TEXTS)], headers=AS_USER),
+                         lambda: aio.infer("tiny", [text_input([" "])], headers=AS_USER),
+                         lambda: aio.infer("tiny", [text_input(TEXTS)], headers=AS_USER, timeout=1)):
+                try:
+                    await call()
+                    codes.append("OK")
+                except InferenceServerException as e:
+                    codes.append(str(e.status()).removeprefix("StatusCode."))
+            got["codes"] = codes
+            await aio.load_model("tiny-b", headers=AS_ADMIN)
+            got["loaded"] = await aio.is_model_ready("tiny-b", headers=AS_USER)
+            await aio.unload_model("tiny-b", headers=AS_ADMIN)
+            got["unloaded"] = not await aio.is_model_ready("tiny-b", headers=AS_USER)
+        return got
+
+    got = asyncio.run(calls())
+    assert got["live"] and got["ready"] and got["model_ready"] and got["server"] == "routing-service"
+    assert got["outputs"][:2] == ["label", "probabilities"] and "credit" in got["outputs"]  # type: ignore[index]
+    sync = client.infer("tiny", [text_input(TEXTS)], headers=AS_USER, parameters={"explain": True})
+    np.testing.assert_allclose(got["probabilities"], sync.as_numpy("probabilities"), atol=1e-6)  # type: ignore[arg-type]
+    np.testing.assert_allclose(got["credit"], sync.as_numpy("credit"), atol=1e-6)  # type: ignore[arg-type]
+    assert set(got["index"]) == {"tiny", "tiny-b"} and got["stats"] == "tiny"  # type: ignore[arg-type]
+    assert got["codes"] == ["PERMISSION_DENIED", "UNAUTHENTICATED", "NOT_FOUND", "INVALID_ARGUMENT",
+                            "DEADLINE_EXCEEDED"]
+    assert got["loaded"] and got["unloaded"]
 
 
 def test_each_error_has_its_code(client: triton.InferenceServerClient, server: Server) -> None:
