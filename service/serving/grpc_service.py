@@ -28,7 +28,15 @@ from service.serving import tracing
 from service.serving.errors import APIError
 from service.serving.routes.deps import check_admin, check_key
 from service.serving.routes.repository import controlled
-from service.serving.routes.v2 import SERVER_METADATA, _unpack_bytes, check_version, infer_tensors, metadata_of
+from service.serving.routes.v2 import (
+    SERVER_METADATA,
+    _unpack_bytes,
+    check_version,
+    infer_tensors,
+    metadata_of,
+    text_count,
+    texts_of,
+)
 from service.serving.state import AppState
 
 log = logging.getLogger("service.grpc")
@@ -52,33 +60,15 @@ def _parameter(p: pb.InferParameter) -> str | bool | int | float:
 
 
 def _texts(request: pb.ModelInferRequest) -> list[str]:
-    """The ``text`` input's strings, from ``raw_input_contents`` or ``contents.bytes_contents``."""
+    """The ``text`` input's strings, from ``raw_input_contents`` or ``contents.bytes_contents``, checked as REST's."""
     if len(request.inputs) != 1:
         raise APIError(400, f"expected one input named 'text' of datatype BYTES, got {len(request.inputs)} inputs")
     tensor = request.inputs[0]
-    if tensor.name != "text" or tensor.datatype != "BYTES":
-        raise APIError(400, f"expected one input named 'text' of datatype BYTES, got {tensor.name!r} "
-                            f"{tensor.datatype}")
     shape = list(tensor.shape)
-    n = int(np.prod(shape)) if shape else 0
-    if not shape or n < 1 or any(d != 1 for d in shape[1:]):
-        raise APIError(400, f"input 'text' must have shape [n] (n >= 1), got {shape}")
-    if request.raw_input_contents:
-        items = _unpack_bytes(request.raw_input_contents[0])
-    else:
-        items = list(tensor.contents.bytes_contents)
-    if len(items) != n:
-        raise APIError(400, f"input 'text' has {len(items)} elements but shape {shape}")
-    texts = []
-    for k, item in enumerate(items):
-        try:
-            text = item.decode("utf-8")
-        except UnicodeDecodeError:
-            raise APIError(400, f"text {k} is not valid UTF-8") from None
-        if not text.strip():
-            raise APIError(422, f"inputs.0.contents.{k}: a text must be a non-blank string")
-        texts.append(text)
-    return texts
+    n = text_count(tensor.name, tensor.datatype, shape)
+    raw = request.raw_input_contents
+    items = _unpack_bytes(raw[0]) if raw else list(tensor.contents.bytes_contents)
+    return texts_of(items, n, shape, "inputs.0.contents")
 
 
 def _raw(datatype: str, data: list[Any]) -> bytes:

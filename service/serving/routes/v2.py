@@ -214,23 +214,22 @@ async def _parse(request: Request) -> tuple[InferRequest, bytes]:
         raise APIError(422, problems) from None
 
 
-def _texts(tensor: TensorIn, binary: bytes) -> list[str]:
-    """The input tensor's strings, from JSON ``data`` or from the binary tensor extension."""
-    if tensor.name != "text" or tensor.datatype != "BYTES":
-        raise APIError(400, f"expected one input named 'text' of datatype BYTES, got {tensor.name!r} "
-                            f"{tensor.datatype}")
-    n = math.prod(tensor.shape) if tensor.shape else 0
-    if not tensor.shape or any(d < 0 for d in tensor.shape) or n < 1 or any(d != 1 for d in tensor.shape[1:]):
-        raise APIError(400, f"input 'text' must have shape [n] (n >= 1), got {tensor.shape}")
-    size = (tensor.parameters or {}).get("binary_data_size")
-    if tensor.data is not None:
-        items: list[Any] = _flattened(tensor.data, tensor.shape)
-    elif isinstance(size, int) and 0 <= size <= len(binary):
-        items = _unpack_bytes(binary[:size])
-    else:
-        raise APIError(400, "input 'text' has neither 'data' nor a binary_data_size that fits the body")
+def text_count(name: str, datatype: str, shape: list[int]) -> int:
+    """The number of texts of an input tensor, which must be ``text``, BYTES, of shape ``[n]`` or ``[n, 1]``
+    (over REST and gRPC alike)."""
+    if name != "text" or datatype != "BYTES":
+        raise APIError(400, f"expected one input named 'text' of datatype BYTES, got {name!r} {datatype}")
+    n = math.prod(shape) if shape else 0
+    if not shape or any(d < 0 for d in shape) or n < 1 or any(d != 1 for d in shape[1:]):
+        raise APIError(400, f"input 'text' must have shape [n] (n >= 1), got {shape}")
+    return n
+
+
+def texts_of(items: list[Any], n: int, shape: list[int], where: str) -> list[str]:
+    """The ``n`` texts of an input tensor's elements (strings, or UTF-8 bytes), each non-blank; ``where`` names the
+    elements in an error (``inputs.0.data``)."""
     if len(items) != n:
-        raise APIError(400, f"input 'text' has {len(items)} elements but shape {tensor.shape}")
+        raise APIError(400, f"input 'text' has {len(items)} elements but shape {shape}")
     texts = []
     for k, item in enumerate(items):
         if isinstance(item, bytes):
@@ -239,9 +238,22 @@ def _texts(tensor: TensorIn, binary: bytes) -> list[str]:
             except UnicodeDecodeError:
                 raise APIError(400, f"text {k} is not valid UTF-8") from None
         if not isinstance(item, str) or not item.strip():
-            raise APIError(422, f"inputs.0.data.{k}: a text must be a non-blank string")
+            raise APIError(422, f"{where}.{k}: a text must be a non-blank string")
         texts.append(item)
     return texts
+
+
+def _texts(tensor: TensorIn, binary: bytes) -> list[str]:
+    """The input tensor's strings, from JSON ``data`` or from the binary tensor extension."""
+    n = text_count(tensor.name, tensor.datatype, tensor.shape)
+    size = (tensor.parameters or {}).get("binary_data_size")
+    if tensor.data is not None:
+        items: list[Any] = _flattened(tensor.data, tensor.shape)
+    elif isinstance(size, int) and 0 <= size <= len(binary):
+        items = _unpack_bytes(binary[:size])
+    else:
+        raise APIError(400, "input 'text' has neither 'data' nor a binary_data_size that fits the body")
+    return texts_of(items, n, tensor.shape, "inputs.0.data")
 
 
 def _flattened(data: list[Any], shape: list[int]) -> list[Any]:
