@@ -27,7 +27,7 @@ from tritonclient.grpc import service_pb2_grpc as pb_grpc
 from service.serving import tracing
 from service.serving.errors import APIError
 from service.serving.routes.deps import check_admin, check_key
-from service.serving.routes.repository import controlled
+from service.serving.routes.repository import controlled, parameters_of, unload_parameters
 from service.serving.routes.v2 import (
     SERVER_METADATA,
     _unpack_bytes,
@@ -57,6 +57,11 @@ def _parameter(p: pb.InferParameter) -> str | bool | int | float:
     """An InferParameter's value, as the REST body would hold it."""
     which = p.WhichOneof("parameter_choice")
     return getattr(p, which) if which is not None else ""
+
+
+def _request_parameters(request: Any) -> dict[str, Any]:
+    """A repository request's parameters as REST's body holds them (``{"parameters": {...}}``, or ``{}``)."""
+    return {"parameters": {k: _parameter(v) for k, v in request.parameters.items()}} if request.parameters else {}
 
 
 def _texts(request: pb.ModelInferRequest) -> list[str]:
@@ -197,9 +202,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
     async def RepositoryModelLoad(self, request: pb.RepositoryModelLoadRequest,
                                   context: grpc.aio.ServicerContext) -> pb.RepositoryModelLoadResponse:
         async def work() -> pb.RepositoryModelLoadResponse:
-            if request.parameters:
-                raise APIError(400, f"load parameters {sorted(request.parameters)} are not supported: a model loads "
-                                    "from its folder in the repository")
+            parameters_of(_request_parameters(request), "load", why=": a model loads from its folder in the repository")
             controlled(self.state)
             await self.state.control.load(request.model_name)
             return pb.RepositoryModelLoadResponse()
@@ -208,9 +211,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
     async def RepositoryModelUnload(self, request: pb.RepositoryModelUnloadRequest,
                                     context: grpc.aio.ServicerContext) -> pb.RepositoryModelUnloadResponse:
         async def work() -> pb.RepositoryModelUnloadResponse:
-            unsupported = sorted(set(request.parameters) - {"unload_dependents"})
-            if unsupported:
-                raise APIError(400, f"unload parameters {unsupported} are not supported")
+            unload_parameters(_request_parameters(request))
             controlled(self.state)
             await self.state.control.unload(request.model_name)
             return pb.RepositoryModelUnloadResponse()

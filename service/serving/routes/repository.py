@@ -46,7 +46,7 @@ def controlled(state: State) -> None:
         raise APIError(503, f"models are {state.lifecycle.describe()}")
 
 
-def _parameters(body: dict[str, Any], verb: str, accepted: frozenset[str] = frozenset(), why: str = ""
+def parameters_of(body: dict[str, Any], verb: str, accepted: frozenset[str] = frozenset(), why: str = ""
                 ) -> dict[str, Any]:
     """The request's ``parameters`` (Triton's repository extension: a JSON object), or a 400 for another kind of
     value or a parameter ``verb`` does not take (``why``: what the message adds)."""
@@ -61,6 +61,14 @@ def _parameters(body: dict[str, Any], verb: str, accepted: frozenset[str] = froz
     return params
 
 
+def unload_parameters(body: dict[str, Any]) -> None:
+    """400 unless an unload's parameters are at most Triton's ``unload_dependents``, a bool (no model here has
+    dependents to unload)."""
+    params = parameters_of(body, "unload", frozenset({"unload_dependents"}))
+    if not isinstance(params.get("unload_dependents", False), bool):
+        raise APIError(400, "parameters.unload_dependents must be a bool")
+
+
 @repository.post("/index", summary="Every model folder of the repository, with its state")
 async def index(request: Request, state: State) -> list[dict[str, str]]:
     ready = (await _body(request)).get("ready", False)
@@ -71,7 +79,7 @@ async def index(request: Request, state: State) -> list[dict[str, str]]:
 
 @repository.post("/models/{model}/load", summary="Load a model from its folder, or reload it")
 async def load(request: Request, state: State, model: str) -> dict[str, Any]:
-    _parameters(await _body(request), "load", why=": a model loads from its folder in the repository")
+    parameters_of(await _body(request), "load", why=": a model loads from its folder in the repository")
     controlled(state)
     await state.control.load(model)
     return {}
@@ -79,9 +87,7 @@ async def load(request: Request, state: State, model: str) -> dict[str, Any]:
 
 @repository.post("/models/{model}/unload", summary="Unload a model (what it accepted is answered first)")
 async def unload(request: Request, state: State, model: str) -> dict[str, Any]:
-    params = _parameters(await _body(request), "unload", frozenset({"unload_dependents"}))  # Triton's one
-    if not isinstance(params.get("unload_dependents", False), bool):  # (no model here has dependents to unload)
-        raise APIError(400, "parameters.unload_dependents must be a bool")
+    unload_parameters(await _body(request))
     controlled(state)
     await state.control.unload(model)
     return {}
