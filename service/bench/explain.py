@@ -9,11 +9,12 @@ Faithfulness, per text, for the predicted class's probability ``p``, with tokens
 - Spearman with occlusion: rank correlation of the method's token scores with each token's
   leave-one-out drop of ``p`` (higher is better).
 
-Methods: value-path contribution (contrast form, the API's default, and plain logit form), the paper's
-eq. 15 routing shares (signed and magnitude), Captum's Layer Integrated Gradients on the embedding
-layer through backbone + head, leave-one-token-out occlusion, and random tokens. Cost: milliseconds
-per explanation, one text at a time, and classify with credit against classify alone at two batch
-sizes. The model runs in a worker thread, as the server runs it.
+Methods: value-path contribution (contrast form, the API's default, and plain logit form), the end-to-end
+split over the input tokens through the encoder (contrast form), the paper's eq. 15 routing shares (signed
+and magnitude), Captum's Layer Integrated Gradients on the embedding layer through backbone + head,
+leave-one-token-out occlusion, and random tokens. Cost: milliseconds per explanation, one text at a time,
+and classify with credit against classify alone at two batch sizes (the end-to-end split also for every
+label with its depth split). The model runs in a worker thread, as the server runs it.
 """
 
 from __future__ import annotations
@@ -41,11 +42,13 @@ CURVE = tuple(k / 10 for k in range(11))  # deletion curve: 0%, 10%, ..., 100% o
 EXPLAINERS: dict[str, dict[str, Any]] = {  # method -> the credit that explains one text with it
     "contrast": {"method": "contribution", "contrast": True},
     "contribution": {"method": "contribution", "contrast": False},
+    "end_to_end": {"method": "end_to_end", "contrast": True},
     "shares": {"method": "shares"},
 }
-METHODS = ("contrast", "contribution", "shares", "shares_abs", "layer_ig", "occlusion", "random")
+METHODS = ("contrast", "contribution", "end_to_end", "shares", "shares_abs", "layer_ig", "occlusion", "random")
 DESCRIPTIONS = {
     "contrast": "value path, contrast (default)", "contribution": "value path, plain logit",
+    "end_to_end": "end to end, contrast",
     "shares": "eq. 15 shares, signed", "shares_abs": "eq. 15 shares, |.|", "layer_ig": "Layer IG",
     "occlusion": "leave-one-out occlusion", "random": "random tokens",
 }
@@ -55,12 +58,16 @@ def cost_of_credit(engine: Engine, texts: list[str], batch_size: int, rounds: in
     """Milliseconds per text for classify alone and with credit, response views included (the service
     builds them off the model thread, but they are work all the same), interleaved round by round so
     that drift on a noisy machine hits every mode alike. ``one_explained``: one text of each batch asks
-    for credit, the others classify only (what sharing a batch with explanations costs them)."""
+    for credit, the others classify only (what sharing a batch with explanations costs them); ``end_to_end_all``:
+    the end-to-end split of every label, each by depth."""
     ordered = sorted(texts, key=len)
     batches = [ordered[k : k + batch_size] for k in range(0, len(ordered), batch_size)]
+    every = tuple(range(len(engine.labels(engine.default))))
     modes: dict[str, Callable[[str, int], Task]] = {
         "classify": lambda t, _: Task(t),
         "contrast": lambda t, _: Task(t, credit=CreditSpec()),
+        "end_to_end": lambda t, _: Task(t, credit=CreditSpec(method="end_to_end")),
+        "end_to_end_all": lambda t, _: Task(t, credit=CreditSpec(method="end_to_end", targets=every, detail="full")),
         "shares": lambda t, _: Task(t, credit=CreditSpec(method="shares")),
         "full_views": lambda t, _: Task(t, credit=CreditSpec(detail="full")),
         "one_explained": lambda t, k: Task(t, credit=CreditSpec() if k == 0 else None),

@@ -1,9 +1,12 @@
 """Backbone + routing head: class scores and credit assignments.
 
-Two kinds of credit (see ``service.routing.credit``):
+Three kinds of credit (see ``service.routing.credit`` and ``service.modeling.decompose``):
 
 - ``"contribution"`` (default): the head's exact value-path split of a logit (or, in contrast form,
-  of ``logit_k - mean_k' logit_k'``) over (position, depth), in logit units, with its baseline.
+  of ``logit_k - mean_k' logit_k'``) over (position, depth) hidden states, in logit units, with its baseline.
+- ``"end_to_end"``: the same read-out split exactly over the input tokens (their embeddings), carried on
+  through the encoder with its attention, norms and activations held; by depth, over the depth through
+  which the head reads it.
 - ``"shares"``: the paper's end-to-end routing shares ``phi1 @ phi2 @ phi3`` (eq. 15) at unit variance:
   how much of each position's data the routings pass to a class, not whether it raises the score.
 """
@@ -14,23 +17,35 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
 import torch
 
+from service.modeling import decompose
 from service.modeling.backbone import Backbone, Encoded, Encoding
+from service.modeling.encoder import PackedEncoder, pack
 from service.modeling.head import HeadOutput, RoutingHead
 from service.routing import credit
 
-Method = Literal["contribution", "shares"]
+Method = Literal["contribution", "end_to_end", "shares"]
+
+SPLITS = ("contribution", "end_to_end")
+"""The methods that split a read-out exactly (a baseline and a logit; contrast form or not)."""
+
+END_TO_END_ROWS = 16384
+"""Tokens x read-outs per end-to-end pass: texts are split in groups within it (a pass keeps ``[rows, f]``
+feed-forward read-outs: 96 MB at this size for 1,536 features)."""
 
 
 @dataclass(frozen=True)
 class CreditRequest:
     """What to explain for one text: ``targets`` (class indices; None = the predicted class), with
-    which ``method``, and for contributions whether in ``contrast`` form."""
+    which ``method``, for the splits whether in ``contrast`` form, and for ``"end_to_end"`` whether ``by_depth``
+    (each token's credit split by the depth the head reads it through; otherwise one depth, their sum)."""
 
     targets: tuple[int, ...] | None = None
     method: Method = "contribution"
     contrast: bool = True
+    by_depth: bool = False
 
 
 @dataclass
@@ -39,8 +54,9 @@ class Explained:
 
     Attributes:
         targets: class indices, aligned with the last axis of ``credit``.
-        credit: ``[n, d_depth, t]``.
-        baseline: ``[t]`` the contribution method's read-out at zero hidden states (None for shares).
+        credit: ``[n, d_depth, t]`` (end to end without ``by_depth``: ``[n, 1, t]``).
+        baseline: ``[t]`` the read-out at zero hidden states (contribution) or zero input embeddings (end to end);
+            None for shares.
         logit: ``[t]`` the explained read-out: ``credit.sum((0, 1)) + baseline == logit``.
     """
 
@@ -67,7 +83,7 @@ class Prediction:
     phi: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
-def end_to_end_credit(out: HeadOutput, n: int, d_depth: int) -> torch.Tensor:
+def routing_shares(out: HeadOutput, n: int, d_depth: int) -> torch.Tensor:
     """``phi1 @ phi2 @ phi3`` scaled to unit variance over each text's real positions (eq. 15).
 
     Multiplied right to left, ``phi1 @ (phi2 @ phi3)``, so the cost beyond the forward pass is one
@@ -110,15 +126,15 @@ class RoutingClassifier(torch.nn.Module):
     def classify(self, enc: Encoded, explain: Sequence[CreditRequest | None] | None = None,
                  return_phi: bool = False) -> Prediction:
         """The head's part of :meth:`predict`, on hidden states the backbone has computed already."""
-        return classify(self.head, enc, explain, return_phi)
+        return classify(self.head, enc, explain, return_phi, self.backbone.stream)
 
 
 @torch.inference_mode()
 def classify(head: RoutingHead, enc: Encoded, explain: Sequence[CreditRequest | None] | None = None,
-             return_phi: bool = False) -> Prediction:
+             return_phi: bool = False, encoder: PackedEncoder | None = None) -> Prediction:
     """Scores and the credit ``explain[b]`` asks of each text ``b`` (None: none) from ``head`` (a stacked head: row
-    ``b`` on its head ``b``) on hidden states ``enc`` the backbone has computed. Credit is computed only for the
-    texts that ask for it, one batched pass per method."""
+    ``b`` on its head ``b``) on hidden states ``enc`` the backbone has computed (with ``encoder``, which end-to-end
+    credit needs). Credit is computed only for the texts that ask for it, one batched pass per method."""
     n_texts = len(enc.encodings)
     hidden = enc.hidden.to(dtype=next(head.parameters()).dtype)  # [b n e d]
     out = head(hidden, enc.pad)
@@ -128,7 +144,7 @@ def classify(head: RoutingHead, enc: Encoded, explain: Sequence[CreditRequest | 
     groups: dict[tuple[Method, bool], list[int]] = {}
     for b, req in enumerate(requests):
         if req is not None:
-            groups.setdefault((req.method, req.method == "contribution" and req.contrast), []).append(b)
+            groups.setdefault((req.method, req.method in SPLITS and req.contrast), []).append(b)
     # the predicted classes are read from the device only where credit needs them (a host sync otherwise)
     needs_predicted = any(requests[b].targets is None for rows in groups.values() for b in rows)  # type: ignore[union-attr]
     predicted = probs.argmax(dim=-1).tolist() if needs_predicted else []
@@ -139,12 +155,21 @@ def classify(head: RoutingHead, enc: Encoded, explain: Sequence[CreditRequest | 
         sub = out.rows(idx, rows_head)
         lengths = [enc.lengths[b] for b in rows]
         if method == "shares":
-            e2e = end_to_end_credit(sub, hidden.shape[1], head.d_depth).float().cpu()  # [b' n e k]
+            shares = routing_shares(sub, hidden.shape[1], head.d_depth).float().cpu()  # [b' n e k]
             for r, (b, w) in enumerate(zip(rows, wanted, strict=True)):
-                explained[b] = Explained(w, e2e[r, : lengths[r]][..., w])  # [n e t]
+                explained[b] = Explained(w, shares[r, : lengths[r]][..., w])  # [n e t]
             continue
         t_max = max(map(len, wanted))
         targets = torch.tensor([w + w[:1] * (t_max - len(w)) for w in wanted], device=hidden.device)  # [b' t]
+        if method == "end_to_end":
+            if encoder is None:
+                raise ValueError("end-to-end credit needs an encoder whose layers it knows (the BERT family)")
+            ro = rows_head.readouts(sub, hidden[idx], targets, contrast)
+            for r, (b, w) in enumerate(zip(rows, wanted, strict=True)):  # (grouped below)
+                explained[b] = Explained(w, torch.empty(0), ro.baseline[r, : len(w)], ro.logit[r, : len(w)])
+            _end_to_end(encoder, [enc.encodings[b] for b in rows], hidden[idx], ro.grad, [explained[b] for b in rows],
+                        [requests[b].by_depth for b in rows])  # type: ignore[union-attr]
+            continue
         c = rows_head.contributions(sub, targets, contrast)
         values, baseline, logit = c.credit.float().cpu(), c.baseline.float().cpu(), c.logit.float().cpu()
         for r, (b, w) in enumerate(zip(rows, wanted, strict=True)):
@@ -152,3 +177,42 @@ def classify(head: RoutingHead, enc: Encoded, explain: Sequence[CreditRequest | 
             explained[b] = Explained(w, values[r, :t, : lengths[r]].permute(1, 2, 0), baseline[r, :t],
                                      logit[r, :t])  # [n e t], [t], [t]
     return Prediction(probs=probs, encoded=enc, explained=explained, phi=out.phi if return_phi else None)
+
+
+def _end_to_end(encoder: PackedEncoder, encodings: list[Encoding], hidden: torch.Tensor, grad: torch.Tensor,
+                explained: list[Explained], by_depth: list[bool]) -> None:
+    """Fill in ``explained[r]`` (its baseline so far the head's) with text ``r``'s end-to-end credit: its chunks
+    ``encodings[r].chunks`` packed again, one a row, and the head's read-outs ``grad [b', t, n, e, d]`` of its
+    hidden states ``hidden [b', n, e, d]`` carried back through ``encoder`` (:func:`decompose.split`); texts in
+    groups of :data:`END_TO_END_ROWS` tokens x read-outs, those split by depth apart."""
+    t_max = grad.shape[1]
+    order = sorted(range(len(encodings)), key=lambda r: by_depth[r])
+    group: list[int] = []
+    for at, r in enumerate(order):
+        group.append(r)
+        rows = sum(encodings[q].n_tokens for q in group) * t_max * (hidden.shape[2] if by_depth[r] else 1)
+        last = at + 1 == len(order)
+        if last or rows >= END_TO_END_ROWS or by_depth[order[at + 1]] != by_depth[r]:
+            _split_group(encoder, [encodings[q] for q in group], hidden[group], grad[group],
+                         [explained[q] for q in group], by_depth[r])
+            group = []
+
+
+def _split_group(encoder: PackedEncoder, encodings: list[Encoding], hidden: torch.Tensor, grad: torch.Tensor,
+                 explained: list[Explained], by_depth: bool) -> None:
+    """One end-to-end pass over the texts of ``encodings`` (see :func:`_end_to_end`)."""
+    ids = np.fromiter((i for e in encodings for c in e.chunks for i in c), dtype=np.int64)  # [T]
+    lengths = np.array([len(c) for e in encodings for c in e.chunks])  # [s]
+    n = [e.n_tokens for e in encodings]
+    states = torch.cat([hidden[r, : n[r]] for r in range(len(n))])  # [T e d] each text's chunks back to back
+    g = torch.cat([grad[r, :, : n[r]] for r in range(len(n))], dim=1)  # [t T e d]
+    p = pack(ids, lengths, states.device)
+    credit, bias = decompose.split(encoder, p, states, g, by_depth)  # [t T] or [t e T]
+    if not by_depth:
+        credit, bias = credit[:, None], bias[:, None]  # [t 1 T]
+    credit, bias = credit.cpu().split(n, dim=-1), bias.sum(dim=1).cpu().split(n, dim=-1)  # per text [t e n], [t n]
+    for ex, c, b in zip(explained, credit, bias, strict=True):
+        t = len(ex.targets)
+        ex.credit = c[:t].permute(2, 1, 0)  # [n e t]
+        ex.baseline = ex.baseline.float().cpu() + b[:t].sum(dim=-1)  # [t] the head's and the encoder's biases
+        ex.logit = ex.logit.float().cpu()  # [t]

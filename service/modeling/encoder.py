@@ -114,7 +114,7 @@ class PackedLayer(nn.Module):
         self.b_qkv = nn.Parameter(torch.cat([q.bias, k.bias, v.bias]), requires_grad=False)  # [3d]
         self.out, self.norm1 = att.output.dense, att.output.LayerNorm
         self.up, self.down, self.norm2 = layer.intermediate.dense, layer.output.dense, layer.output.LayerNorm
-        self.n_heads, self.act, self.eps = n_heads, ACTIVATIONS[act], eps
+        self.n_heads, self.act, self.act_name, self.eps = n_heads, ACTIVATIONS[act], act, eps
 
     def forward(self, x: torch.Tensor, p: Packing) -> torch.Tensor:
         """``x [T, d]`` -> ``[T, d]``."""

@@ -15,6 +15,9 @@ from torch import nn
 
 from service.routing import EfficientVectorRouting, credit
 
+NORM_EPS = 1e-5
+"""The per-depth layer norm's epsilon."""
+
 
 @dataclass
 class HeadOutput:
@@ -45,6 +48,22 @@ class HeadOutput:
         stack = tuple(r.rows(idx, routing) for r, routing in zip(self.stack, routings, strict=True))
         return HeadOutput(scores=self.scores[idx], phi=tuple(p[idx] for p in self.phi),  # type: ignore[arg-type]
                           absent=self.absent[idx], stack=stack, normed=self.normed[idx])  # type: ignore[arg-type]
+
+
+@dataclass
+class Readout:
+    """Read-outs of some targets as weights on the hidden states (see :meth:`RoutingHead.readouts`).
+
+    Attributes:
+        grad: ``[..., t, n, d_depth, d_emb]`` each hidden state's weight in the read-out, every routing's ``phi`` and
+            every norm's scale held at their values: ``(grad * hidden).sum((-3, -2, -1)) + baseline == logit``.
+        baseline: ``[..., t]`` the read-out with every hidden state at 0.
+        logit: ``[..., t]`` the read-out itself.
+    """
+
+    grad: torch.Tensor
+    baseline: torch.Tensor
+    logit: torch.Tensor
 
 
 @dataclass
@@ -99,7 +118,7 @@ class RoutingHead(nn.Module):
         if pad is None:
             pad = torch.zeros(hidden.shape[:-2], dtype=torch.bool, device=hidden.device)  # [...n]
         W, B = self.W.unsqueeze(-3), self.B.unsqueeze(-3)  # [1ed] (stacked: [b1ed])
-        normed = nn.functional.layer_norm(hidden, (self.d_emb,))  # [...ned] each depth normed
+        normed = nn.functional.layer_norm(hidden, (self.d_emb,), eps=NORM_EPS)  # [...ned] each depth normed
         x = torch.addcmul(B, normed, W).flatten(-3, -2)  # [...id] scaled, plus each depth's bias; positions x depths
         absent = pad[..., None].expand(*pad.shape, self.d_depth).flatten(-2)  # [...i]
         mask = absent[..., None].expand(*absent.shape, self.n_hid) if masked else None  # [...ij]
@@ -132,18 +151,51 @@ class RoutingHead(nn.Module):
         Returns:
             :class:`Contribution` with ``credit [..., t, n, d_depth]`` (0 at padding).
         """
-        readout = nn.functional.one_hot(targets, self.n_classes).to(out.scores.dtype)  # [...tk]
-        if contrast:
-            readout = readout - 1.0 / self.n_classes  # [...tk]
-        # the first routing's inputs less x_lin are each depth's bias B, the same for every sample
-        n = out.absent.shape[-1] // self.d_depth
-        x_const = self.B.unsqueeze(-3).expand(*self.B.shape[:-2], n, -1, -1).flatten(-3, -2)  # [id] (stacked: [bid])
+        readout = self._readout(out, targets, contrast)  # [...tk]
         x_lin = self.x_lin(out)  # [...id]
+        x_const = self._x_const(out)  # [id] (stacked: [bid])
         contrib, baseline = credit.value_path(out.stack, x_lin, readout[..., None], x_const)  # [...ti], [...t]
         # padding takes no part (its phi is 0), but whatever it holds must not turn 0 * value into NaN
         contrib = contrib.masked_fill(out.absent[..., None, :], 0.0)  # [...ti]
         logit = torch.einsum("...tk,...k->...t", readout, out.scores)  # [...t]
         return Contribution(credit=contrib.unflatten(-1, (-1, self.d_depth)), baseline=baseline, logit=logit)
+
+    def readouts(self, out: HeadOutput, hidden: torch.Tensor, targets: torch.Tensor, contrast: bool = True) -> Readout:
+        """The read-outs :meth:`contributions` splits, as weights on the hidden states ``hidden [..., n, d_depth,
+        d_emb]`` of ``out``'s forward pass: every ``phi`` and norm scale held, the head is affine in them, and
+        ``grad`` is its linear part. What an end-to-end split carries on through the backbone.
+
+        Args:
+            out: the forward pass's output on ``hidden``.
+            hidden: ``[..., n, d_depth, d_emb]`` its input.
+            targets: ``[..., t]`` class indices.
+            contrast: as in :meth:`contributions`.
+
+        Returns:
+            :class:`Readout` with ``grad [..., t, n, d_depth, d_emb]`` (0 at padding).
+        """
+        readout = self._readout(out, targets, contrast)  # [...tk]
+        g, baseline = credit.input_readouts(out.stack, readout[..., None], self._x_const(out))  # [...tid], [...t]
+        g = g.masked_fill(out.absent[..., None, :, None], 0.0)  # [...tid] padding takes no part
+        g = g.unflatten(-2, (-1, self.d_depth)) * self.W.unsqueeze(-3).unsqueeze(-4)  # [...tned] weights on normed
+        # the per-depth norm, its scale held: normed = (hidden - mean_d hidden) * scale, self-adjoint in d
+        centred = hidden - hidden.mean(dim=-1, keepdim=True)  # [...ned]
+        scale = ((centred * centred).mean(dim=-1, keepdim=True) + NORM_EPS).rsqrt()  # [...ne1]
+        grad = (g - g.mean(dim=-1, keepdim=True)) * scale.unsqueeze(-4)  # [...tned]
+        logit = torch.einsum("...tk,...k->...t", readout, out.scores)  # [...t]
+        return Readout(grad=grad, baseline=baseline, logit=logit)
+
+    def _readout(self, out: HeadOutput, targets: torch.Tensor, contrast: bool) -> torch.Tensor:
+        """``[..., t, k]`` the weights of each target's read-out on the scores (its logit, or in contrast form,
+        less the mean logit)."""
+        readout = nn.functional.one_hot(targets, self.n_classes).to(out.scores.dtype)  # [...tk]
+        return readout - 1.0 / self.n_classes if contrast else readout  # [...tk]
+
+    def _x_const(self, out: HeadOutput) -> torch.Tensor:
+        """``[i, d_emb]`` (stacked: ``[b, i, d_emb]``) the first routing's inputs less :meth:`x_lin`: each depth's bias
+        ``B``, the same for every sample."""
+        n = out.absent.shape[-1] // self.d_depth
+        return self.B.unsqueeze(-3).expand(*self.B.shape[:-2], n, -1, -1).flatten(-3, -2)  # [id] (stacked: [bid])
 
     def x_lin(self, out: HeadOutput) -> torch.Tensor:
         """``[..., i, d_emb]`` the first routing's inputs of ``out`` (this head's forward pass) less the per-depth bias

@@ -187,6 +187,30 @@ def value_path(stack: Sequence[Routed], x_lin: torch.Tensor, readout: torch.Tens
     Returns:
         ``contrib [..., t, i]`` and ``baseline [..., t]``.
     """
+    u, baseline = pull_back(stack, readout)  # [...tjd], [...t]
+    first = stack[0]
+    per_ij = torch.einsum("...id,...tjd->...tij", x_lin, u)  # [...tij] each input's vote features, read out
+    contrib = (per_ij * first.phi[..., None, :, :]).sum(dim=-1)  # [...ti]
+    if x_const is None:
+        x_const = first.x_inp - x_lin  # [...id]
+    return contrib, baseline + _const_part(first, u, x_const)  # [...ti], [...t]
+
+
+def input_readouts(stack: Sequence[Routed], readout: torch.Tensor, x_const: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The linear read-outs ``readout [..., t, j_L, h_L]`` of :func:`value_path` as weights on the first routing's
+    inputs, ``phi`` and norm scales fixed: ``g [..., t, i, d]`` with ``sum_jh readout_tjh x_out_L_jh =
+    sum_id g_tid x_lin_id + baseline_t`` exactly (``baseline [..., t]`` as in :func:`value_path`). What a split
+    that goes on past the first routing's inputs (through whatever computed them) starts from."""
+    u, baseline = pull_back(stack, readout)  # [...tjd], [...t]
+    g = torch.einsum("...ij,...tjd->...tid", stack[0].phi, u)  # [...tid]
+    return g, baseline + _const_part(stack[0], u, x_const)  # [...tid], [...t]
+
+
+def pull_back(stack: Sequence[Routed], readout: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Read-outs ``readout [..., t, j_L, h_L]`` of the last routing's output carried back, ``phi`` and norm scales
+    fixed, to the first routing's vote features: ``u [..., t, j, d]`` (the read-out of input ``i`` is
+    ``sum_jd phi_ij x_inp_id u_tjd``), and ``[..., t]`` the part of the read-out the votes' biases make."""
     if not stack:
         raise ValueError("value_path() needs at least one routing")
     g = readout  # [...tjh] read-outs of the current routing's output
@@ -198,11 +222,10 @@ def value_path(stack: Sequence[Routed], x_lin: torch.Tensor, readout: torch.Tens
         u = torch.einsum("...tjh,...dh->...tjd", g, R.W_F2) * R.W_F1.unsqueeze(-3) * r.n.rsqrt()[..., None]  # [...tjd]
         if depth + 1 < len(stack):  # read-outs of the previous routing's output, through phi
             g = torch.einsum("...ij,...tjd->...tid", r.phi, u)  # [...tid]
-    first = stack[0]
-    per_ij = torch.einsum("...id,...tjd->...tij", x_lin, u)  # [...tij] each input's vote features, read out
-    contrib = (per_ij * first.phi[..., None, :, :]).sum(dim=-1)  # [...ti]
-    if x_const is None:
-        x_const = first.x_inp - x_lin  # [...id]
+    return u, baseline
+
+
+def _const_part(first: Routed, u: torch.Tensor, x_const: torch.Tensor) -> torch.Tensor:
+    """``[..., t]`` the read-out of the first routing's inputs ``x_const [..., i, d]`` (see :func:`pull_back`)."""
     phi_x = torch.matmul(first.phi.transpose(-2, -1), x_const)  # [...jd] x_const, contracted over i
-    baseline = baseline + torch.einsum("...tjd,...jd->...t", u, phi_x)  # [...t]
-    return contrib, baseline
+    return torch.einsum("...tjd,...jd->...t", u, phi_x)  # [...t]

@@ -12,12 +12,16 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from service.modeling.encoding import Encoding
 
-Method = Literal["contribution", "shares"]
-"""``"contribution"``: the value path's exact split of a logit; ``"shares"``: the paper's eq. 15 shares."""
+Method = Literal["contribution", "end_to_end", "shares"]
+"""``"contribution"``: the value path's exact split of a logit over (token, depth) hidden states; ``"end_to_end"``:
+its exact split over the input tokens, through the encoder; ``"shares"``: the paper's eq. 15 shares."""
+METHODS: tuple[Method, ...] = get_args(Method)
+SPLITS: tuple[Method, ...] = ("contribution", "end_to_end")
+"""The methods that split a logit exactly: a logit and a baseline come with their credit."""
 Detail = Literal["tokens", "full"]
 """``"tokens"``: credit per token of the targets; ``"full"``: also per (token, depth), for the explain views."""
 
@@ -28,7 +32,7 @@ class CreditSpec:
 
     Attributes:
         method: see :data:`Method`.
-        contrast: explain ``logit_k - mean(logits)`` instead of ``logit_k`` (contributions only: for
+        contrast: explain ``logit_k - mean(logits)`` instead of ``logit_k`` (the splits only: for
             shares it is always False).
         targets: class indices to explain; None: the predicted class.
         detail: see :data:`Detail`.
@@ -44,7 +48,7 @@ class CreditSpec:
     phi: bool = False
 
     def __post_init__(self) -> None:
-        if self.method != "contribution" and self.contrast:  # the one place the contrast rule lives
+        if self.method == "shares" and self.contrast:  # the one place the contrast rule lives
             object.__setattr__(self, "contrast", False)
 
 

@@ -32,6 +32,7 @@ from service.modeling.grouping import length_groups
 from service.modeling.head import StackSpace, head_shape, stack_heads
 from service.modeling.repository import MANIFEST, Manifest, ModelLoadError, load_model, read_manifest
 from service.serving.contract import (
+    METHODS,
     Answer,
     Answers,
     Ask,
@@ -228,7 +229,12 @@ class Engine(Planner):
                            "backbone": sum(p.numel() for p in self.backbone.parameters())},
             "device": str(self.device), "dtype": str(self.dtype).removeprefix("torch."),
             "evaluation": m.evaluation, "load_seconds": round(self.head_seconds.get(model, self.load_seconds), 3),
+            "credit_methods": self.credit_methods(model),
         }
+
+    def credit_methods(self, model: str) -> list[str]:
+        """Every method, but end to end only on an encoder whose layers it knows (:attr:`Backbone.stream`)."""
+        return [m for m in METHODS if m != "end_to_end" or self.backbone.stream is not None]
 
     @staticmethod
     def _credit_request(n_classes: int, spec: CreditSpec | None) -> CreditRequest | None:
@@ -236,7 +242,8 @@ class Engine(Planner):
         if spec is None:
             return None
         targets = tuple(range(n_classes)) if spec.matrix else spec.targets
-        return CreditRequest(targets=targets, method=spec.method, contrast=spec.contrast)
+        return CreditRequest(targets=targets, method=spec.method, contrast=spec.contrast,
+                             by_depth=spec.detail == "full" or spec.matrix)
 
     def run(self, tasks: list[Task]) -> list[Result]:
         """Classify a batch of whole texts, each on its own head (every chunk in this one call)."""
@@ -457,7 +464,8 @@ class Engine(Planner):
         requests = [self._credit_request(len(self.manifests[k].labels), s) for k, s in zip(keys, specs, strict=True)]
         t0 = time.perf_counter()
         with _phase("engine.heads"):
-            pred = classify(head, enc, requests, return_phi=any(s is not None and s.phi for s in specs))
+            pred = classify(head, enc, requests, return_phi=any(s is not None and s.phi for s in specs),
+                            encoder=self.backbone.stream)
         self.clock.forward_s += time.perf_counter() - t0
         return pred
 

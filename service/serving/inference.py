@@ -189,6 +189,13 @@ class Inference:
         """The credit of ``model`` a request asks for, its target labels turned into class indices (422 for an
         unknown label)."""
         labels = self.labels(model)
+        methods = self.backbone_of(model).engine.credit_methods(self.heads[model])
+        if method not in methods:
+            raise APIError(422, f"method {method!r}: model {model} answers {methods}; end-to-end credit needs an "
+                                "encoder whose layers it knows (the BERT family: absolute positions, a GELU or ReLU "
+                                "activation), and this model's backbone is not one",
+                           details=[{"field": "method", "message": f"not available for model {model}",
+                                     "type": "value_error"}])
         targets: tuple[int, ...] | None = None
         if target == "all":
             targets = tuple(range(len(labels)))

@@ -98,6 +98,10 @@ class Planner(abc.ABC):
     def labels(self, model: str) -> list[str]:
         return self.manifests[model].labels
 
+    def credit_methods(self, model: str) -> list[str]:
+        """The credit methods ``model`` answers (see :meth:`describe`)."""
+        return self.describe(model)["credit_methods"]  # type: ignore[attr-defined, no-any-return]
+
     def max_length(self, model: str) -> int:
         """Tokens per chunk for ``model`` (its manifest's, capped at the backbone's limit)."""
         return self.chunker.cut(self.manifests[model].max_length)

@@ -74,7 +74,10 @@ Labels = Annotated[str | list[Annotated[str, StringConstraints(min_length=1)]] |
 class CreditOptions(BaseModel):
     method: Method = Field(
         "contribution", description='"contribution": each token\'s exact share of the logit through the head\'s '
-        'value path, in logit units, summing to logit - baseline. "shares": the paper\'s eq. 15 routing shares '
+        'value path (its hidden states at every depth), in logit units, summing to logit - baseline. "end_to_end": '
+        'each input token\'s exact share (its word, position and type embedding), carried on through the encoder '
+        'with its attention, norms and activations held at their values, summing to logit - baseline (BERT-family '
+        'backbones; see a model\'s credit_methods). "shares": the paper\'s eq. 15 routing shares '
         '(phi1 @ phi2 @ phi3 at unit variance): how much of each token\'s data the routings pass to a class, '
         'not whether it raises the score')
     contrast: StrictBool = Field(True, description="With method contribution: explain logit_k - mean of all "
@@ -106,7 +109,9 @@ class TokenCredit(BaseModel):
 
 _LOGIT = ("The explained logit (contrast form: logit - mean of all logits); null for routing shares. "
           "Token credit (special tokens included) + baseline = logit")
-_BASELINE = "The logit with every hidden state at zero (routing coefficients and norm scales as in this pass)"
+_BASELINE = ("The logit with every hidden state at zero (contribution) or every input token's embedding at zero "
+             "(end_to_end), the routing coefficients, attention probabilities, norm scales and activation ratios "
+             "as in this pass")
 
 
 class PredictedExplanation(BaseModel):
@@ -197,6 +202,8 @@ class ModelInfo(BaseModel):
     dtype: str
     evaluation: dict[str, Any]
     load_seconds: float
+    credit_methods: list[str] = Field(description="The credit methods this model answers (end_to_end needs a "
+                                                  "BERT-family backbone)")
     default: bool = False
     ready: bool = Field(True, description="KServe V1's model readiness, as GET /v2/models/{model}/ready says it: "
                                           "a model described here is loaded and serves (one that is not is 404)")

@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from service import __version__
-from service.serving.contract import CreditSpec
+from service.serving.contract import METHODS, SPLITS, CreditSpec
 from service.serving.errors import APIError
 from service.serving.inference import Gone, Inference, Scored
 from service.serving.routes.deps import State, require_key
@@ -29,13 +29,15 @@ from service.serving.routes.inference import client_gone
 BASIC = ("label", "probabilities")
 CREDIT = ("credit", "tokens", "token_lengths", "credit_targets", "logit", "baseline")
 LAYOUT = ("credit[b, p, t] is the credit of token p of text b for its t-th explained label, credit_targets[b, t], "
-          "in logit units (method contribution; unit-variance shares for method shares). tokens[b, p] is that "
-          "token, special tokens included; beyond token_lengths[b] tokens are '' and credit 0. For method "
-          "contribution, sum_p credit[b, p, t] + baseline[b, t] = logit[b, t] (contrast logits by default).")
+          "in logit units (methods contribution and end_to_end; unit-variance shares for method shares). tokens[b, "
+          "p] is that token, special tokens included; beyond token_lengths[b] tokens are '' and credit 0. For "
+          "methods contribution and end_to_end, sum_p credit[b, p, t] + baseline[b, t] = logit[b, t] (contrast "
+          "logits by default).")
 PARAMETERS = {
     "explain": "bool: add the credit outputs (also implied by naming one in `outputs`)",
     "target": "string: a label, labels separated by commas, or 'all' (default: the predicted label)",
-    "method": "string: 'contribution' (default) or 'shares' (eq. 15 routing shares)",
+    "method": "string: 'contribution' (default; over hidden states), 'end_to_end' (over the input tokens, through "
+              "the encoder) or 'shares' (eq. 15 routing shares)",
     "contrast": "bool: explain logit_k - mean of the logits (default true) or logit_k",
     "timeout": "int: the request's deadline in microseconds (capped by the server's maximum)",
 }
@@ -172,7 +174,7 @@ async def infer_tensors(inf: Inference, model: str, texts: list[str], params: di
     labels = inf.labels(model)
     inf.check_limits(texts)
     spec = _credit_spec(inf, model, params)
-    available = [*BASIC, *(CREDIT if spec.method == "contribution" else CREDIT[:4])]
+    available = [*BASIC, *(CREDIT if spec.method in SPLITS else CREDIT[:4])]
     unknown = sorted(set(wanted or []) - set(available))
     if unknown:
         raise APIError(400, f"unknown output(s) {unknown}; with method {spec.method!r} this model gives "
@@ -293,8 +295,8 @@ def _unpack_bytes(blob: bytes) -> list[bytes]:
 
 def _credit_spec(inf: Inference, model: str, params: dict[str, Any]) -> CreditSpec:
     method = params.get("method", "contribution")
-    if method not in ("contribution", "shares"):
-        raise APIError(422, f"parameters.method must be 'contribution' or 'shares', not {method!r}")
+    if method not in METHODS:
+        raise APIError(422, f"parameters.method must be one of {', '.join(map(repr, METHODS))}, not {method!r}")
     contrast = params.get("contrast", True)
     if not isinstance(contrast, bool):
         raise APIError(422, "parameters.contrast must be a bool")
@@ -331,7 +333,7 @@ def _outputs(scored: list[Scored], labels: list[str], explain: bool) -> dict[str
                                      data=[len(toks) for toks in names])
     out["credit_targets"] = TensorOut(name="credit_targets", datatype="BYTES", shape=[n, t],
                                       data=[target.label for c in credits for target in c.targets])
-    if credits[0].method == "contribution":
+    if credits[0].method in SPLITS:
         out["logit"] = TensorOut(name="logit", datatype="FP32", shape=[n, t],
                                  data=[target.logit for c in credits for target in c.targets])
         out["baseline"] = TensorOut(name="baseline", datatype="FP32", shape=[n, t],
