@@ -644,18 +644,20 @@ def bench_explain(
     ig_steps: Annotated[int, typer.Option(min=1, help="Layer Integrated Gradients steps")] = 50,
     max_occlusion: Annotated[int, typer.Option(min=1, help="Leave-one-out occlusion of at most this many tokens per "
                                                     "text (a seeded sample beyond it)")] = 128,
+    layer_ig: Annotated[bool, typer.Option(help="Measure Layer Integrated Gradients too (seconds per long text)")
+                        ] = True,
     model_repository: Path = Path("models"),
     device: str = "cpu",
     out: Annotated[Path, typer.Option(help="JSON result file")] = Path("bench-results/explain.json"),
 ) -> None:
     """Faithfulness (comprehensiveness, sufficiency, deletion AUC, Spearman with occlusion) and cost of the
-    credit methods side by side: value path, eq. 15 shares, Layer IG, occlusion, random."""
+    credit methods side by side: value path, end to end, eq. 15 shares, Layer IG, occlusion, random."""
     with extras("bench explain"):  # the rank correlation with occlusion (captum is optional: Layer IG is left out)
         import scipy  # noqa: F401
 
         from service.bench import explain as eb
-    eb.run(model, preset or model, model_repository, n_texts, n_faithful, n_timed, batch_size, rounds, ig_steps,
-           max_occlusion, device, out)
+    eb.run(model, preset or model, model_repository, n_texts, n_faithful, n_timed, batch_size, rounds,
+           ig_steps if layer_ig else None, max_occlusion, device, out)
 
 
 for _command in [*app.registered_commands, *bench_app.registered_commands]:

@@ -362,7 +362,9 @@ def print_tables(costs: list[dict[str, Any]], ms: dict[str, float], faith: dict[
 
 
 def run(model: str, preset: str, repository: Path, n_texts: int, n_faithful: int, n_timed: int, batch_size: int,
-        rounds: int, n_steps: int, max_occlusion: int, device: str, out: Path, seed: int = 0) -> dict[str, Any]:
+        rounds: int, n_steps: int | None, max_occlusion: int, device: str, out: Path, seed: int = 0
+        ) -> dict[str, Any]:
+    """The whole bench (``n_steps`` None: Layer IG left out); writes ``out``."""
     from service.training.data import sample_test_texts
 
     texts = sample_test_texts(preset, max(n_texts, n_faithful, n_timed), seed)
@@ -372,10 +374,10 @@ def run(model: str, preset: str, repository: Path, n_texts: int, n_faithful: int
          "test texts", err=True)
     costs = in_worker_thread(lambda: [cost_of_credit(engine, cost_texts[: max(16, len(cost_texts) // 8)], 1, rounds),
                                       cost_of_credit(engine, cost_texts, batch_size, rounds)])
+    lig: LayerIG | None = None
     try:
-        lig: LayerIG | None = LayerIG(engine, n_steps)
+        lig = None if n_steps is None else LayerIG(engine, n_steps)
     except ImportError:
-        lig = None
         echo("  captum is not installed (pip install -e '.[bench]'): Layer IG left out", err=True)
     echo(f"time per explanation on {min(n_timed, len(texts))} texts, one at a time", err=True)
     ms = in_worker_thread(lambda: time_per_explanation(engine, texts[:n_timed], lig, batch_size, max_occlusion))
