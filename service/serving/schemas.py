@@ -156,7 +156,8 @@ class TargetCredit(BaseModel):
     tokens: list[float] = Field(description="Credit per token position (aligned with `tokens`), summed over depth")
     words: list[SpanCredit] = Field(description="Word pieces merged into words")
     sentences: list[SpanCredit]
-    depth: list[list[float]] = Field(description="[tokens x depth] credit matrix")
+    depth: list[list[float]] = Field(description="[tokens x depth] credit matrix (end_to_end: each input token's "
+                                     "credit by the depth through which the head reads it)")
 
 
 class ExplainResult(BaseModel):

@@ -95,3 +95,22 @@ def test_bbc_news_topics_long_article_is_chunked_and_explained(bundled: Server) 
     n_special = sum(t["special"] for t in res["tokens"])
     assert n_special >= 4  # several chunks, each with its own [CLS] and [SEP]
     assert len(res["credit"]["sports"]["sentences"]) == 20
+
+
+@pytest.mark.parametrize(("model", "text"), [("tweet-sentiment", "I absolutely love this, best day ever! So happy :)"),
+                                             ("bbc-news-topics", SPORT)])
+def test_end_to_end_credit_of_the_bundled_models_adds_up_to_their_logits(bundled: Server, model: str, text: str
+                                                                        ) -> None:
+    """Over the input tokens of every chunk (the article's several), for every label: credit plus baseline is the
+    contrast logit within 1e-4, the same logit the value path explains; by depth, the depths sum to each token's."""
+    url = f"{bundled.url}/v1/models/{model}/explain"
+    body = {"inputs": [text], "target": "all"}
+    e2e = httpx.post(url, json={**body, "method": "end_to_end"}, timeout=120).json()["results"][0]
+    value_path = httpx.post(url, json=body, timeout=120).json()["results"][0]
+    assert e2e["method"] == "end_to_end" and e2e["label"] == value_path["label"]
+    for label, c in e2e["credit"].items():
+        assert abs(sum(c["tokens"]) + c["baseline"] - c["logit"]) <= 1e-4
+        assert abs(c["logit"] - value_path["credit"][label]["logit"]) <= 1e-5
+        assert len(c["depth"]) == len(c["tokens"]) and len(c["depth"][0]) == 7
+        assert max(abs(sum(row) - t) for row, t in zip(c["depth"], c["tokens"], strict=True)) <= 1e-5
+        assert c["tokens"] != value_path["credit"][label]["tokens"]  # a split of its own, not the value path's

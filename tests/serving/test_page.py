@@ -15,7 +15,7 @@ from selenium import webdriver
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
-from selenium.webdriver.support.ui import WebDriverWait
+from selenium.webdriver.support.ui import Select, WebDriverWait
 
 from tests.serving.server import Server, running
 
@@ -98,6 +98,26 @@ def test_page_shows_label_words_coloured_by_credit_and_the_depth_heatmap(tiny: S
     assert len(b.find_elements(By.CSS_SELECTOR, "#sentences .sentence")) == 2  # sentence totals
     ARTIFACTS.mkdir(exist_ok=True)
     b.save_screenshot(str(ARTIFACTS / "credit-page.png"))
+
+
+def test_the_page_draws_end_to_end_credit_when_asked(tiny: Server, browser: WebDriver) -> None:
+    """Picking end-to-end credit explains the text again with it: the words carry the API's end-to-end credit, the
+    legend says what the numbers are, the heatmap's note what its columns mean."""
+    b = browser
+    open_page(b, tiny)
+    submit(b, TEXT)
+    value_path = [s.get_attribute("data-credit") for s in b.find_elements(By.CSS_SELECTOR, "#rendered .word")]
+    Select(b.find_element(By.ID, "method")).select_by_value("end_to_end")
+    wait(b, lambda d: "input tokens" in d.find_element(By.ID, "legend").text)
+    ref = httpx.post(f"{tiny.url}/v1/models/tiny/explain", json={"inputs": [TEXT], "target": "all",
+                                                                  "method": "end_to_end"}).json()["results"][0]
+    words = ref["credit"][ref["label"]]["words"]
+    spans = b.find_elements(By.CSS_SELECTOR, "#rendered .word")
+    assert [float(s.get_attribute("data-credit")) for s in spans] == pytest.approx([w["credit"] for w in words],
+                                                                                   abs=1e-9)
+    assert [s.get_attribute("data-credit") for s in spans] != value_path
+    assert "depth through which the head reads" in b.find_element(By.ID, "columns").text
+    assert not [e for e in b.get_log("browser") if e["level"] == "SEVERE"]
 
 
 def test_an_over_long_text_shows_the_413_message(tiny: Server, browser: WebDriver) -> None:

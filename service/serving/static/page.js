@@ -142,9 +142,10 @@ async function explain() {
   $("explain").disabled = true;
   try {
     // several models: one request, the text encoded once for the models on one backbone
+    const method = $("method").value;
     const bodies = models.length === 1
-      ? [await api(`v1/models/${encodeURIComponent(models[0])}/explain`, { inputs: [text], target: "all" })]
-      : (await api("v1/explain", { inputs: [text], target: "all", models })).responses;
+      ? [await api(`v1/models/${encodeURIComponent(models[0])}/explain`, { inputs: [text], target: "all", method })]
+      : (await api("v1/explain", { inputs: [text], target: "all", models, method })).responses;
     state.answers = bodies.map((b) => ({ model: b.model, result: b.results[0] }));
     state.text = text;
     showAnswer(0);
@@ -204,9 +205,13 @@ function recolour() {
   const r = state.result;
   const c = r.credit[state.target];
   for (const b of $("targets").children) b.setAttribute("aria-pressed", String(b.dataset.label === state.target));
-  const units = r.method === "contribution"
-    ? `logits of ${r.contrast ? `"${state.target}" minus the mean of all labels` : `"${state.target}"`}`
-    : "routing shares (eq. 15), unit variance";
+  const units = r.method === "shares"
+    ? "routing shares (eq. 15), unit variance"
+    : `logits of ${r.contrast ? `"${state.target}" minus the mean of all labels` : `"${state.target}"`}` +
+      (r.method === "end_to_end" ? ", split over the input tokens through the encoder" : "");
+  $("columns").textContent = r.method === "end_to_end"
+    ? "the depth through which the head reads each input token's share"
+    : "where the head reads each token's hidden state";
   const scale = maxAbs(c.words.map((w) => w.credit));
   legend($("legend"), scale, `word credit, ${units}` +
     (c.logit === null ? "" : `; logit ${fmt(c.logit)} = baseline ${fmt(c.baseline)} + the tokens' credit`));
@@ -315,4 +320,5 @@ $("key-form").addEventListener("submit", (ev) => {
 });
 $("model").addEventListener("change", showExamples);
 $("explain").addEventListener("click", explain);
+$("method").addEventListener("change", () => { if (state.result) explain(); });
 loadModels();
