@@ -32,12 +32,16 @@ def test_the_stream_on_the_gpu_gives_the_hugging_face_modules_states(tiny_backbo
         torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("method", ["contribution", "end_to_end"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_answers_on_the_gpu_match_the_cpus_and_do_not_depend_on_the_batch(tiny_repo: Path, dtype: str) -> None:
+def test_answers_on_the_gpu_match_the_cpus_and_do_not_depend_on_the_batch(tiny_repo: Path, dtype: str, method: str
+                                                                          ) -> None:
     cpu = Engine.load(tiny_repo / "tiny", device="cpu")
     gpu = Engine.load(tiny_repo / "tiny", device="cuda", dtype=dtype)
     tol = 1e-4 if dtype == "float32" else 3e-2  # bfloat16 keeps 8 bits of mantissa in the encoder
-    spec = CreditSpec(detail="full")
+    # the end-to-end split runs in the backbone's precision: complete to float32's rounding, or bfloat16's
+    exact = dtype == "float32" or method == "contribution"
+    spec = CreditSpec(method=method, detail="full")  # type: ignore[arg-type]
     batched = gpu.run([Task(t, credit=spec) for t in TEXTS])
     reference = cpu.run([Task(t, credit=spec) for t in TEXTS])
     for text, got, ref in zip(TEXTS, batched, reference, strict=True):
@@ -46,4 +50,5 @@ def test_answers_on_the_gpu_match_the_cpus_and_do_not_depend_on_the_batch(tiny_r
             assert abs(p - ref.scores[label]) <= tol
             assert abs(p - alone.scores[label]) <= (1e-5 if dtype == "float32" else 1e-2)
         target = got.credit.targets[0]  # credit complete: the tokens' credit plus the baseline is the logit
-        assert abs(sum(target.tokens) + target.baseline - target.logit) <= 1e-4
+        bound = 1e-4 if exact else 5e-2 * (1 + abs(target.logit))
+        assert abs(sum(target.tokens) + target.baseline - target.logit) <= bound
