@@ -646,6 +646,9 @@ def bench_explain(
                                                     "text (a seeded sample beyond it)")] = 128,
     layer_ig: Annotated[bool, typer.Option(help="Measure Layer Integrated Gradients too (seconds per long text)")
                         ] = True,
+    ablation: Annotated[bool, typer.Option(help="Instead: faithfulness of the end-to-end credit with each kind of "
+                                           "coefficient it holds (attention, norms, activations) let vary in turn, "
+                                           "on the faithfulness texts")] = False,
     model_repository: Path = Path("models"),
     device: str = "cpu",
     out: Annotated[Path, typer.Option(help="JSON result file")] = Path("bench-results/explain.json"),
@@ -656,6 +659,11 @@ def bench_explain(
         import scipy  # noqa: F401
 
         from service.bench import explain as eb
+    if ablation:
+        from service.bench import ablation as ab
+
+        ab.main(model, preset or model, model_repository, n_faithful, batch_size, max_occlusion, device, out)
+        return
     eb.run(model, preset or model, model_repository, n_texts, n_faithful, n_timed, batch_size, rounds,
            ig_steps if layer_ig else None, max_occlusion, device, out)
 

@@ -34,7 +34,7 @@ def test_edits_and_rankings() -> None:
 def test_metrics_agree_with_direct_computation(engine: Engine) -> None:
     out = faithfulness(engine, TEXTS, lig=None, batch_size=4, max_occlusion=64)
     methods = out["methods"]
-    assert set(methods) == {"contrast", "contribution", "shares", "shares_abs", "occlusion", "random"}
+    assert set(methods) == {"contrast", "contribution", "end_to_end", "shares", "shares_abs", "occlusion", "random"}
     assert methods["occlusion"]["spearman_occlusion"] is None
     # occlusion's top token is the one whose deletion drops p most: comprehensiveness at one token
     drops = []
@@ -47,3 +47,26 @@ def test_metrics_agree_with_direct_computation(engine: Engine) -> None:
     for m in methods.values():
         assert 0.0 <= m["deletion_auc"] <= 1.0
         assert all(-1.0 <= v <= 1.0 for v in m["sufficiency"].values())
+
+
+def test_the_ablations_held_variant_is_the_services_split_and_each_freed_kind_changes_it(engine: Engine) -> None:
+    """``bench explain --ablation``: with every kind held, autograd's gradient x input is the service's end-to-end
+    credit (its faithfulness too); letting any one kind vary gives other credit."""
+    from service.bench import ablation
+
+    spec = CreditSpec(method="end_to_end")
+    exact = [engine.run([Task(t, credit=spec)])[0].credit.targets[0].tokens for t in TEXTS]  # type: ignore[union-attr]
+    for name, held in ablation.VARIANTS.items():
+        with ablation.splitting_with(ablation.gradient_split(held)):
+            got = [engine.run([Task(t, credit=spec)])[0].credit.targets[0].tokens for t in TEXTS]  # type: ignore[union-attr]
+        for a, b in zip(got, exact, strict=True):
+            if name == "held":
+                assert a == pytest.approx(b, abs=1e-5)
+            else:
+                assert max(abs(x - y) for x, y in zip(a, b, strict=True)) > 1e-4, name
+    out = ablation.run(engine, TEXTS, batch_size=4, max_occlusion=64)["methods"]
+    assert set(out) == {"contrast", *ablation.VARIANTS, "occlusion"}
+    reference = faithfulness(engine, TEXTS, lig=None, batch_size=4, max_occlusion=64)["methods"]
+    for key in ("comprehensiveness_mean", "sufficiency_mean", "deletion_auc"):
+        assert out["held"][key] == pytest.approx(reference["end_to_end"][key], abs=1e-6)
+        assert out["occlusion"][key] == pytest.approx(reference["occlusion"][key], abs=1e-6)
