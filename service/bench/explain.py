@@ -381,7 +381,8 @@ def run(model: str, preset: str, repository: Path, n_texts: int, n_faithful: int
         echo("  captum is not installed (pip install -e '.[bench]'): Layer IG left out", err=True)
     echo(f"time per explanation on {min(n_timed, len(texts))} texts, one at a time", err=True)
     ms = in_worker_thread(lambda: time_per_explanation(engine, texts[:n_timed], lig, batch_size, max_occlusion))
-    echo(f"faithfulness on {min(n_faithful, len(texts))} texts (Layer IG: {n_steps} steps on the first chunk; "
+    ig = "left out" if lig is None else f"{n_steps} steps on the first chunk"
+    echo(f"faithfulness on {min(n_faithful, len(texts))} texts (Layer IG: {ig}; "
          f"occlusion: up to {max_occlusion} tokens per text)", err=True)
     faith = in_worker_thread(lambda: faithfulness(engine, texts[:n_faithful], lig, batch_size, max_occlusion, seed))
     print_tables(costs, ms, faith)
