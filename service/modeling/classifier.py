@@ -165,10 +165,13 @@ def classify(head: RoutingHead, enc: Encoded, explain: Sequence[CreditRequest | 
             if encoder is None:
                 raise ValueError("end-to-end credit needs an encoder whose layers it knows (the BERT family)")
             ro = rows_head.readouts(sub, hidden[idx], targets, contrast)
-            for r, (b, w) in enumerate(zip(rows, wanted, strict=True)):  # (grouped below)
-                explained[b] = Explained(w, torch.empty(0), ro.baseline[r, : len(w)], ro.logit[r, : len(w)])
-            _end_to_end(encoder, [enc.encodings[b] for b in rows], hidden[idx], ro.grad, [explained[b] for b in rows],
-                        [requests[b].by_depth for b in rows])  # type: ignore[union-attr]
+            split = _end_to_end(encoder, [enc.encodings[b] for b in rows], hidden[idx], ro.grad,
+                                [requests[b].by_depth for b in rows])  # type: ignore[union-attr]
+            head_baseline, logit = ro.baseline.float().cpu(), ro.logit.float().cpu()  # [b' t], [b' t]
+            for r, (b, w) in enumerate(zip(rows, wanted, strict=True)):
+                t = len(w)
+                values, bias = split[r]  # [n e t], [t]
+                explained[b] = Explained(w, values[..., :t], head_baseline[r, :t] + bias[:t], logit[r, :t])
             continue
         c = rows_head.contributions(sub, targets, contrast)
         values, baseline, logit = c.credit.float().cpu(), c.baseline.float().cpu(), c.logit.float().cpu()
@@ -180,39 +183,40 @@ def classify(head: RoutingHead, enc: Encoded, explain: Sequence[CreditRequest | 
 
 
 def _end_to_end(encoder: PackedEncoder, encodings: list[Encoding], hidden: torch.Tensor, grad: torch.Tensor,
-                explained: list[Explained], by_depth: list[bool]) -> None:
-    """Fill in ``explained[r]`` (its baseline so far the head's) with text ``r``'s end-to-end credit: its chunks
-    ``encodings[r].chunks`` packed again, one a row, and the head's read-outs ``grad [b', t, n, e, d]`` of its
-    hidden states ``hidden [b', n, e, d]`` carried back through ``encoder`` (:func:`decompose.split`); texts in
-    groups of :data:`END_TO_END_ROWS` tokens x read-outs, those split by depth apart."""
-    t_max = grad.shape[1]
-    order = sorted(range(len(encodings)), key=lambda r: by_depth[r])
-    group: list[int] = []
-    for at, r in enumerate(order):
-        group.append(r)
-        rows = sum(encodings[q].n_tokens for q in group) * t_max * (hidden.shape[2] if by_depth[r] else 1)
-        last = at + 1 == len(order)
-        if last or rows >= END_TO_END_ROWS or by_depth[order[at + 1]] != by_depth[r]:
-            _split_group(encoder, [encodings[q] for q in group], hidden[group], grad[group],
-                         [explained[q] for q in group], by_depth[r])
-            group = []
+                by_depth: list[bool]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each text's end-to-end credit, ``[n, e, t]`` (not by depth: ``[n, 1, t]``), and ``[t]`` its encoder's biases'
+    part of the baseline, float32 on the CPU: the head's read-outs ``grad [b', t, n, e, d]`` of the hidden states
+    ``hidden [b', n, e, d]`` carried back through ``encoder`` (:func:`decompose.split`) chunk by chunk, the chunks
+    of ``encodings`` packed again one a row. A chunk attends only to itself, so chunks are independent: they go in
+    passes of at most :data:`END_TO_END_ROWS` tokens x read-outs (one chunk at least), those split by depth apart,
+    and a long text costs a chunk's memory, not its own."""
+    t_max, E = grad.shape[1], hidden.shape[2]
+    depths = [E if d else 1 for d in by_depth]
+    credit = [torch.zeros(e.n_tokens, depths[r], t_max) for r, e in enumerate(encodings)]  # [n e t] each
+    bias = [torch.zeros(t_max) for _ in encodings]  # [t] each
+    units = sorted(((r, start, c) for r, e in enumerate(encodings)
+                    for start, c in zip(np.cumsum([0, *map(len, e.chunks)]).tolist(), e.chunks, strict=False)),
+                   key=lambda u: by_depth[u[0]])  # (text, first position, chunk ids)
 
+    def run(group: list[tuple[int, int, tuple[int, ...]]]) -> None:
+        lengths = [len(c) for _, _, c in group]
+        ids = np.fromiter((i for _, _, c in group for i in c), dtype=np.int64)  # [T]
+        states = torch.cat([hidden[r, at : at + len(c)] for r, at, c in group])  # [T e d]
+        g = torch.cat([grad[r, :, at : at + len(c)] for r, at, c in group], dim=1)  # [t T e d]
+        parts = decompose.split(encoder, pack(ids, np.array(lengths), states.device), states, g, by_depth[group[0][0]])
+        c_parts, b_parts = (x.cpu().split(lengths, dim=-1) for x in parts)  # per chunk [t L] or [t e L]
+        for (r, at, chunk), c, b in zip(group, c_parts, b_parts, strict=True):
+            credit[r][at : at + len(chunk)] = c.reshape(t_max, depths[r], len(chunk)).permute(2, 1, 0)  # [L e t]
+            bias[r] += b.reshape(t_max, -1).sum(dim=-1)  # [t]
 
-def _split_group(encoder: PackedEncoder, encodings: list[Encoding], hidden: torch.Tensor, grad: torch.Tensor,
-                 explained: list[Explained], by_depth: bool) -> None:
-    """One end-to-end pass over the texts of ``encodings`` (see :func:`_end_to_end`)."""
-    ids = np.fromiter((i for e in encodings for c in e.chunks for i in c), dtype=np.int64)  # [T]
-    lengths = np.array([len(c) for e in encodings for c in e.chunks])  # [s]
-    n = [e.n_tokens for e in encodings]
-    states = torch.cat([hidden[r, : n[r]] for r in range(len(n))])  # [T e d] each text's chunks back to back
-    g = torch.cat([grad[r, :, : n[r]] for r in range(len(n))], dim=1)  # [t T e d]
-    p = pack(ids, lengths, states.device)
-    credit, bias = decompose.split(encoder, p, states, g, by_depth)  # [t T] or [t e T]
-    if not by_depth:
-        credit, bias = credit[:, None], bias[:, None]  # [t 1 T]
-    credit, bias = credit.cpu().split(n, dim=-1), bias.sum(dim=1).cpu().split(n, dim=-1)  # per text [t e n], [t n]
-    for ex, c, b in zip(explained, credit, bias, strict=True):
-        t = len(ex.targets)
-        ex.credit = c[:t].permute(2, 1, 0)  # [n e t]
-        ex.baseline = ex.baseline.float().cpu() + b[:t].sum(dim=-1)  # [t] the head's and the encoder's biases
-        ex.logit = ex.logit.float().cpu()  # [t]
+    group: list[tuple[int, int, tuple[int, ...]]] = []
+    rows = 0
+    for unit in units:
+        cost = len(unit[2]) * t_max * depths[unit[0]]
+        if group and (rows + cost > END_TO_END_ROWS or by_depth[unit[0]] != by_depth[group[0][0]]):
+            run(group)
+            group, rows = [], 0
+        group.append(unit)
+        rows += cost
+    run(group)
+    return list(zip(credit, bias, strict=True))
