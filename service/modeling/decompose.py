@@ -55,8 +55,9 @@ def split(encoder: PackedEncoder, p: Packing, states: torch.Tensor, grad: torch.
 
     Returns:
         ``credit`` and ``bias``, ``[r, T]`` (by depth: ``[r, e, T]``), float32: token ``T``'s credit
-        ``<dx0_T, x0_T>``, and the biases' part of the baseline at its positions. Per read-out,
-        ``credit.sum() + bias.sum() + c == read-out`` where ``c`` is the read-out of zero hidden states.
+        ``<dx0_T, x0_T>``, and the encoder's biases' part of the read-out at its positions. Per read-out,
+        ``credit.sum() + bias.sum() == sum_e <grad[r, :, e], states[:, e]>`` exactly (to float rounding); a head's
+        own constant (:attr:`Readout.baseline`) comes on top.
     """
     n_r, T, E, _ = grad.shape
     dtype = encoder.word.weight.dtype
