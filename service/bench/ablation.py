@@ -10,7 +10,6 @@ better, holding it is what costs faithfulness. The same texts, metrics and occlu
 from __future__ import annotations
 
 import contextlib
-import math
 import random
 import time
 from collections.abc import Callable, Iterator
@@ -18,17 +17,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.nn import functional as F
 
 from service.bench import explain as eb
 from service.bench import report
 from service.bench.report import echo, in_worker_thread
 from service.modeling import decompose
+from service.modeling.decompose import KINDS
 from service.modeling.encoder import PackedEncoder, Packing
 from service.serving.contract import CreditSpec
 from service.serving.engine import Engine, Task
 
-KINDS = ("attention", "norms", "activation")
 VARIANTS = {"held": frozenset(KINDS), **{f"{k} free": frozenset(KINDS) - {k} for k in KINDS}}
 """Each variant's held coefficients: all (the service's split, computed by autograd here too), or all but one."""
 
@@ -44,7 +42,7 @@ def gradient_split(held: frozenset[str]) -> Split:
         with torch.inference_mode(False), torch.enable_grad():
             q = Packing(*(t.clone() if isinstance(t, torch.Tensor) else t for t in (
                 p.ids, p.positions, p.to_padded, p.from_padded, p.keep)), p.shape)  # type: ignore[arg-type]
-            x0 = (encoder.word(q.ids) + encoder.position(q.positions) + encoder.type0).detach().requires_grad_(True)
+            x0 = decompose.input_embeddings(encoder, q).detach().requires_grad_(True)  # [T d]
             out = _forward(encoder, q, x0, held)  # [T e d]
             credit = []
             for g in grad.clone():  # [T e d] one read-out at a time
@@ -58,30 +56,10 @@ def gradient_split(held: frozenset[str]) -> Split:
 
 def _forward(encoder: PackedEncoder, p: Packing, x0: torch.Tensor, held: frozenset[str]) -> torch.Tensor:
     """``[T, e, d]`` the encoder's hidden states from input embeddings ``x0 [T, d]``, the ``held`` kinds detached."""
-    def norm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, eps: float) -> torch.Tensor:
-        scale = decompose._scale(x, eps)  # [T 1]
-        return (x - x.mean(dim=-1, keepdim=True)) * (scale.detach() if "norms" in held else scale) * w + b  # [T d]
-
-    d = x0.shape[-1]
-    s, L = p.shape
-    x = norm(x0, encoder.norm.weight, encoder.norm.bias, encoder.eps)  # [T d]
+    x, _ = decompose.layer_norm(x0, encoder.norm, encoder.eps, "norms" in held)  # [T d]
     states = [x]
     for layer in encoder.layers:
-        h = layer.n_heads
-        qkv = F.linear(x, layer.W_qkv, layer.b_qkv)  # [T 3d]
-        padded = qkv.view(s, L, 3 * d) if p.to_padded is None else qkv[p.to_padded]  # [s L 3d]
-        q, k, v = padded.view(s, L, 3, h, d // h).permute(2, 0, 3, 1, 4).unbind(0)  # each [s h L c]
-        scores = q @ k.transpose(-1, -2) / math.sqrt(d // h)  # [s h L L]
-        if p.keep is not None:
-            scores = scores.masked_fill(~p.keep, float("-inf"))
-        P = scores.softmax(dim=-1)  # [s h L L]
-        a = ((P.detach() if "attention" in held else P) @ v).transpose(1, 2).reshape(1, s * L, d)  # [1 sL d]
-        a = decompose._from_padded(a, p)[0]  # [T d]
-        x1 = norm(x + layer.out(a), layer.norm1.weight, layer.norm1.bias, layer.eps)  # [T d]
-        u = layer.up(x1)  # [T f]
-        ratio = decompose.RATIOS[layer.act_name](u)  # [T f]
-        y = layer.down(u * ratio.detach() if "activation" in held else layer.act(u))  # [T d]
-        x = norm(x1 + y, layer.norm2.weight, layer.norm2.bias, layer.eps)  # [T d]
+        x, _ = decompose.layer_forward(layer, p, x, held)  # [T d]
         states.append(x)
     return torch.stack(states, dim=1)  # [T e d]
 

@@ -25,11 +25,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch.nn import functional as F
 
 from service.modeling.encoder import PackedEncoder, PackedLayer, Packing
+from service.routing.credit import norm_scale
 
 RATIOS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu": lambda u: 0.5 * (1.0 + torch.erf(u * math.sqrt(0.5))),  # gelu(u) / u = Phi(u)
@@ -38,6 +40,8 @@ RATIOS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "relu": lambda u: (u > 0).to(u.dtype),
 }
 """Each activation's ``f(u) / u`` in closed form (no division: finite at 0)."""
+KINDS = ("attention", "norms", "activation")
+"""The kinds of coefficient the split holds at their values."""
 
 
 def split(encoder: PackedEncoder, p: Packing, states: torch.Tensor, grad: torch.Tensor, by_depth: bool = False
@@ -74,14 +78,63 @@ def split(encoder: PackedEncoder, p: Packing, states: torch.Tensor, grad: torch.
             bias = torch.cat([bias, bias.new_zeros(n_r, 1, T)], dim=1)  # [r m+1 T]
         else:
             dx = dx + grad[:, :, e].unsqueeze(1)  # [r 1 T d]
-    x0 = encoder.word(p.ids) + encoder.position(p.positions) + encoder.type0  # [T d] the input embeddings
+    x0 = input_embeddings(encoder, p)  # [T d]
     norm = encoder.norm
     bias = bias + (dx * norm.bias).sum(dim=-1, dtype=torch.float32)  # [r m T]
-    dx0 = _norm_adjoint(dx, norm.weight, _scale(x0, encoder.eps))  # [r m T d]
+    dx0 = _norm_adjoint(dx, norm.weight, norm_scale(x0, encoder.eps))  # [r m T d]
     credit = (dx0 * x0).sum(dim=-1, dtype=torch.float32)  # [r m T]
     if not by_depth:
         return credit[:, 0], bias[:, 0]  # [r T]
     return credit.flip(1), bias.flip(1)  # [r e T] depths in order
+
+
+@dataclass(frozen=True)
+class Coefficients:
+    """What the split holds of one layer on its input: the attention probabilities ``P [s, h, L, L]`` (query by key),
+    the norms' scales ``s1, s2 [T, 1]`` and the activation's ratios ``rho [T, f]``."""
+
+    P: torch.Tensor
+    s1: torch.Tensor
+    rho: torch.Tensor
+    s2: torch.Tensor
+
+
+def layer_forward(layer: PackedLayer, p: Packing, x: torch.Tensor, held: frozenset[str] = frozenset(KINDS)
+                  ) -> tuple[torch.Tensor, Coefficients]:
+    """``layer``'s output ``[T, d]`` on ``x [T, d]``, its attention written out, and its :class:`Coefficients`. Under
+    autograd the kinds of coefficient in ``held`` (of :data:`KINDS`) are detached, so that the output is affine in
+    ``x`` through them (all: the network the split decomposes); the values are the same whatever is held."""
+    d = x.shape[-1]
+    s, L = p.shape
+    h = layer.n_heads
+    c = d // h
+    qkv = F.linear(x, layer.W_qkv, layer.b_qkv)  # [T 3d]
+    padded = qkv.view(s, L, 3 * d) if p.to_padded is None else qkv[p.to_padded]  # [s L 3d]
+    q, k, v = padded.view(s, L, 3, h, c).permute(2, 0, 3, 1, 4).unbind(0)  # each [s h L c]
+    scores = q @ k.transpose(-1, -2) / math.sqrt(c)  # [s h L L]
+    if p.keep is not None:
+        scores = scores.masked_fill(~p.keep, float("-inf"))  # [s h L L]
+    P = scores.softmax(dim=-1)  # [s h L L] query by key
+    a = ((P.detach() if "attention" in held else P) @ v).transpose(1, 2).reshape(1, s * L, d)  # [1 sL d]
+    x1, s1 = layer_norm(x + layer.out(_from_padded(a, p)[0]), layer.norm1, layer.eps, "norms" in held)  # [T d], [T 1]
+    u = layer.up(x1)  # [T f]
+    rho = RATIOS[layer.act_name](u)  # [T f] f(u) / u
+    y = layer.down(u * rho.detach() if "activation" in held else layer.act(u))  # [T d]
+    x2, s2 = layer_norm(x1 + y, layer.norm2, layer.eps, "norms" in held)  # [T d], [T 1]
+    return x2, Coefficients(P, s1, rho, s2)
+
+
+def layer_norm(x: torch.Tensor, norm: torch.nn.LayerNorm, eps: float, held: bool = True
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``norm`` of ``x [T, d]`` written out, its scale detached where ``held``; and the scale ``[T, 1]``."""
+    scale = norm_scale(x, eps)  # [T 1]
+    out = (x - x.mean(dim=-1, keepdim=True)) * (scale.detach() if held else scale) * norm.weight + norm.bias  # [T d]
+    return out, scale
+
+
+def input_embeddings(encoder: PackedEncoder, p: Packing) -> torch.Tensor:
+    """``[T, d]`` each token's word + position + type embedding: the inputs the split credits."""
+    return encoder.word(p.ids) + encoder.position(p.positions) + encoder.type0  # [T d]
 
 
 def adjoint(layer: PackedLayer, p: Packing, x: torch.Tensor, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,45 +148,24 @@ def adjoint(layer: PackedLayer, p: Packing, x: torch.Tensor, dy: torch.Tensor) -
     s, L = p.shape
     h = layer.n_heads
     c = d // h
-    # the coefficients: the layer's forward pass on x, attention written out for its probabilities
-    qkv = F.linear(x, layer.W_qkv, layer.b_qkv)  # [T 3d]
-    padded = qkv.view(s, L, 3 * d) if p.to_padded is None else qkv[p.to_padded]  # [s L 3d]
-    q, k, v = padded.view(s, L, 3, h, c).permute(2, 0, 3, 1, 4).unbind(0)  # each [s h L c]
-    scores = q @ k.transpose(-1, -2) / math.sqrt(c)  # [s h L L]
-    if p.keep is not None:
-        scores = scores.masked_fill(~p.keep, float("-inf"))  # [s h L L]
-    P = scores.softmax(dim=-1)  # [s h L L] query by key
-    a = _from_padded(((P @ v).transpose(1, 2).reshape(1, s * L, d)), p)[0]  # [T d]
-    r1 = x + layer.out(a)  # [T d]
-    s1 = _scale(r1, layer.eps)  # [T 1]
-    x1 = (r1 - r1.mean(dim=-1, keepdim=True)) * s1 * layer.norm1.weight + layer.norm1.bias  # [T d]
-    u = layer.up(x1)  # [T f]
-    rho = RATIOS[layer.act_name](u)  # [T f] f(u) / u
-    r2 = x1 + layer.down(u * rho)  # [T d]
-    s2 = _scale(r2, layer.eps)  # [T 1]
+    _, k = layer_forward(layer, p, x)  # the coefficients
     # the adjoint, from the output down; each bias's part is <adjoint there, bias>
     W_v, b_v = layer.W_qkv[2 * d :], layer.b_qkv[2 * d :]  # [d d], [d]
     bias = _dot(dy, layer.norm2.bias)  # [r T]
-    dr2 = _norm_adjoint(dy, layer.norm2.weight, s2)  # [r T d]
+    dr2 = _norm_adjoint(dy, layer.norm2.weight, k.s2)  # [r T d]
     bias = bias + _dot(dr2, layer.down.bias)  # [r T]
-    du = (dr2 @ layer.down.weight) * rho  # [r T f]
+    du = (dr2 @ layer.down.weight) * k.rho  # [r T f]
     bias = bias + _dot(du, layer.up.bias)  # [r T]
     dx1 = dr2 + du @ layer.up.weight  # [r T d]
     bias = bias + _dot(dx1, layer.norm1.bias)  # [r T]
-    dr1 = _norm_adjoint(dx1, layer.norm1.weight, s1)  # [r T d]
+    dr1 = _norm_adjoint(dx1, layer.norm1.weight, k.s1)  # [r T d]
     bias = bias + _dot(dr1, layer.out.bias)  # [r T]
     da = dr1 @ layer.out.weight  # [r T d]
     da_p = _to_padded(da, p).view(-1, s, L, h, c).transpose(2, 3)  # [r s h L c] zero at empty slots
-    dv = (P.transpose(-1, -2) @ da_p).transpose(2, 3).reshape(-1, s * L, d)  # [r sL d] key by query
+    dv = (k.P.transpose(-1, -2) @ da_p).transpose(2, 3).reshape(-1, s * L, d)  # [r sL d] key by query
     dv = _from_padded(dv, p)  # [r T d]
     bias = bias + _dot(dv, b_v)  # [r T]
     return dr1 + dv @ W_v, bias  # [r T d], [r T]
-
-
-def _scale(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """``[..., 1]`` a layer norm's ``1 / sqrt(var + eps)`` over the last axis of ``x [..., d]``."""
-    centred = x - x.mean(dim=-1, keepdim=True)  # [...d]
-    return ((centred * centred).mean(dim=-1, keepdim=True) + eps).rsqrt()  # [...1]
 
 
 def _norm_adjoint(dy: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -179,8 +179,7 @@ class RoutingHead(nn.Module):
         g = g.masked_fill(out.absent[..., None, :, None], 0.0)  # [...tid] padding takes no part
         g = g.unflatten(-2, (-1, self.d_depth)) * self.W.unsqueeze(-3).unsqueeze(-4)  # [...tned] weights on normed
         # the per-depth norm, its scale held: normed = (hidden - mean_d hidden) * scale, self-adjoint in d
-        centred = hidden - hidden.mean(dim=-1, keepdim=True)  # [...ned]
-        scale = ((centred * centred).mean(dim=-1, keepdim=True) + NORM_EPS).rsqrt()  # [...ne1]
+        scale = credit.norm_scale(hidden, NORM_EPS)  # [...ne1]
         grad = (g - g.mean(dim=-1, keepdim=True)) * scale.unsqueeze(-4)  # [...tned]
         logit = torch.einsum("...tk,...k->...t", readout, out.scores)  # [...t]
         return Readout(grad=grad, baseline=baseline, logit=logit)

@@ -144,9 +144,15 @@ def _norm_scale(r: Routed) -> torch.Tensor | None:
     N = r.routing.N
     if not (r.routing.normalize and isinstance(N, torch.nn.LayerNorm)):
         return None
-    centred = r.x_out_raw - r.x_out_raw.mean(dim=-1, keepdim=True)  # [...jh]
-    var = (centred * centred).mean(dim=-1, keepdim=True)  # [...j1] (Tensor.var takes ~10x longer on a CPU)
-    return (var + N.eps).rsqrt()  # [...j1]
+    return norm_scale(r.x_out_raw, N.eps)  # [...j1]
+
+
+def norm_scale(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """``[..., 1]`` a layer norm's ``1 / sqrt(var + eps)`` over the last axis of ``x [..., h]`` (the scale that credit
+    holds at its value)."""
+    centred = x - x.mean(dim=-1, keepdim=True)  # [...h]
+    var = (centred * centred).mean(dim=-1, keepdim=True)  # [...1] (Tensor.var takes ~10x longer on a CPU)
+    return (var + eps).rsqrt()  # [...1]
 
 
 def _pull_back_norm(g: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
