@@ -35,7 +35,7 @@ from service.bench.report import echo, in_worker_thread
 from service.serving import render
 from service.serving.contract import CreditSpec
 from service.serving.engine import Engine, Result, Task
-from service.serving.schemas import TokenCredit
+from service.serving.schemas import PredictedExplanation, TokenCredit
 
 FRACTIONS = (0.01, 0.05, 0.10, 0.20)
 CURVE = tuple(k / 10 for k in range(11))  # deletion curve: 0%, 10%, ..., 100% of the tokens deleted
@@ -142,10 +142,10 @@ class LayerIG:
 def explained_tokens(engine: Engine, text: str, res: Result) -> list[TokenCredit]:
     """The non-special tokens of ``text``'s explained result with their credit, as the service answers them."""
     (encoding,) = engine.chunker.encode([text], engine.max_length(engine.default))
-    view = render.classify_result(res, engine.tokens(encoding)).explanation
+    view = render.classify_result(res, engine.tokens(encoding))["explanation"]
     if view is None:
         raise ValueError("the result carries no credit")
-    return view.tokens
+    return PredictedExplanation.model_validate(view).tokens
 
 
 def delete_tokens(text: str, offsets: Sequence[tuple[int, int]], positions: Sequence[int]) -> str:

@@ -37,7 +37,7 @@ from service.serving.contract import (
 from service.serving.errors import APIError
 from service.serving.lifecycle import Lifecycle
 from service.serving.planner import Planner, model_of
-from service.serving.schemas import ClassifyResult, ExplainResult
+from service.serving.render import Body
 from service.serving.stats import InferenceStats
 
 if TYPE_CHECKING:
@@ -371,9 +371,9 @@ class Inference:
 
     async def classify(self, models: Sequence[str], texts: list[str], explain: bool = False,
                        method: Method = "contribution", contrast: bool = True, timeout_s: float | None = None,
-                       gone: Gone | None = None) -> list[list[ClassifyResult]]:
+                       gone: Gone | None = None) -> list[list[Body]]:
         """Label and probabilities of each text on each model; with ``explain``, token credit of the predicted
-        label. Returns ``[model][text]``."""
+        label. Returns ``[model][text]`` bodies of :class:`~service.serving.schemas.ClassifyResult`."""
         await self.require(models, count=False)  # the route has brought them in (and counted)
         until = self.deadline(timeout_s)
         specs = [self.credit_spec(m, method=method, contrast=contrast) if explain else None for m in models]
@@ -384,9 +384,10 @@ class Inference:
 
     async def explain(self, models: Sequence[str], texts: list[str], target: Target = None,
                       method: Method = "contribution", contrast: bool = True, matrix: bool = False, phi: bool = False,
-                      timeout_s: float | None = None, gone: Gone | None = None) -> list[list[ExplainResult]]:
+                      timeout_s: float | None = None, gone: Gone | None = None) -> list[list[Body]]:
         """Credit per token, word, sentence and depth of the ``target`` label(s) of each text on each model
-        (with several models, ``target`` is ``"all"`` or None: each model's own labels). Returns ``[model][text]``."""
+        (with several models, ``target`` is ``"all"`` or None: each model's own labels). Returns ``[model][text]``
+        bodies of :class:`~service.serving.schemas.ExplainResult`."""
         if len(models) > 1 and target not in (None, "all"):
             raise APIError(422, "target: with several models only 'all' or none (the predicted label) applies to "
                                 "each; name labels with one model",

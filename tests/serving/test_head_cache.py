@@ -95,7 +95,8 @@ async def test_every_answer_is_its_heads_alone_and_the_budget_holds(state: AppSt
         await inf.require([name])
         (got,) = await inf.classify([name], TEXTS)
         for r, (label, scores) in zip(got, alone[name], strict=True):
-            assert r.label == label and max(abs(a - b) for a, b in zip(r.scores.values(), scores, strict=True)) <= 1e-5
+            assert r["label"] == label and max(abs(a - b) for a, b in zip(r["scores"].values(), scores,
+                                                                          strict=True)) <= 1e-5
         await settle(state)
         assert len(inf.models) <= 3 and NAMES[0] in inf.models  # the budget, the pinned head
     text = page(state)
@@ -116,7 +117,7 @@ async def test_heads_held_by_requests_in_flight_are_not_evicted(state: AppState,
     async def one(name: str) -> None:
         await inf.require([name])
         (got,) = await inf.classify([name], TEXTS[:1], explain=bool(rng.getrandbits(1)))
-        assert got[0].label == alone[name][0][0]
+        assert got[0]["label"] == alone[name][0][0]
 
     await asyncio.gather(*(one(n) for n in asked))
     await settle(state)
@@ -186,7 +187,7 @@ async def test_a_damaged_head_loaded_together_with_others_fails_alone(repo: Path
         async def ask(name: str) -> str | APIError:
             try:
                 await inf.require([name])
-                return (await inf.classify([name], TEXTS[:1]))[0][0].label
+                return (await inf.classify([name], TEXTS[:1]))[0][0]["label"]
             except APIError as e:
                 return e
 

@@ -136,13 +136,12 @@ async def test_the_pipeline_serves_several_models_as_each_alone(state: AppState)
     for m, per in zip(names, together, strict=True):
         (alone,) = await inf.classify([m], TEXTS, explain=True)
         for g, w in zip(per, alone, strict=True):
-            assert g.label == w.label and max(abs(g.scores[k] - w.scores[k]) for k in w.scores) <= 1e-5
-            assert g.explanation is not None and w.explanation is not None
-            assert [t.token for t in g.explanation.tokens] == [t.token for t in w.explanation.tokens]
-            assert max(abs(a.credit - b.credit) for a, b in zip(g.explanation.tokens, w.explanation.tokens,
-                                                                  strict=True)) <= 1e-5
+            assert g["label"] == w["label"] and max(abs(g["scores"][k] - w["scores"][k]) for k in w["scores"]) <= 1e-5
+            g_tokens, w_tokens = g["explanation"]["tokens"], w["explanation"]["tokens"]
+            assert [t["token"] for t in g_tokens] == [t["token"] for t in w_tokens]
+            assert max(abs(a["credit"] - b["credit"]) for a, b in zip(g_tokens, w_tokens, strict=True)) <= 1e-5
     explained = await inf.explain(["tiny", "tiny-b"], TEXTS[:2], target="all")
-    assert [r.targets for r in explained[1]] == [["alpha", "beta", "gamma", "delta"]] * 2
+    assert [r["targets"] for r in explained[1]] == [["alpha", "beta", "gamma", "delta"]] * 2
 
 
 async def test_the_pipeline_says_what_is_wrong(state: AppState) -> None:

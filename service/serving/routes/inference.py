@@ -1,5 +1,6 @@
 """``/v1`` classify and explain: for a named model, the default one, or several in one request. Envelopes
-only: the pipeline is ``service.serving.inference``."""
+only: the pipeline is ``service.serving.inference``. The bodies are plain values encoded by msgspec
+(:class:`~service.serving.render.JSONBody`); the response models each route declares document them."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from fastapi import APIRouter, Depends, Request
 
 from service.serving.errors import APIError
 from service.serving.inference import Gone
+from service.serving.render import Body, JSONBody
 from service.serving.routes.deps import State, require_json, require_key
 from service.serving.schemas import (
     ClassifyRequest,
@@ -49,58 +51,55 @@ def _several(state: AppState, names: list[str] | Literal["all"]) -> list[str]:
     return models
 
 
-async def classify(request: Request, state: AppState, models: list[str], body: ClassifyRequest
-                   ) -> list[ClassifyResponse]:
-    """Each model's classify response for ``body``."""
+async def classify(request: Request, state: AppState, models: list[str], body: ClassifyRequest) -> list[Body]:
+    """Each model's classify response for ``body`` (a :class:`ClassifyResponse`'s body)."""
     await state.inference.require(models)
     results = await state.inference.classify(models, body.inputs, body.explain, body.method, body.contrast,
                                              body.timeout_s, client_gone(request))
-    return [ClassifyResponse(model=m, results=r) for m, r in zip(models, results, strict=True)]
+    return [{"model": m, "results": r} for m, r in zip(models, results, strict=True)]
 
 
-async def explain(request: Request, state: AppState, models: list[str], body: ExplainRequest) -> list[ExplainResponse]:
-    """Each model's explain response for ``body``."""
+async def explain(request: Request, state: AppState, models: list[str], body: ExplainRequest) -> list[Body]:
+    """Each model's explain response for ``body`` (an :class:`ExplainResponse`'s body)."""
     inf = state.inference
     await inf.require(models)
     labels = [inf.labels(m) for m in models]
     results = await inf.explain(models, body.inputs, body.target, body.method, body.contrast, body.include_matrix,
                                 body.include_phi, body.timeout_s, client_gone(request))
-    return [ExplainResponse(model=m, labels=ls, results=r) for m, ls, r in zip(models, labels, results, strict=True)]
+    return [{"model": m, "labels": ls, "results": r} for m, ls, r in zip(models, labels, results, strict=True)]
 
 
 @router.post("/models/{model}/classify", response_model=ClassifyResponse, summary="Classify texts")
-async def classify_model(request: Request, state: State, model: str, body: ClassifyRequest) -> ClassifyResponse:
+async def classify_model(request: Request, state: State, model: str, body: ClassifyRequest) -> JSONBody:
     """Predicted label and probabilities per text; with `explain`, token credit for the predicted label."""
     _one_model(body)
-    return (await classify(request, state, [model], body))[0]
+    return JSONBody((await classify(request, state, [model], body))[0])
 
 
 @router.post("/models/{model}/explain", response_model=ExplainResponse, summary="Credit assignments")
-async def explain_model(request: Request, state: State, model: str, body: ExplainRequest) -> ExplainResponse:
+async def explain_model(request: Request, state: State, model: str, body: ExplainRequest) -> JSONBody:
     """Credit per token, word, sentence and depth for the target label(s): by default each token's exact
     contribution to the (contrast) logit through the head, with the baseline it sums to the logit with."""
     _one_model(body)
-    return (await explain(request, state, [model], body))[0]
+    return JSONBody((await explain(request, state, [model], body))[0])
 
 
 @router.post("/classify", response_model=ClassifyResponse | MultiClassifyResponse,
              summary="Classify with the default model, or several")
-async def classify_default(request: Request, state: State, body: ClassifyRequest
-                           ) -> ClassifyResponse | MultiClassifyResponse:
+async def classify_default(request: Request, state: State, body: ClassifyRequest) -> JSONBody:
     """The default model's answer; with `models`, each named model's (or every loaded one's, `"all"`), the
     texts encoded once for the models on one backbone."""
     if body.models is None:
-        return (await classify(request, state, [state.default()], body))[0]
+        return JSONBody((await classify(request, state, [state.default()], body))[0])
     models = _several(state, body.models)
-    return MultiClassifyResponse(models=models, responses=await classify(request, state, models, body))
+    return JSONBody({"models": models, "responses": await classify(request, state, models, body)})
 
 
 @router.post("/explain", response_model=ExplainResponse | MultiExplainResponse,
              summary="Explain with the default model, or several")
-async def explain_default(request: Request, state: State, body: ExplainRequest
-                          ) -> ExplainResponse | MultiExplainResponse:
+async def explain_default(request: Request, state: State, body: ExplainRequest) -> JSONBody:
     """The default model's credit; with `models`, each named model's (`target`: `"all"` or none, for each)."""
     if body.models is None:
-        return (await explain(request, state, [state.default()], body))[0]
+        return JSONBody((await explain(request, state, [state.default()], body))[0])
     models = _several(state, body.models)
-    return MultiExplainResponse(models=models, responses=await explain(request, state, models, body))
+    return JSONBody({"models": models, "responses": await explain(request, state, models, body)})

@@ -9,6 +9,7 @@ from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat
 
 from service.serving.errors import APIError, not_allowed
+from service.serving.render import JSONBody
 from service.serving.routes import inference
 from service.serving.routes.deps import State, require_json, require_key
 from service.serving.schemas import ClassifyRequest, CreditOptions, ExplainRequest, ExplainResult, Labels, NonBlank
@@ -56,22 +57,21 @@ class ExplainInstancesResponse(BaseModel):
 
 
 @router.post("/models/{model}:predict", response_model=PredictResponse, summary="KServe V1 predict")
-async def predict(request: Request, state: State, model: str, body: PredictRequest) -> PredictResponse:
+async def predict(request: Request, state: State, model: str, body: PredictRequest) -> JSONBody:
     """The same as `/v1/models/{model}/classify` (without credit), in KServe V1's envelope."""
     (res,) = await inference.classify(request, state, [model], ClassifyRequest(inputs=body.texts(),
                                                                               timeout_s=body.timeout_s))
-    return PredictResponse(predictions=[Prediction(label=r.label, score=r.score, scores=r.scores)
-                                        for r in res.results])
+    return JSONBody({"predictions": [{"label": r["label"], "score": r["score"], "scores": r["scores"]}
+                                     for r in res["results"]]})
 
 
 @router.post("/models/{model}:explain", response_model=ExplainInstancesResponse, summary="KServe V1 explain")
-async def explain(request: Request, state: State, model: str, body: ExplainInstancesRequest
-                  ) -> ExplainInstancesResponse:
+async def explain(request: Request, state: State, model: str, body: ExplainInstancesRequest) -> JSONBody:
     """The same as `/v1/models/{model}/explain`, in KServe V1's envelope."""
     req = ExplainRequest(inputs=body.texts(), timeout_s=body.timeout_s, target=body.target, method=body.method,
                          contrast=body.contrast)
     (res,) = await inference.explain(request, state, [model], req)
-    return ExplainInstancesResponse(explanations=res.results)
+    return JSONBody({"explanations": res["results"]})
 
 
 @verbs.api_route("/models/{model}:{verb}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"])

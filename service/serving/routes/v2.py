@@ -23,6 +23,7 @@ from service import __version__
 from service.serving.contract import METHODS, SPLITS, CreditSpec
 from service.serving.errors import APIError
 from service.serving.inference import Gone, Inference, Scored
+from service.serving.render import JSONBody
 from service.serving.routes.deps import State, require_key
 from service.serving.routes.inference import client_gone
 
@@ -154,7 +155,7 @@ _INFER_DOC = {"requestBody": {"required": True, "content": {"application/json": 
              openapi_extra=_INFER_DOC)
 @models.post("/models/{model}/versions/{version}/infer", response_model=InferResponse, summary="Inference",
              include_in_schema=False)
-async def infer(request: Request, state: State, model: str, version: str = "1") -> InferResponse:
+async def infer(request: Request, state: State, model: str, version: str = "1") -> JSONBody:
     inf = state.inference
     inf.check_name(model)
     check_version(version)
@@ -163,7 +164,8 @@ async def infer(request: Request, state: State, model: str, version: str = "1") 
     texts = _texts(body.inputs[0], binary)
     wanted = [o.name for o in body.outputs] if body.outputs else None
     outputs = await infer_tensors(inf, model, texts, body.parameters or {}, wanted, client_gone(request))
-    return InferResponse(model_name=model, id=body.id, outputs=outputs)
+    return JSONBody({"model_name": model, "model_version": "1", "id": body.id,
+                     "outputs": [o.model_dump() for o in outputs]})  # an InferResponse's body
 
 
 async def infer_tensors(inf: Inference, model: str, texts: list[str], params: dict[str, Any],
