@@ -103,6 +103,8 @@ def serve(
                                                        help="Compute each model in a process of its own")] = None,
     model_replicas: Annotated[int | None, typer.Option(help="Processes per model (threads: usable CPUs shared "
                                                             "among them)")] = None,
+    workers: Annotated[int | None, typer.Option(help="Front processes on one port over one engine host (HTTP, "
+                                                     "gRPC, tokenizing)")] = None,
 ) -> None:
     """Start the HTTP service (options override ROUTING_* environment variables)."""
     from pydantic import ValidationError
@@ -113,7 +115,8 @@ def serve(
     given = {"model_repository": model_repository, "models": models, "default_model": default_model, "host": host,
              "port": port, "device": device, "dtype": dtype, "max_batch_size": max_batch_size,
              "max_wait_ms": max_wait_ms, "log_json": log_json, "torch_threads": torch_threads,
-             "omp_wait_policy": omp_wait_policy, "model_process": model_process, "model_replicas": model_replicas}
+             "omp_wait_policy": omp_wait_policy, "model_process": model_process, "model_replicas": model_replicas,
+             "workers": workers}
     try:
         settings = Settings(**{k: v for k, v in given.items() if v is not None})
     except ValidationError as e:  # an option or ROUTING_* variable out of range: say which, no traceback
@@ -121,6 +124,10 @@ def serve(
                              for err in e.errors())
         raise typer.BadParameter(problems) from None
     set_openmp(settings.omp_wait_policy, settings.omp_spin_count)  # before torch loads, or it has no effect
+    if settings.workers > 1:  # the supervisor of several fronts: no HTTP stack in this process
+        from service.serving import supervisor
+
+        supervisor.serve(settings)
 
     from service.serving.server import run_server
 

@@ -78,6 +78,8 @@ class Settings(BaseSettings):
                                 "(needs model_process; torch threads default to the usable CPUs shared among them). "
                                 "On small CPUs two processes of one thread served more than one of two threads; "
                                 "each holds a copy of the model")
+    workers: int = Field(1, ge=1, le=64, description="Front processes on one port (HTTP and gRPC), each validating, "
+                         "tokenizing and rendering, over one engine host that batches every front's texts")
     omp_wait_policy: Literal["active", "passive"] | None = Field(
         None, description="How idle OpenMP threads wait (OMP_WAIT_POLICY; default: the runtime's own, a short "
         "spin then sleep); applies when set before torch loads, as `routing-service serve` does")
@@ -122,6 +124,13 @@ class Settings(BaseSettings):
     def _replicas_need_processes(self) -> Settings:
         if self.model_replicas > 1 and not self.model_process:
             raise ValueError("model_replicas > 1 needs model_process (replicas are processes)")
+        return self
+
+    @model_validator(mode="after")
+    def _fronts_serve_a_fixed_set(self) -> Settings:
+        if self.workers > 1 and (self.model_control != "none" or self.head_cache_bytes is not None):
+            raise ValueError("workers > 1 serves the models loaded at start: model_control=none and no head cache "
+                             "(loading models at runtime with several fronts is not built yet)")
         return self
 
     @model_validator(mode="after")

@@ -192,28 +192,55 @@ class LocalServer(ServerProcess):
         env.update({f"ROUTING_{k.upper()}": str(v) for k, v in settings.items()})
         if checkout is not None:  # ``-m`` finds the package in the working folder first
             env["PYTHONPATH"] = str(checkout.resolve())
+        self.fronts = int(str(settings.get("workers", 1)))
         super().__init__(log_dir, [*(wrap or []), sys.executable, "-m", "service", "serve"], env, "server", port,
                          cwd=checkout)
 
     def cpu(self) -> dict[str, float] | None:
-        """CPU seconds used so far by the server's process (HTTP, tokenizer, batcher) and by its children
-        (the models' processes, running or exited); None where ``/proc`` cannot be read."""
+        """CPU seconds used so far by the server's processes (HTTP, tokenizer, batcher: with several fronts, the
+        supervisor, the fronts and the engine host) and by the backbones' processes (running, or exited and started
+        again); None where ``/proc`` cannot be read."""
         server, exited = cpu_seconds(self.proc.pid), cpu_seconds(self.proc.pid, exited_children=True)
         if server is None or exited is None:
             return None
-        running = [cpu_seconds(k) for k in children(self.proc.pid)]
-        # a model's process that exited and was started again keeps counting through ``exited``
-        return {"server": server, "models": exited + sum(c for c in running if c is not None)}
+        models = 0.0 if self.fronts > 1 else exited  # the supervisor's exited children are fronts started again
+        server += 0.0 if self.fronts == 1 else exited
+        for pid in descendants(self.proc.pid):
+            own, gone = cpu_seconds(pid), cpu_seconds(pid, exited_children=True)
+            if own is None or gone is None:
+                continue  # it exited meanwhile
+            if is_backbone_process(pid):
+                models += own
+            else:
+                server += own
+                models += gone  # the engine host's exited children: backbones' processes
+        return {"server": server, "models": models}
 
     def pss(self) -> dict[str, float] | None:
-        """Proportional set size (bytes) of the server's process and of its children (the backbones'
-        processes) now: shared pages count once over them (Linux ``smaps_rollup``; None where unreadable)."""
+        """Proportional set size (bytes) of the server's processes (with several fronts: the supervisor, the fronts
+        and the engine host) and of the backbones' processes now: shared pages count once over them (Linux
+        ``smaps_rollup``; None where unreadable)."""
         server = pss_bytes(self.proc.pid)
-        kids = [pss_bytes(k) for k in children(self.proc.pid)]
-        if server is None or None in kids:
+        if server is None:
             return None
-        return {"server": server, "backbones": sum(k for k in kids if k is not None)}
+        backbones = 0.0
+        for pid in descendants(self.proc.pid):
+            size = pss_bytes(pid)
+            if size is None:
+                return None
+            if is_backbone_process(pid):
+                backbones += size
+            else:
+                server += size
+        return {"server": server, "backbones": backbones}
 
+
+def is_backbone_process(pid: int) -> bool:
+    """Whether process ``pid`` computes a backbone (``service.serving.worker``'s main)."""
+    try:
+        return b"service.serving.worker" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
 
 
 PEERS = {"mosec": ("service.bench.peers.mosec_server", "/inference", "/"),

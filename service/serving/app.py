@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
@@ -23,8 +24,9 @@ CORS_HEADERS = ["Authorization", "Content-Type", "X-Request-ID", "traceparent", 
 """The request headers a page on an allowed origin may send: a key, a JSON body, its own request id, its trace."""
 
 
-def create_app(settings: Settings | None = None) -> FastAPI:
-    """Build the app; models load in the background once it starts (see /readyz)."""
+def create_app(settings: Settings | None = None, host: Path | None = None) -> FastAPI:
+    """Build the app; models load in the background once it starts (see /readyz). ``host``: the engine host's
+    socket, for a front of several (see :mod:`service.serving.fronts`): its models are served there."""
     settings = settings or Settings()
     metrics = Metrics(lambda: app.state.app_state.device_memory(),  # both read at scrape time
                       lambda: app.state.app_state.backbone_processes())
@@ -35,6 +37,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         tracing.configure()  # before the models load: their batches' observers are traced from the start
         loader = asyncio.create_task(state.load())
         app.state.loader = loader
+        if state.host is not None:  # a front of several: it listens once it serves (its models are the host's)
+            await loader
+            if state.lifecycle.failed:
+                raise RuntimeError(f"the engine host's models cannot be served here: {state.lifecycle.error}")
         try:
             async with grpc_service.serving(state):
                 yield
@@ -50,7 +56,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app = FastAPI(title="routing-service", version=__version__, lifespan=lifespan,
                   description="Text classification with routing heads (Heinsen 2022) and end-to-end credit "
                               "assignment: which tokens, at which depth, earned each class score.")
-    app.state.app_state = AppState(settings=settings, metrics=metrics)
+    app.state.app_state = AppState(settings=settings, metrics=metrics, host=host)
     app.state.metrics = metrics
     errors.install(app)
     app.include_router(inference.router)

@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import time
 from collections import Counter as Tally
 from collections.abc import Callable, Iterable, Sequence
 from typing import ClassVar
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 from service.config import OTHER_MODELS
@@ -33,6 +35,8 @@ DeviceMemory = Callable[[], Iterable[dict[str, float | str]]]
 BackboneProcesses = Callable[[], Iterable[tuple[str, float, int]]]  # (backbone, resident bytes, restarts)
 
 CHUNK = "(a text, or max_length tokens of a longer one)"
+MULTIPROCESS = "PROMETHEUS_MULTIPROC_DIR" in os.environ
+"""Several processes serve (``ROUTING_WORKERS`` > 1: the supervisor sets the folder where each writes its series)."""
 
 class _DeviceMemoryCollector(Collector):
     """CUDA memory per device, read at scrape time from a callable the engine supplies."""
@@ -134,7 +138,8 @@ class Metrics:
                                 ["endpoint", "status"], registry=r)
         self.request_duration = Histogram("routing_request_duration_seconds", "HTTP request duration",
                                           ["endpoint"], buckets=LATENCY_BUCKETS, registry=r)
-        self.in_flight = Gauge("routing_requests_in_flight", "HTTP requests being handled", registry=r)
+        self.in_flight = Gauge("routing_requests_in_flight", "HTTP requests being handled", registry=r,
+                               multiprocess_mode="livesum")
         self.queue_wait = Histogram("routing_queue_wait_seconds", f"Time a chunk {CHUNK} waited in the queue",
                                     ["model"], buckets=LATENCY_BUCKETS, registry=r)
         self.batch_seconds = Histogram("routing_batch_compute_seconds", "Time in the backbone and its heads per "
@@ -145,7 +150,7 @@ class Metrics:
                                       "ROUTING_MAX_BATCH_TOKENS limits; the encoder packs them, no padding)",
                                       ["backbone"], buckets=TOKEN_BUCKETS, registry=r)
         self.queue_depth = Gauge("routing_queue_depth", f"Chunks {CHUNK} waiting in a backbone's queue",
-                                 ["backbone"], registry=r)
+                                 ["backbone"], registry=r, multiprocess_mode="livesum")
         self.texts = Counter("routing_texts_processed_total", "Texts answered by the model (every chunk encoded, "
                              "head computed)", ["model"], registry=r)
         self.tokens = Counter("routing_tokens_processed_total", "Real tokens run through the backbone for the model "
@@ -155,18 +160,19 @@ class Metrics:
         self.dropped = Counter("routing_dropped_texts_total", "Queued texts dropped before compute, by reason",
                                ["model", "reason"], registry=r)
         self.model_load = Gauge("routing_model_load_seconds", "Time to load and warm up a model", ["model"],
-                                registry=r)
+                                registry=r, multiprocess_mode="livemax")
         self.model_info = Gauge("routing_model_info", "Loaded models (value 1)",
-                                ["model", "backbone", "device", "dtype"], registry=r)
+                                ["model", "backbone", "device", "dtype"], registry=r, multiprocess_mode="livemax")
         self.model_loads = Counter("routing_model_loads_total", "Loads and reloads of a model at runtime, by outcome",
                                    ["model", "outcome"], registry=r)
         self.model_unloads = Counter("routing_model_unloads_total", "Unloads of a model at runtime", ["model"],
                                      registry=r)
         self.model_weight_bytes = Gauge("routing_model_weight_bytes", "Bytes of a loaded model's head weights",
-                                        ["model"], registry=r)
-        self.head_cache_heads = Gauge("routing_head_cache_resident_heads", "Heads in memory (head cache)", registry=r)
+                                        ["model"], registry=r, multiprocess_mode="livemax")
+        self.head_cache_heads = Gauge("routing_head_cache_resident_heads", "Heads in memory (head cache)", registry=r,
+                                      multiprocess_mode="livesum")
         self.head_cache_bytes = Gauge("routing_head_cache_resident_bytes", "Bytes of head weights in memory (head "
-                                      "cache)", registry=r)
+                                      "cache)", registry=r, multiprocess_mode="livesum")
         self.head_cache_hits = Counter("routing_head_cache_hits_total", "Models a request named that were in memory",
                                        registry=r)
         self.head_cache_misses = Counter("routing_head_cache_misses_total", "Models a request named that had to be "
@@ -181,6 +187,17 @@ class Metrics:
         self._labelled: frozenset[str] | None = None  # models with a model label of their own (None: every model)
         for reason in FAILURE_REASONS:
             self.failures.labels(reason)  # export zeros so dashboards and alerts see every series
+
+    def exposition(self) -> bytes:
+        """The ``/metrics`` page. In a server of several processes (fronts and an engine host, each writing its
+        series under ``PROMETHEUS_MULTIPROC_DIR``): every process's series merged, counters and histograms summed,
+        the in-flight and queue gauges summed over the live processes, the models' gauges their largest value;
+        the per-process collectors (CPU, memory, garbage collector, CUDA memory) are not merged there yet."""
+        if not MULTIPROCESS:
+            return generate_latest(self.registry)
+        merged = CollectorRegistry()
+        MultiProcessCollector(merged)
+        return generate_latest(merged)
 
     def label_models(self, names: Iterable[str] | None) -> None:
         """From now on only the models ``names`` (None: every model) have series of their own; every other model's

@@ -4,18 +4,20 @@ SIGTERM, exit codes (1: the models could not be loaded; 3: the address cannot be
 from __future__ import annotations
 
 import asyncio
-import errno
 import gc
 import logging
 import socket
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import uvicorn
+from fastapi import FastAPI
 
 from service.config import Settings
 from service.serving.app import create_app
+from service.serving.listen import CANNOT_LISTEN, check_ports, front_socket
 from service.serving.logs import setup_logging
 from service.serving.metrics import freeze_garbage_collection
 from service.serving.protocol import HttpLimits, guarded_protocol
@@ -23,24 +25,6 @@ from service.serving.state import AppState
 
 log = logging.getLogger("service.http")
 WRITE_GRACE_S = 2  # after the drain: time for handlers to write their last answers
-CANNOT_LISTEN = 3  # exit code when the address cannot be bound (uvicorn's own for a failed start)
-
-
-def check_address(host: str, port: int) -> None:
-    """Bind every address ``host:port`` resolves to, as uvicorn binds them (address reuse on; IPv6 only on IPv6
-    sockets), and let them go: a port in use, or a host that is not this machine's, fails at once with a message
-    that says what to change, instead of after the models have loaded. (uvicorn binds them again when it starts.)
-
-    Raises:
-        OSError: an address cannot be bound, or the host cannot be resolved (its ``strerror`` says why).
-    """
-    for family, kind, proto, _, address in set(socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                                  flags=socket.AI_PASSIVE)):
-        with socket.socket(family, kind, proto) as sock:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            if family == socket.AF_INET6:
-                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-            sock.bind(address)
 
 
 class DrainingServer(uvicorn.Server):
@@ -101,24 +85,33 @@ def tune_garbage_collector() -> None:
 
 
 def run_server(settings: Settings) -> None:
-    """Serve until SIGTERM; exit 1 if the models could not be loaded, 3 if the address cannot be bound."""
+    """Serve until SIGTERM; exit 1 if the models could not be loaded, 3 if the address cannot be bound (with several
+    fronts, see :mod:`service.serving.supervisor`)."""
+    if settings.workers > 1:
+        from service.serving import supervisor
+
+        supervisor.serve(settings)
+    setup_logging(settings)
+    check_ports(settings)
+    if _serve(settings, create_app(settings)):
+        sys.exit(1)
+
+
+def run_front(settings: Settings, k: int, host: Path) -> int:
+    """Front ``k`` of several: the app over the engine host at ``host``, on a socket shared with the other fronts;
+    the exit code (1: the host's models cannot be served here; 3: the address cannot be listened on)."""
     setup_logging(settings)
     try:
-        check_address(settings.host, settings.port)
+        sock = front_socket(settings.host, settings.port)
     except OSError as e:
-        log.error("cannot listen on %s:%d: %s (%sROUTING_PORT or --port sets the port, ROUTING_HOST or --host the "
-                  "address)", settings.host, settings.port, e.strerror or e,
-                  "another server listens there; " if e.errno == errno.EADDRINUSE else "")
-        sys.exit(CANNOT_LISTEN)
-    if settings.grpc_port:
-        try:
-            check_address(settings.host, settings.grpc_port)
-        except OSError as e:
-            log.error("cannot listen for gRPC on %s:%d: %s (%sROUTING_GRPC_PORT sets the port, 0 turns gRPC off)",
-                      settings.host, settings.grpc_port, e.strerror or e,
-                      "another server listens there; " if e.errno == errno.EADDRINUSE else "")
-            sys.exit(CANNOT_LISTEN)
-    app = create_app(settings)
+        log.error("front %d cannot listen on %s:%d: %s", k, settings.host, settings.port, e.strerror or e)
+        return CANNOT_LISTEN
+    return 1 if _serve(settings, create_app(settings, host=host), sock) else 0
+
+
+def _serve(settings: Settings, app: FastAPI, sock: socket.socket | None = None) -> bool:
+    """Serve ``app`` until SIGTERM (on ``sock`` when given, else on the settings' address); True if its models could
+    not be loaded."""
     state: AppState = app.state.app_state
     limits = HttpLimits(max_headers=settings.max_headers, max_header_bytes=settings.max_header_bytes,
                         header_timeout_s=settings.header_timeout_s)
@@ -138,7 +131,7 @@ def run_server(settings: Settings) -> None:
                 tune_garbage_collector()
 
         watcher = asyncio.create_task(after_loading())
-        await server.serve()
+        await server.serve(sockets=[sock] if sock is not None else None)
         watcher.cancel()
 
     # uvicorn's loop choice (uvloop where installed: less CPU per request, left to the model's threads)
@@ -146,4 +139,5 @@ def run_server(settings: Settings) -> None:
         runner.run(main())
     if state.lifecycle.failed:
         log.error("exiting: %s", state.lifecycle.error)
-        sys.exit(1)
+        return True
+    return False

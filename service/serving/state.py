@@ -25,6 +25,7 @@ from service.serving.planner import Planner, backbone_key, model_of
 from service.serving.worker import BackboneProcess, Launches, Replicas
 
 if TYPE_CHECKING:
+    from service.serving.fronts import HostLink
     from service.serving.inference import Backbone, Inference
 
 log = logging.getLogger("service.state")
@@ -71,6 +72,9 @@ class AppState:
     control: ModelControl = field(init=False)
     cache: HeadCache | None = field(init=False)
     launches: Launches = field(default_factory=Launches)  # backbone processes loading (stopped on close)
+    host: Path | None = None
+    """The engine host's socket when this is one of several fronts (its models are served there), else None."""
+    link: HostLink | None = field(default=None, init=False)
     default_model: str | None = field(init=False)
     """The model behind /v1/classify and /v1/explain (see :func:`default_model_at_start`); None while no model has
     served yet in a server started without any."""
@@ -115,6 +119,8 @@ class AppState:
     async def load(self) -> None:
         """Load, warm up and start every backbone group; on failure record why (the server then exits)."""
         s = self.settings
+        if self.host is not None:
+            return await self._connect()
         try:
             if not s.model_process:  # torch computes in this process (else each backbone's process sets its own)
                 from service.threads import set_torch_threads
@@ -149,6 +155,33 @@ class AppState:
                 return
             self.lifecycle.fail(f"{type(e).__name__}: {e}")
             log.error("model loading failed: %s", self.lifecycle.error)
+
+    async def _connect(self) -> None:
+        """A front of several: serve what the engine host serves (tokenizers and manifests here, its weights and
+        batchers there); on failure record why (the front then exits)."""
+        from service.serving.fronts import HostLink, RemoteBatcher, RemotePlanner
+        from service.serving.inference import Backbone
+
+        assert self.host is not None
+        try:
+            self.link = await HostLink.connect(self.host, os.getpid())
+            loop = asyncio.get_running_loop()
+            names = [model_of(key) for info in self.link.models.backbones for key in info.folders]
+            chosen = self.settings.metrics_models
+            self.metrics.label_models(None if chosen == ["all"] else names if chosen == ["pinned"] else chosen)
+            for info in self.link.models.backbones:
+                planner = await loop.run_in_executor(None, RemotePlanner, info)
+                backbone = Backbone(planner, RemoteBatcher(self.link, info.name))  # type: ignore[arg-type]
+                self.inference.add(backbone)
+                for key in planner.models:
+                    self.published(backbone, model_of(key), Path(info.folders[key]),
+                                   float(info.descriptions[key].get("load_seconds", 0.0)))
+            if self.link.models.default_model is not None:
+                self.default_model = self.link.models.default_model
+            self.lifecycle.loaded()
+        except Exception as e:
+            self.lifecycle.fail(f"{type(e).__name__}: {e}")
+            log.error("the engine host's models could not be served: %s", self.lifecycle.error)
 
     async def start_backbone(self, folders: list[Path], keys: list[str] | None = None) -> Backbone:
         """Load the models of ``folders`` (naming one backbone) on a new backbone group, each head under its key
@@ -257,4 +290,6 @@ class AppState:
             await backbone.batcher.stop(timeout_s)
         loop = asyncio.get_running_loop()  # side by side: each backbone's process exits on its own time
         await asyncio.gather(*(loop.run_in_executor(None, b.engine.close) for b in backbones))
+        if self.link is not None:
+            await self.link.close()
         self.lifecycle.stop()

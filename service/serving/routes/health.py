@@ -6,7 +6,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Header, Response
 from fastapi.responses import JSONResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from service.serving.errors import retry_after
 from service.serving.routes.deps import State, check_key
@@ -35,4 +35,4 @@ async def metrics(state: State, authorization: Annotated[str | None, Header(incl
                   ) -> Response:
     if state.settings.protect_metrics:
         check_key(state, authorization)
-    return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    return Response(state.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,121 @@
+"""The supervisor of a server of several fronts (``ROUTING_WORKERS`` > 1): the ``routing-service serve`` process
+itself, which serves nothing (it imports neither torch nor the HTTP stack).
+
+::
+
+    supervisor (routing-service serve)
+      ├── engine host (service.serving.host): the models, one batcher per backbone, the backbones' processes
+      └── front 0 .. N-1 (service.serving.fronts): HTTP and gRPC on the same ports (SO_REUSEPORT: the kernel
+          spreads the connections), each validating, tokenizing and rendering, sending typed messages to the host
+
+It starts the host, waits until its models are loaded, starts the fronts, and starts again a front that exits
+while the server runs (one that cannot serve the host's models or listen stops the server: it would again). On
+SIGTERM (or Ctrl-C) every front drains (new requests 503, accepted ones answered) and exits; then the host, which
+has answered them all, exits too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+from prometheus_client import multiprocess
+
+from service.config import Settings
+from service.serving.listen import check_ports
+from service.serving.logs import setup_logging
+
+log = logging.getLogger("service.supervisor")
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """In a child, before it runs: SIGTERM it when the supervisor exits, however it exits (Linux's
+    ``PR_SET_PDEATHSIG``; nothing elsewhere): no front or host is left serving on its own."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def _child(module: str, args: list[str], settings: Settings, env: dict[str, str], stdout: int | None = None
+           ) -> subprocess.Popen[bytes]:
+    """A fresh interpreter running ``module`` with ``args``, the server's settings as JSON on its standard input."""
+    # a session of its own: Ctrl-C reaches the supervisor alone, which stops the children once, in order
+    proc = subprocess.Popen([sys.executable, "-m", module, *args], stdin=subprocess.PIPE, stdout=stdout, env=env,
+                            start_new_session=True, preexec_fn=_die_with_parent)
+    assert proc.stdin is not None
+    proc.stdin.write(settings.model_dump_json(exclude_unset=True).encode())  # what was set stays set (only that)
+    proc.stdin.close()
+    return proc
+
+
+def run_supervisor(settings: Settings) -> int:
+    """Serve with ``settings.workers`` fronts over one engine host until SIGTERM or Ctrl-C; the exit code (1: the
+    models could not be loaded; 3: a front could not listen)."""
+    folder = Path(tempfile.mkdtemp(prefix="routing-"))
+    path = folder / "host.sock"
+    (folder / "metrics").mkdir()  # each process's series, merged by whichever front answers /metrics
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(folder / "metrics")}
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    host = _child("service.serving.host", [str(path)], settings, env, stdout=subprocess.PIPE)
+    assert host.stdout is not None
+    line = host.stdout.readline().decode().strip()  # "ready" once the models are loaded
+    if line != "ready":
+        log.error("exiting: %s", line.removeprefix("failed: ") or f"the engine host exited (code {host.wait()})")
+        host.wait()
+        return 1
+    fronts = {k: _child("service.serving.fronts", [str(k), str(path)], settings, env) for k in range(settings.workers)}
+    log.info("%d fronts (processes %s) over the engine host (process %d) on %s:%d", settings.workers,
+             [p.pid for p in fronts.values()], host.pid, settings.host, settings.port)
+    code = 0
+    while not stop.wait(0.2):
+        if host.poll() is not None:
+            log.error("the engine host exited (code %s): stopping the fronts", host.returncode)
+            code = 1
+            break
+        for k, proc in fronts.items():
+            if proc.poll() is not None:
+                if proc.returncode in (1, 3):  # it cannot serve the host's models, or listen: it would again
+                    log.error("front %d exited (code %d): stopping", k, proc.returncode)
+                    stop.set()
+                    code = proc.returncode
+                    break
+                log.error("front %d exited (code %s): starting it again", k, proc.returncode)
+                multiprocess.mark_process_dead(proc.pid, str(folder / "metrics"))  # its gauges go; counters stay
+                fronts[k] = _child("service.serving.fronts", [str(k), str(path)], settings, env)
+    # every front drains (new requests 503, accepted ones answered) and exits; the host answers what they sent, its
+    # batches going without waiting to fill, and exits once they are all gone
+    for proc in [*fronts.values(), host]:
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGTERM)
+    for proc in fronts.values():
+        try:
+            proc.wait(settings.drain_timeout_s + 10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    try:
+        host.wait(settings.drain_timeout_s + 10)
+    except subprocess.TimeoutExpired:
+        host.kill()
+        host.wait()
+    shutil.rmtree(folder, ignore_errors=True)
+    log.info("stopped")
+    return code
+
+
+def serve(settings: Settings) -> None:
+    """``routing-service serve`` with several fronts: exits with :func:`run_supervisor`'s code."""
+    setup_logging(settings)
+    check_ports(settings)
+    sys.exit(run_supervisor(settings))

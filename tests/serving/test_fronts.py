@@ -1,0 +1,201 @@
+"""Several fronts over one engine host (ROUTING_WORKERS=2), against the one-front server side by side: the same
+answers on every protocol, one backbone process, one queue, metrics of the whole server whichever front answers,
+a drain that loses no accepted request, a front that dies started again."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import tritonclient.grpc as triton
+from pydantic import ValidationError
+
+from service.bench.server import descendants, is_backbone_process
+from service.config import Settings
+from tests.serving.server import Server, in_flight, metric, side_by_side
+
+TEXTS = ["a short text", "another text that is somewhat longer than the first one", "x"]
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, Server]]:
+    """The tiny model served by one front, and by two fronts over an engine host, started together."""
+    common = {"model_repository": tiny_repo, "default_model": "tiny", "max_wait_ms": 20}
+    one, two = side_by_side(tmp_path_factory.mktemp("logs-fronts"), common, {**common, "workers": 2})
+    yield one, two
+    codes = [s.stop() for s in (one, two)]
+    assert codes == [0, 0], [s.log_path.read_text()[-3000:] for s in (one, two)]
+
+
+def fronts(server: Server) -> list[int]:
+    """The front processes of a server of several."""
+    return [p for p in descendants(server.proc.pid)
+            if b"service.serving.fronts" in Path(f"/proc/{p}/cmdline").read_bytes()]
+
+
+def close(a: object, b: object, path: str = "") -> None:
+    """``a`` and ``b`` (parsed JSON) equal, numbers within 1e-5."""
+    if isinstance(a, float | int) and isinstance(b, float | int) and not isinstance(a, bool):
+        assert abs(a - b) <= 1e-5, (path, a, b)
+    elif isinstance(a, dict) and isinstance(b, dict):
+        assert list(a) == list(b), path
+        for k in a:
+            close(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, list) and isinstance(b, list):
+        assert len(a) == len(b), path
+        for k, (x, y) in enumerate(zip(a, b, strict=True)):
+            close(x, y, f"{path}[{k}]")
+    else:
+        assert a == b, (path, a, b)
+
+
+REQUESTS = [
+    ("/v1/classify", {"inputs": TEXTS}),
+    ("/v1/classify", {"inputs": TEXTS, "explain": True, "method": "end_to_end"}),
+    ("/v1/models/tiny/explain", {"inputs": TEXTS[:2], "target": "all", "include_matrix": True}),
+    ("/v1/explain", {"inputs": TEXTS[:1], "method": "shares", "include_phi": True}),
+    ("/v1/models/tiny:predict", {"instances": TEXTS}),
+    ("/v1/models/tiny:explain", {"instances": [{"text": TEXTS[1]}], "target": "all"}),
+    ("/v2/models/tiny/infer", {"id": "7", "inputs": [{"name": "text", "datatype": "BYTES", "shape": [3],
+                                                       "data": TEXTS}], "parameters": {"explain": True}}),
+    ("/v1/models/tiny/classify", {"inputs": ["y" * 5000]}),  # 413: the same error from a front
+    ("/v1/models/nope/classify", {"inputs": TEXTS}),  # 404
+    ("/v1/classify", {"inputs": []}),  # 422
+]
+
+
+def test_every_protocol_answers_as_one_front(servers: tuple[Server, Server]) -> None:
+    one, two = servers
+    for path, body in REQUESTS:
+        want = httpx.post(one.url + path, json=body, timeout=60)
+        for _ in range(4):  # new connections: the kernel spreads them over the fronts
+            got = httpx.post(two.url + path, json=body, timeout=60)
+            assert got.status_code == want.status_code, (path, got.text)
+            close(got.json(), want.json(), path)
+    inputs = [triton.InferInput("text", [len(TEXTS)], "BYTES")]
+    inputs[0].set_data_from_numpy(np.array([t.encode() for t in TEXTS], dtype=np.object_))
+    outputs = [triton.InferRequestedOutput(n) for n in ("label", "probabilities")]
+    answers = [triton.InferenceServerClient(f"127.0.0.1:{s.env['ROUTING_GRPC_PORT']}").infer("tiny", inputs,
+                                                                                          outputs=outputs)
+               for s in (one, two)]
+    assert list(answers[0].as_numpy("label")) == list(answers[1].as_numpy("label"))
+    np.testing.assert_allclose(answers[1].as_numpy("probabilities"), answers[0].as_numpy("probabilities"), atol=1e-5)
+
+
+def test_one_backbone_process_serves_every_front(servers: tuple[Server, Server]) -> None:
+    _, two = servers
+    assert len(fronts(two)) == 2
+    assert sum(map(is_backbone_process, descendants(two.proc.pid))) == 1
+
+
+def test_metrics_count_every_front(servers: tuple[Server, Server]) -> None:
+    """Requests over new connections land on either front; /metrics (answered by either) counts them all, and the
+    engine host's batches with them."""
+    _, two = servers
+    page = lambda: httpx.get(f"{two.url}/metrics").text  # noqa: E731
+    before = page()
+    cpu = {p: (Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[11:13]) for p in fronts(two)}
+    n = 40
+    for _ in range(n):
+        assert httpx.post(f"{two.url}/v1/classify", json={"inputs": ["count me"]}).status_code == 200
+    after = page()
+    ok = 'endpoint="/v1/classify",status="200"'
+    assert (metric(after, "routing_requests_total", endpoint="/v1/classify", status="200")
+            - metric(before, "routing_requests_total", endpoint="/v1/classify", status="200")) == n, ok
+    assert metric(after, "routing_texts_processed_total", model="tiny") - metric(
+        before, "routing_texts_processed_total", model="tiny") == n
+    assert metric(after, "routing_batch_size_count") - metric(before, "routing_batch_size_count") >= 1
+    assert metric(after, "routing_model_info", model="tiny") == 1  # each process says so; counted once
+    busy = [p for p, was in cpu.items() if Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[11:13] != was]
+    assert len(busy) == 2, "both fronts answered some of the requests"
+
+
+def test_one_queue_for_the_whole_server(tiny_repo: Path, tmp_path: Path) -> None:
+    """The queue limit holds for the server as a whole: texts held in flight through both fronts fill it, and the
+    next text gets 503 whichever front takes it."""
+    (server,) = side_by_side(tmp_path, {"model_repository": tiny_repo, "default_model": "tiny", "workers": 2,
+                                        "max_queue": 8, "max_batch_size": 1, "max_wait_ms": 0})
+    try:
+        os.kill(next(p for p in descendants(server.proc.pid) if is_backbone_process(p)), signal.SIGSTOP)
+        answers: list[httpx.Response | httpx.TransportError] = []
+        held = in_flight(server, [{"inputs": [f"text {k}"]} for k in range(9)], answers.append)  # 1 computing, 8 queued
+        refused = [httpx.post(f"{server.url}/v1/classify", json={"inputs": ["one more"]}) for _ in range(4)]
+        assert [r.status_code for r in refused] == [503] * 4 and all(r.headers.get("retry-after") for r in refused)
+        assert "overloaded" in refused[0].json()["error"]["message"]
+        os.kill(next(p for p in descendants(server.proc.pid) if is_backbone_process(p)), signal.SIGCONT)
+        held.join()
+        assert [a.status_code for a in answers if isinstance(a, httpx.Response)] == [200] * 9
+    finally:
+        for p in descendants(server.proc.pid):
+            if is_backbone_process(p):
+                os.kill(p, signal.SIGCONT)
+        assert server.stop() == 0
+
+
+def test_a_drain_answers_every_accepted_request_and_a_dead_front_is_started_again(tiny_repo: Path,
+                                                                                   tmp_path: Path) -> None:
+    (server,) = side_by_side(tmp_path, {"model_repository": tiny_repo, "default_model": "tiny", "workers": 2})
+    killed = fronts(server)[0]
+    os.kill(killed, signal.SIGKILL)
+    for _ in range(300):  # started again; the server answers meanwhile through the other front
+        assert httpx.post(f"{server.url}/v1/classify", json={"inputs": ["still here"]}, timeout=30).status_code == 200
+        if len(now := fronts(server)) == 2 and killed not in now:
+            break
+        time.sleep(0.1)
+    assert len(fronts(server)) == 2 and killed not in fronts(server)
+    assert "front 0 exited" in server.log() or "front 1 exited" in server.log()
+    backbone = next(p for p in descendants(server.proc.pid) if is_backbone_process(p))
+    os.kill(backbone, signal.SIGSTOP)  # requests pile up in flight
+    answers: list[httpx.Response | httpx.TransportError] = []
+    held = in_flight(server, [{"inputs": [f"drained {k}"]} for k in range(12)], answers.append)
+    server.proc.send_signal(signal.SIGTERM)  # the supervisor: every front drains
+    time.sleep(0.5)
+    os.kill(backbone, signal.SIGCONT)
+    held.join()
+    assert server.proc.wait(60) == 0
+    assert len(answers) == 12 and all(isinstance(a, httpx.Response) and a.status_code == 200 for a in answers), [
+        a if isinstance(a, Exception) else a.status_code for a in answers]
+
+
+def test_several_fronts_serve_the_models_loaded_at_start() -> None:
+    for bad in ({"model_control": "poll"}, {"head_cache_bytes": 10_000_000}):
+        with pytest.raises(ValidationError, match="workers > 1 serves the models loaded at start"):
+            Settings(workers=2, **bad)
+
+
+async def test_a_cancelled_request_is_dropped_on_the_host(servers: tuple[Server, Server]) -> None:
+    """A client that leaves: its front cancels the request on the host, which drops what is queued of it (counted
+    as dropped, never computed)."""
+    _, two = servers
+    backbone = next(p for p in descendants(two.proc.pid) if is_backbone_process(p))
+    before = httpx.get(f"{two.url}/metrics").text
+    os.kill(backbone, signal.SIGSTOP)
+    try:
+        async with httpx.AsyncClient(base_url=two.url, timeout=60) as client:
+            first = asyncio.create_task(client.post("/v1/classify", json={"inputs": ["computing"]}))
+            await asyncio.sleep(0.5)  # the first batch holds the (stopped) backbone
+            gone = asyncio.create_task(client.post("/v1/classify", json={"inputs": ["leaving", "too"]}))
+            await asyncio.sleep(0.5)
+            gone.cancel()
+            await asyncio.sleep(0.5)
+            os.kill(backbone, signal.SIGCONT)
+            assert (await first).status_code == 200
+    finally:
+        os.kill(backbone, signal.SIGCONT)
+    for _ in range(100):
+        after = httpx.get(f"{two.url}/metrics").text
+        if metric(after, "routing_dropped_texts_total", reason="disconnected") > metric(
+                before, "routing_dropped_texts_total", reason="disconnected"):
+            break
+        await asyncio.sleep(0.05)
+    assert metric(after, "routing_dropped_texts_total", reason="disconnected") - metric(
+        before, "routing_dropped_texts_total", reason="disconnected") == 2
+    assert json.loads(httpx.post(f"{two.url}/v1/classify", json={"inputs": ["after"]}).text)["results"]
