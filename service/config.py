@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Annotated, Literal, get_args
 
@@ -78,6 +79,10 @@ class Settings(BaseSettings):
                                 "(needs model_process; torch threads default to the usable CPUs shared among them). "
                                 "On small CPUs two processes of one thread served more than one of two threads; "
                                 "each holds a copy of the model")
+    devices: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="Devices to serve every backbone on, one engine process on each (e.g. "
+        "cuda:0,cuda:1): each batch goes to the first engine free, so texts go where the queue is shortest; empty: "
+        "one engine on ``device``")
     workers: int = Field(1, ge=1, le=64, description="Front processes on one port (HTTP and gRPC), each validating, "
                          "tokenizing and rendering, over one engine host that batches every front's texts")
     omp_wait_policy: Literal["active", "passive"] | None = Field(
@@ -114,6 +119,10 @@ class Settings(BaseSettings):
     max_explain_elements: int = Field(2_000_000, ge=1, description="Largest full credit/phi payload (numbers)")
     drain_timeout_s: float = Field(30.0, ge=0, description="On SIGTERM, time to answer accepted requests")
 
+    def engine_devices(self) -> list[str]:
+        """The device of each engine process of a backbone: ``devices``, else ``device`` once per replica."""
+        return self.devices or [self.device] * self.model_replicas
+
     def batch_limits(self, device: str) -> tuple[int, int]:
         """``max_batch_size``, ``max_batch_tokens`` for a backbone on ``device`` (a torch device's name): as set, else
         the device's defaults."""
@@ -124,6 +133,18 @@ class Settings(BaseSettings):
     def _replicas_need_processes(self) -> Settings:
         if self.model_replicas > 1 and not self.model_process:
             raise ValueError("model_replicas > 1 needs model_process (replicas are processes)")
+        return self
+
+    @model_validator(mode="after")
+    def _devices_are_processes(self) -> Settings:
+        for d in self.devices:
+            if not re.fullmatch(r"cpu|cuda(:\d+)?", d):
+                raise ValueError(f"devices: {d!r} is not cpu or cuda[:n]")
+        if len(self.devices) > 1 and not self.model_process:
+            raise ValueError("devices: several need model_process (an engine process on each)")
+        if len(self.devices) > 1 and self.model_replicas > 1:
+            raise ValueError("devices and model_replicas > 1: name a device once per engine process instead (e.g. "
+                             "cpu,cpu for two processes on the CPU)")
         return self
 
     @model_validator(mode="after")
@@ -164,7 +185,7 @@ class Settings(BaseSettings):
             raise ValueError(f"metrics_models: {OTHER_MODELS} is the label of the models not listed")
         return v
 
-    @field_validator("models", "api_keys", "admin_keys", "cors_origins", "metrics_models", mode="before")
+    @field_validator("models", "api_keys", "admin_keys", "cors_origins", "metrics_models", "devices", mode="before")
     @classmethod
     def _split_commas(cls, v: object) -> object:
         if isinstance(v, str):

@@ -235,7 +235,7 @@ class ReplicasOffline:
     def __init__(self, repository: Path, model: str, texts: list[str], device: str, n: int) -> None:
         from service.serving.worker import Replicas
 
-        self.model = Replicas(repository / model, device=device, n=n)
+        self.model = Replicas(repository / model, [device] * n)
         self.ordered = sorted(texts, key=len)
 
     def throughput(self, bs: int, seconds: float) -> float:

@@ -70,12 +70,13 @@ class DeadlineExceeded(Exception):
 
 class BatchObserver(Protocol[P, R]):
     """What the batcher reports, for metrics; every method must be cheap and never raise. ``payloads`` are
-    the items concerned; ``results`` a batch's answers in the same order, None when the batch failed."""
+    the items concerned; ``results`` a batch's answers in the same order, None when the batch failed; ``runner`` the
+    index of the runner that computed it."""
 
     def on_queue_depth(self, depth: int) -> None: ...
     def on_drop(self, reason: str, payloads: Sequence[P]) -> None: ...
     def on_batch(self, payloads: Sequence[P], results: Sequence[R] | None, cost: int,
-                 waits: Sequence[float], seconds: float) -> None: ...
+                 waits: Sequence[float], seconds: float, runner: int) -> None: ...
 
 
 class NullObserver(Generic[P, R]):
@@ -86,7 +87,7 @@ class NullObserver(Generic[P, R]):
         pass
 
     def on_batch(self, payloads: Sequence[P], results: Sequence[R] | None, cost: int,
-                 waits: Sequence[float], seconds: float) -> None:
+                 waits: Sequence[float], seconds: float, runner: int) -> None:
         pass
 
 
@@ -430,7 +431,7 @@ class Batcher(Generic[P, R]):
         log.debug("batch %s: %d items, %d groups, cost %d, %.4f s", self.name, len(batch),
                   len({it.group for it in batch}), cost, finished - started)
         self.observer.on_batch([it.payload for it in batch], results if ok else None, cost,
-                               [started - it.enqueued for it in batch], finished - started)
+                               [started - it.enqueued for it in batch], finished - started, runner)
 
 
 def _fail(future: asyncio.Future[Any], exc: BaseException) -> None:

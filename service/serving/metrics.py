@@ -155,6 +155,11 @@ class Metrics:
                              "head computed)", ["model"], registry=r)
         self.tokens = Counter("routing_tokens_processed_total", "Real tokens run through the backbone for the model "
                               "(a chunk shared by several models counts for each)", ["model"], registry=r)
+        self.engine_batches = Counter("routing_engine_batches_total", "Batches an engine (a backbone's process "
+                                      "on one device, ROUTING_DEVICES) computed", ["backbone", "engine", "device"],
+                                      registry=r)
+        self.engine_busy = Counter("routing_engine_busy_seconds_total", "Seconds an engine computed batches: its rate "
+                                   "is the engine's busy share", ["backbone", "engine", "device"], registry=r)
         self.failures = Counter("routing_failures_total", "Requests that failed, by reason", ["reason"],
                                 registry=r)
         self.dropped = Counter("routing_dropped_texts_total", "Queued texts dropped before compute, by reason",
@@ -218,8 +223,9 @@ class Metrics:
         for reason in ("disconnected", "deadline"):
             self.dropped.labels(label, reason)
 
-    def observer(self, backbone: str) -> BatchMetrics:
-        return BatchMetrics(self, backbone)
+    def observer(self, backbone: str, devices: Sequence[str] = ("cpu",)) -> BatchMetrics:
+        """The metrics of ``backbone``'s batcher, whose runners (engine processes) compute on ``devices``."""
+        return BatchMetrics(self, backbone, devices)
 
     def closed(self, backbone: str) -> None:
         """Backbone group ``backbone`` has gone (its last model was unloaded): its gauge goes."""
@@ -273,11 +279,13 @@ class BatchMetrics:
     """Adapter from a backbone batcher's events to metrics (see ``batcher.BatchObserver``): batch metrics per
     backbone, queue waits, texts, tokens and drops per model."""
 
-    def __init__(self, m: Metrics, backbone: str) -> None:
+    def __init__(self, m: Metrics, backbone: str, devices: Sequence[str]) -> None:
         self.m, self.backbone = m, backbone
         for h in (m.batch_seconds, m.batch_size, m.batch_tokens):
             h.labels(backbone)
         m.queue_depth.labels(backbone).set(0)
+        self.engines = [(m.engine_batches.labels(backbone, str(k), d), m.engine_busy.labels(backbone, str(k), d))
+                        for k, d in enumerate(devices)]
 
     def on_queue_depth(self, depth: int) -> None:
         self.m.queue_depth.labels(self.backbone).set(depth)
@@ -289,8 +297,11 @@ class BatchMetrics:
             self.m.dropped.labels(label, reason).inc(n)
 
     def on_batch(self, payloads: Sequence[ChunkWork], results: Sequence[Answer | None] | None, cost: int,
-                 waits: Sequence[float], seconds: float) -> None:
+                 waits: Sequence[float], seconds: float, runner: int) -> None:
         m, backbone = self.m, self.backbone
+        batches, busy = self.engines[runner]
+        batches.inc()
+        busy.inc(seconds)
         m.batch_size.labels(backbone).observe(len(payloads))
         m.batch_tokens.labels(backbone).observe(cost)
         m.batch_seconds.labels(backbone).observe(seconds)

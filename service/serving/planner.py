@@ -155,6 +155,11 @@ class Planner(abc.ABC):
         """Compute a batch of chunks; each text completed in it is answered at its last chunk's place."""
 
     @property
+    def runner_devices(self) -> list[str]:
+        """The device each of :attr:`runners` computes on."""
+        return [str(self.device)]
+
+    @property
     def runners(self) -> list[Callable[[list[ChunkWork]], list[Answer | None]]]:
         """What computes batches, one batch at a time each: the batcher sends each batch to a free one and
         keeps a text's chunks on one (it holds their states until the last)."""

@@ -199,7 +199,7 @@ class AppState:
         size, tokens = s.batch_limits(str(engine.device))
         limits = BatchLimits(max_batch_size=size, max_batch_tokens=tokens, max_wait_s=s.max_wait_ms / 1000,
                              max_queue=s.max_queue)
-        observer = self.metrics.observer(engine.name)
+        observer = self.metrics.observer(engine.name, engine.runner_devices)
         if tracing.enabled():  # each batch's span, linked to its texts' requests
             observer = tracing.TracedBatches(observer, engine.name)
         batcher = Batcher(engine.runners, limits, observer, engine.name)
@@ -232,11 +232,11 @@ class AppState:
         if not s.model_process:
             from service.serving.engine import Engine  # torch, in this process only then
 
-            return Engine.load(folders, s.device, s.dtype, s.warmup, keys)
-        if s.model_replicas > 1:
-            return Replicas(folders, s.device, s.dtype, s.warmup, s.torch_threads, s.model_replicas, keys,
-                            self.launches)
-        return BackboneProcess(folders, s.device, s.dtype, s.warmup, s.torch_threads, keys=keys,
+            return Engine.load(folders, s.engine_devices()[0], s.dtype, s.warmup, keys)
+        devices = s.engine_devices()
+        if len(devices) > 1:
+            return Replicas(folders, devices, s.dtype, s.warmup, s.torch_threads, keys, self.launches)
+        return BackboneProcess(folders, devices[0], s.dtype, s.warmup, s.torch_threads, keys=keys,
                                launches=self.launches)
 
     def start_draining(self) -> None:

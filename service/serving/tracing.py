@@ -171,8 +171,8 @@ class TracedBatches:
         self.inner.on_drop(reason, payloads)
 
     def on_batch(self, payloads: Sequence[ChunkWork], results: Sequence[Answer | None] | None, cost: int,
-                 waits: Sequence[float], seconds: float) -> None:
-        self.inner.on_batch(payloads, results, cost, waits, seconds)
+                 waits: Sequence[float], seconds: float, runner: int) -> None:
+        self.inner.on_batch(payloads, results, cost, waits, seconds, runner)
         tracer = _tracer
         if tracer is None:
             return

@@ -64,6 +64,11 @@ if TYPE_CHECKING:
 log = logging.getLogger("service.worker")
 
 
+def _cuda_here() -> bool:
+    """Whether a backbone on ``auto`` goes to a GPU (without importing torch here: the driver's device files)."""
+    return Path("/dev/nvidiactl").exists()
+
+
 class ModelProcessError(RuntimeError):
     """The backbone's process failed to load, or exited while computing a batch."""
 
@@ -363,43 +368,51 @@ class BackboneProcess(Planner):
 
 
 class Replicas(Planner):
-    """Several processes of one backbone and its heads, each computing batches of its own (by default the CPUs
-    this process may use, shared among them: one intra-op thread each on two cores). On a 2-core CPU, two processes of
-    one thread computed 1.08-1.16x what one process of two threads did offline, and served 1.06-1.31x as
-    much in five comparisons (measured in turns; see the README). Each holds a copy of the model's weights.
+    """Several processes of one backbone and its heads, each computing batches of its own: one on each device of
+    ``devices`` (``ROUTING_DEVICES``, e.g. two GPUs), or several on one (``ROUTING_MODEL_REPLICAS``; on a CPU the CPUs
+    this process may use, shared among them: one intra-op thread each on two cores). On a 2-core CPU, two processes
+    of one thread computed 1.08-1.16x what one process of two threads did offline, and served 1.06-1.31x as much in
+    five comparisons (measured in turns; see the README). Each holds a copy of the model's weights.
 
     Args:
-        folders, device, dtype, warmup, launches: as for :class:`BackboneProcess`.
-        n: processes (at least 2).
-        torch_threads: intra-op threads of each (None: the CPUs this process may use, shared among them).
+        folders, dtype, warmup, launches: as for :class:`BackboneProcess`.
+        devices: each process's device (at least 2).
+        torch_threads: intra-op threads of each (None: the CPUs this process may use, shared among those on the CPU).
 
     Raises:
         ModelLoadError, ModelProcessError: as :class:`BackboneProcess` (the processes already started are closed).
     """
 
-    def __init__(self, folders: Path | list[Path], device: str = "auto", dtype: str = "auto", warmup: bool = True,
-                 torch_threads: int | None = None, n: int = 2, keys: list[str] | None = None,
+    def __init__(self, folders: Path | list[Path], devices: Sequence[str] = ("auto", "auto"), dtype: str = "auto",
+                 warmup: bool = True, torch_threads: int | None = None, keys: list[str] | None = None,
                  launches: Launches | None = None) -> None:
+        n = len(devices)
         if n < 2:
             raise ValueError(f"replicas need at least 2 processes, not {n}")
-        threads = torch_threads or max(1, available_cpus() // n)
-        first = BackboneProcess(folders, device, dtype, warmup, threads, keys=keys, launches=launches)
+        on_cpu = sum(d == "cpu" or (d == "auto" and not _cuda_here()) for d in devices)
+        threads = torch_threads or max(1, available_cpus() // max(on_cpu, 1))
+        first = BackboneProcess(folders, devices[0], dtype, warmup, threads, keys=keys, launches=launches)
         super().__init__(list(first.manifests.values()), first.chunker, first.models)
         self.processes = [first]
         with ThreadPoolExecutor(n - 1) as pool:  # the others load side by side
             started = [pool.submit(BackboneProcess, folders, device, dtype, warmup, threads, first.chunker, keys,
-                                   launches) for _ in range(n - 1)]
+                                   launches) for device in devices[1:]]
         self.processes += [f.result() for f in started if f.exception() is None]
         failed = next((e for f in started if (e := f.exception()) is not None), None)
         if failed is not None:
             self.close()
             raise failed
         self.device, self.dtype = first.device, first.dtype
-        log.info("backbone %s computes in %d processes of %d torch threads each", self.name, n, threads)
+        log.info("backbone %s computes in %d processes (%s) of %d torch threads each", self.name, n,
+                 ", ".join(self.runner_devices), threads)
 
     @property
     def runners(self) -> list[Callable[[list[ChunkWork]], list[Answer | None]]]:
         return [p.run_chunks for p in self.processes]
+
+    @property
+    def runner_devices(self) -> list[str]:
+        return [str(p.device) for p in self.processes]
 
     def add_heads(self, folders: Sequence[Path], keys: Sequence[str], warmup: bool = True) -> None:
         """The heads onto every process, side by side; where one fails, the others drop them again."""

@@ -23,7 +23,7 @@ class Recorder:
     def on_drop(self, reason: str, payloads) -> None:
         self.drops[reason] = self.drops.get(reason, 0) + len(payloads)
 
-    def on_batch(self, payloads, results, cost, waits, seconds) -> None:
+    def on_batch(self, payloads, results, cost, waits, seconds, runner) -> None:
         self.completed.append(sum(r is not None for r in results or []))
 
 

@@ -199,3 +199,36 @@ async def test_a_cancelled_request_is_dropped_on_the_host(servers: tuple[Server,
     assert metric(after, "routing_dropped_texts_total", reason="disconnected") - metric(
         before, "routing_dropped_texts_total", reason="disconnected") == 2
     assert json.loads(httpx.post(f"{two.url}/v1/classify", json={"inputs": ["after"]}).text)["results"]
+
+
+def test_devices_spread_texts_over_an_engine_on_each(tiny_repo: Path, tmp_path: Path) -> None:
+    """ROUTING_DEVICES=cpu,cpu: an engine process on each device (two "devices" here, both the CPU), each batch to
+    the first engine free; /metrics says what each engine computed, by its index and device."""
+    (server,) = side_by_side(tmp_path, {"model_repository": tiny_repo, "default_model": "tiny", "workers": 2,
+                                        "devices": "cpu,cpu", "max_batch_size": 1, "max_wait_ms": 0})
+    try:
+        assert sum(map(is_backbone_process, descendants(server.proc.pid))) == 2
+
+        async def many() -> list[int]:  # more texts than one engine takes at once: both compute
+            async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+                got = await asyncio.gather(*(client.post("/v1/classify", json={"inputs": [f"spread {k}"]})
+                                             for k in range(40)))
+            return [r.status_code for r in got]
+
+        assert asyncio.run(many()) == [200] * 40
+        page = httpx.get(f"{server.url}/metrics").text
+        done = [metric(page, "routing_engine_batches_total", engine=str(k), device="cpu") for k in (0, 1)]
+        assert min(done) >= 1 and sum(done) == metric(page, "routing_batch_size_count") >= 40, done
+        assert min(metric(page, "routing_engine_busy_seconds_total", engine=str(k)) for k in (0, 1)) > 0
+    finally:
+        assert server.stop() == 0
+
+
+def test_devices_are_named_once_per_engine() -> None:
+    assert Settings(devices="cpu,cpu").engine_devices() == ["cpu", "cpu"]
+    assert Settings(model_replicas=3).engine_devices() == ["auto"] * 3
+    for bad, why in (({"devices": "tpu"}, "not cpu or cuda"), ({"devices": "cpu,cpu", "model_process": False},
+                                                                  "need model_process"),
+                     ({"devices": "cpu,cpu", "model_replicas": 2}, "name a device once per engine process")):
+        with pytest.raises(ValidationError, match=why):
+            Settings(**bad)

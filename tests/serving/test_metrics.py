@@ -220,7 +220,7 @@ def used_once_each(metrics: Metrics, names: list[str]) -> None:
         encoding = Encoding(chunks=((101, 7, 8, 9, 102),), offsets=((0, 0),) * 5, special=(False,) * 5,
                             word_ids=(0,) * 5)
         work = TextJob.of(encoding, [Ask(model=name)]).chunks()
-        observer.on_batch(work, [object()], 5, [0.01], 0.02)  # type: ignore[list-item]  # any answer counts
+        observer.on_batch(work, [object()], 5, [0.01], 0.02, 0)  # type: ignore[list-item]  # any answer counts
         observer.on_drop("deadline", work)
 
 

@@ -179,7 +179,7 @@ def test_replicas_answer_as_one_process_and_keep_a_texts_chunks_together(tiny_re
                  max_wait_ms=0).wait_ready()
     try:
         pids = [int(p) for p in re.findall(r"\['tiny'\]\) computes in process (\d+)", srv.full_log())]
-        assert len(set(pids)) == 2 and "computes in 2 processes of 1 torch threads each" in srv.full_log()
+        assert len(set(pids)) == 2 and "computes in 2 processes (cpu, cpu) of 1 torch threads each" in srv.full_log()
         before = [cpu_seconds(p) or 0.0 for p in pids]
         with httpx.Client(base_url=srv.url, timeout=60) as client, ThreadPoolExecutor(6) as pool:
             rs = list(pool.map(lambda _: client.post("/v1/classify", json={"inputs": TEXTS, "explain": True}),
