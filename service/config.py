@@ -148,10 +148,9 @@ class Settings(BaseSettings):
         return self
 
     @model_validator(mode="after")
-    def _fronts_serve_a_fixed_set(self) -> Settings:
-        if self.workers > 1 and (self.model_control != "none" or self.head_cache_bytes is not None):
-            raise ValueError("workers > 1 serves the models loaded at start: model_control=none and no head cache "
-                             "(loading models at runtime with several fronts is not built yet)")
+    def _fronts_without_head_cache(self) -> Settings:
+        if self.workers > 1 and self.head_cache_bytes is not None:
+            raise ValueError("workers > 1 and a head cache: not built yet (a head cache needs one front)")
         return self
 
     @model_validator(mode="after")

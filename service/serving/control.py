@@ -119,6 +119,10 @@ class ModelControl:
                 entries.append(entry)
         return entries
 
+    async def entries(self, ready_only: bool = False) -> list[dict[str, str]]:
+        """The repository index (see :meth:`index`) as the API answers it."""
+        return [e.json() for e in self.index(ready_only)]
+
     async def load(self, name: str) -> float:
         """Load model ``name`` from its folder, or reload it if it serves; returns the seconds it took.
 
@@ -143,6 +147,7 @@ class ModelControl:
                 self._seen[name] = signature(folder)
             t0 = time.perf_counter()
             errors = await self._load(folders)
+            await self._announce()  # the retired heads dropped
             seconds = time.perf_counter() - t0
             out: dict[str, APIError | None] = {}
             for name, folder in folders.items():
@@ -164,6 +169,12 @@ class ModelControl:
         log.error("model %s: %s", name, reason)
         return APIError(400, f"model {name}: {reason}")
 
+    async def _announce(self) -> None:
+        """Tell whoever serves beside this process (the fronts of an engine host) what is served now, and wait until
+        they serve it: before a retired head waits for the requests that hold it, no new one may take it."""
+        if self.app.announce is not None:
+            await self.app.announce()
+
     def _next_key(self, name: str) -> str:
         """A new head key for model ``name`` (unique: its old head may still answer what it accepted)."""
         self._generation[name] = self._generation.get(name, 0) + 1
@@ -182,6 +193,7 @@ class ModelControl:
                 if target is None:  # a backbone not loaded yet: a group of its own (it serves the name when ready)
                     old = (inference.models[name], inference.heads[name]) if name in inference.models else None
                     await self.app.start_backbone([folder], [self._next_key(name)])
+                    await self._announce()
                     if old is not None:
                         await self._retire(*old)
                 else:
@@ -213,6 +225,7 @@ class ModelControl:
                 old = (inference.models[name], inference.heads[name]) if name in inference.models else None
                 inference.serve(name, keys[name], target)
                 self.app.published(target, name, folders[name], time.perf_counter() - t0)
+                await self._announce()
                 if old is not None:
                     await self._retire(*old)
         return errors
@@ -231,6 +244,7 @@ class ModelControl:
             backbone, key = inference.models[name], inference.heads[name]
             self._status[name] = ("UNLOADING", "")
             inference.withdraw(name)
+            await self._announce()
             try:
                 await self._retire(backbone, key)
             finally:
@@ -238,6 +252,7 @@ class ModelControl:
                 self._status[name] = ("UNAVAILABLE", "unloaded")
                 if self.app.cache is not None:
                     self.app.cache.forget(name)
+                await self._announce()
             log.info("model %s unloaded", name)
 
     async def evict(self, names: Sequence[str]) -> None:

@@ -22,17 +22,37 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Hashable, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from service.config import Settings
 from service.modeling.manifest import read_manifest
 from service.modeling.tokenizer import ChunkTokenizer
+from service.serving import errors
 from service.serving.batcher import DeadlineExceeded, Draining, Overloaded
 from service.serving.contract import Answer, ChunkWork, TextJob
+from service.serving.errors import APIError
+from service.serving.inference import Backbone
 from service.serving.planner import Planner
-from service.serving.wire import Answered, BackboneInfo, Cancel, Hello, Job, Models, Refused, Run, frame, read_to_front
+from service.serving.wire import (
+    Answered,
+    Applied,
+    BackboneInfo,
+    Cancel,
+    Control,
+    Controlled,
+    Hello,
+    Job,
+    Models,
+    Refused,
+    Run,
+    frame,
+    read_to_front,
+)
+
+if TYPE_CHECKING:
+    from service.serving.state import AppState
 
 log = logging.getLogger("service.fronts")
 
@@ -41,35 +61,56 @@ class HostGone(RuntimeError):
     """The engine host closed the connection (it exited)."""
 
 
-class HostLink:
-    """A front's connection to the engine host: requests out, each answered to the coroutine that sent it."""
+ServeModels = Callable[["HostLink", Models], Awaitable[None]]
+"""What a front does with the host's :class:`Models`: serve what they say (see :func:`serve_models`)."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, models: Models) -> None:
-        self._reader, self._writer, self.models = reader, writer, models
-        self._waiting: dict[int, asyncio.Future[list[Answer]]] = {}
+
+class HostLink:
+    """A front's connection to the engine host: requests out, each answered to the coroutine that sent it; the
+    host's models served as they change."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, on_models: ServeModels) -> None:
+        self._reader, self._writer, self._on_models = reader, writer, on_models
+        self._waiting: dict[int, asyncio.Future[Any]] = {}
         self._ids = itertools.count()
-        self._listener = asyncio.create_task(self._listen(), name="host-link")
+        self._listener: asyncio.Task[None] | None = None
 
     @classmethod
-    async def connect(cls, path: Path, front: int) -> HostLink:
+    async def connect(cls, path: Path, front: int, on_models: ServeModels) -> HostLink:
+        """The link to the host at ``path``, once ``on_models`` has served what the host serves."""
         reader, writer = await asyncio.open_unix_connection(str(path), limit=1 << 24)
         writer.write(frame(Hello(front)))
         models = await read_to_front(reader)
         if not isinstance(models, Models):
             raise HostGone("the engine host did not say what it serves")
-        return cls(reader, writer, models)
+        link = cls(reader, writer, on_models)
+        await on_models(link, models)
+        link._listener = asyncio.create_task(link._listen(), name="host-link")
+        return link
+
+    @property
+    def closed(self) -> bool:
+        return self._listener is None or self._listener.done()
 
     async def _listen(self) -> None:
         try:
             while (msg := await read_to_front(self._reader)) is not None:
-                if isinstance(msg, Answered | Refused):
-                    future = self._waiting.pop(msg.id, None)
-                    if future is None or future.done():
-                        continue
-                    if isinstance(msg, Answered):
-                        future.set_result(msg.answers)
-                    else:
-                        future.set_exception(_refusal(msg))
+                if isinstance(msg, Models):
+                    try:
+                        await self._on_models(self, msg)
+                    except Exception:  # the front serves what it could; the host's next change comes
+                        log.exception("serving the engine host's models version %d failed", msg.version)
+                    self._writer.write(frame(Applied(msg.version)))
+                    continue
+                future = self._waiting.pop(msg.id, None)
+                if future is None or future.done():
+                    continue
+                if isinstance(msg, Answered):
+                    future.set_result(msg.answers)
+                elif isinstance(msg, Controlled):
+                    future.set_result(msg)
+                else:
+                    future.set_exception(_refusal(msg))
         except (ConnectionError, asyncio.IncompleteReadError):
             pass
         for future in self._waiting.values():  # the host has gone: nothing will answer these
@@ -79,7 +120,7 @@ class HostLink:
 
     def send(self, backbone: str, jobs: list[TextJob], deadline: float) -> tuple[int, asyncio.Future[list[Answer]]]:
         """Send the jobs of one request to the host: its number, and the future of each job's answer (in order)."""
-        if self._listener.done():
+        if self.closed:
             raise HostGone("the engine host has exited")
         k = next(self._ids)
         future: asyncio.Future[list[Answer]] = asyncio.get_running_loop().create_future()
@@ -107,11 +148,23 @@ class HostLink:
             self._writer.write(frame(Cancel(k)))
         return True
 
+    async def control(self, op: Literal["index", "load", "unload"], name: str = "", ready_only: bool = False
+                      ) -> Controlled:
+        """A repository request carried out by the host (for every front at once)."""
+        if self.closed:
+            raise HostGone("the engine host has exited")
+        k = next(self._ids)
+        future: asyncio.Future[Controlled] = asyncio.get_running_loop().create_future()
+        self._waiting[k] = future
+        self._writer.write(frame(Control(k, op, name, ready_only)))
+        return await future
+
     async def close(self) -> None:
         self._writer.close()
-        self._listener.cancel()
-        with contextlib.suppress(asyncio.CancelledError, ConnectionError):
-            await self._listener
+        if self._listener is not None:
+            self._listener.cancel()
+            with contextlib.suppress(asyncio.CancelledError, ConnectionError):
+                await self._listener
 
 
 def _refusal(msg: Refused) -> Exception:
@@ -183,6 +236,74 @@ class RemoteBatcher:
         self.abort("stopped")
 
 
+async def serve_models(state: AppState, link: HostLink, models: Models) -> None:
+    """Make ``state``'s inference serve what the host serves: a backbone group new here gets its front side (its
+    tokenizer loaded off the event loop), one gone is dropped, heads added or retired on those that stay; each model
+    name goes to the head the host serves it from (new requests take it at once), a name the host no longer serves
+    is withdrawn (404 from now on)."""
+    inference = state.inference
+    loop = asyncio.get_running_loop()
+    if not inference.backbones:  # the models served at start: which have series of their own
+        state.label_metrics(list(models.served))
+    by_key: dict[str, tuple[Backbone, str]] = {}  # head key -> its backbone here, its model's folder
+    for info in models.backbones:
+        backbone = inference.backbones.get(info.name)
+        if backbone is None:
+            planner = await loop.run_in_executor(None, RemotePlanner, info)
+            backbone = Backbone(planner, RemoteBatcher(link, info.name))  # type: ignore[arg-type]
+            inference.backbones[info.name] = backbone
+        else:
+            assert isinstance(backbone.engine, RemotePlanner)
+            await loop.run_in_executor(None, backbone.engine.update, info)
+        by_key.update((key, (backbone, folder)) for key, folder in info.folders.items())
+    for name in [n for n in inference.models if n not in models.served]:
+        inference.withdraw(name)
+        state.metrics.unloaded(name)
+    for name, key in models.served.items():
+        if inference.heads.get(name) != key:
+            backbone, folder = by_key[key]
+            inference.serve(name, key, backbone)
+            state.published(backbone, name, Path(folder),
+                            float(backbone.engine.describe(key).get("load_seconds", 0.0)))
+    for name in set(inference.backbones) - {info.name for info in models.backbones}:
+        inference.backbones.pop(name)
+    if models.default_model is not None:
+        state.default_model = models.default_model
+
+
+class RemoteControl:
+    """The repository requests a front takes, carried out by the engine host's model control once for the whole
+    server: a load or an unload returns after every front serves the change."""
+
+    def __init__(self, link: HostLink) -> None:
+        self.link = link
+
+    async def entries(self, ready_only: bool = False) -> list[dict[str, str]]:
+        return (await self._ask("index", ready_only=ready_only)).entries
+
+    async def load(self, name: str) -> None:
+        await self._ask("load", name)
+
+    async def unload(self, name: str) -> None:
+        await self._ask("unload", name)
+
+    async def _ask(self, op: Literal["index", "load", "unload"], name: str = "", ready_only: bool = False
+                   ) -> Controlled:
+        try:
+            got = await self.link.control(op, name, ready_only)
+        except HostGone as e:
+            raise errors.unavailable(str(e), "draining") from None
+        if got.status != 200:
+            raise APIError(got.status, got.message)
+        return got
+
+    def start(self) -> None:
+        pass
+
+    async def stop(self) -> None:
+        pass
+
+
 class RemotePlanner(Planner):
     """A backbone group on the engine host as a front sees it: its models' manifests and the backbone's tokenizer
     (no weights), and what the host says of each head."""
@@ -197,6 +318,16 @@ class RemotePlanner(Planner):
 
     def describe(self, model: str) -> dict[str, Any]:
         return dict(self._descriptions[model])
+
+    def update(self, info: BackboneInfo) -> None:
+        """The heads the host holds now: those added read from their folders, those gone dropped."""
+        added = {key: read_manifest(Path(folder)) for key, folder in info.folders.items() if key not in self.manifests}
+        self._descriptions = {**self._descriptions, **info.descriptions}
+        if added:
+            self._added(added)
+        gone = [key for key in self.manifests if key not in info.folders]
+        if gone:
+            self._removed(gone)
 
     def run_chunks(self, works: list[ChunkWork]) -> list[Answer | None]:
         raise RuntimeError("a front computes nothing: its batches go to the engine host (RemoteBatcher)")

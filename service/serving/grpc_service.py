@@ -194,9 +194,8 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
     async def RepositoryIndex(self, request: pb.RepositoryIndexRequest,
                               context: grpc.aio.ServicerContext) -> pb.RepositoryIndexResponse:
         async def work() -> pb.RepositoryIndexResponse:
-            entries = self.state.control.index(ready_only=request.ready)
-            return pb.RepositoryIndexResponse(models=[pb.RepositoryIndexResponse.ModelIndex(**e.json())
-                                                      for e in entries])
+            entries = await self.state.control.entries(ready_only=request.ready)
+            return pb.RepositoryIndexResponse(models=[pb.RepositoryIndexResponse.ModelIndex(**e) for e in entries])
         return await self._call(context, "RepositoryIndex", work, key="admin")
 
     async def RepositoryModelLoad(self, request: pb.RepositoryModelLoadRequest,

@@ -27,14 +27,18 @@ from pathlib import Path
 from service.config import Settings
 from service.serving.batcher import DeadlineExceeded, Draining, Overloaded
 from service.serving.contract import TextJob, answers_of
+from service.serving.errors import APIError
 from service.serving.logs import setup_logging
 from service.serving.metrics import Metrics
 from service.serving.planner import model_of
 from service.serving.state import AppState
 from service.serving.wire import (
     Answered,
+    Applied,
     BackboneInfo,
     Cancel,
+    Control,
+    Controlled,
     Hello,
     Models,
     Refused,
@@ -53,18 +57,39 @@ class EngineHost:
         self.settings, self.path = settings, path
         metrics = Metrics(lambda: self.state.device_memory(), lambda: self.state.backbone_processes())
         self.state = AppState(settings=settings, metrics=metrics)
-        self.fronts: set[asyncio.StreamWriter] = set()
+        self.state.announce = self.broadcast
+        self.fronts: dict[asyncio.StreamWriter, int] = {}  # each front's connection -> the Models version it serves
+        self.version = 0
+        self._applied = asyncio.Condition()
+        self._controls: set[asyncio.Task[None]] = set()
         self._stopping = asyncio.Event()
 
     def models(self) -> Models:
-        """What the fronts serve: every backbone group, its heads and their folders."""
+        """What the fronts serve: every backbone group, its heads and their folders, the head each name serves
+        from."""
         backbones = []
-        for name, backbone in self.state.inference.backbones.items():
+        inference = self.state.inference
+        for name, backbone in inference.backbones.items():
             engine = backbone.engine
             folders = {key: str(self.settings.model_repository / model_of(key)) for key in engine.models}
             backbones.append(BackboneInfo(name, folders, {k: engine.describe(k) for k in engine.models},
                                           str(engine.device), str(engine.dtype).removeprefix("torch.")))
-        return Models(backbones, self.state.default_model)
+        return Models(self.version, backbones, dict(inference.heads), self.state.default_model)
+
+    async def broadcast(self) -> None:
+        """Tell every front what the host serves now, and wait until each serves it (at most ``drain_timeout_s``: a
+        front that does not say so by then is left behind, and logged)."""
+        self.version += 1
+        version, msg = self.version, frame(self.models())
+        for writer in list(self.fronts):
+            with contextlib.suppress(ConnectionError):
+                writer.write(msg)
+        try:
+            async with asyncio.timeout(self.settings.drain_timeout_s), self._applied:
+                await self._applied.wait_for(lambda: all(v >= version for v in self.fronts.values()))
+        except TimeoutError:
+            log.warning("fronts %s did not apply models version %d in time",
+                        [v for v in self.fronts.values() if v < version], version)
 
     async def serve(self) -> bool:
         """Load the models and answer the fronts until SIGTERM, then drain; False if the models could not load."""
@@ -72,7 +97,7 @@ class EngineHost:
         if self.state.lifecycle.failed:
             print(f"failed: {self.state.lifecycle.error}", flush=True)
             return False
-        server = await asyncio.start_unix_server(self._front, path=str(self.path))
+        server = await asyncio.start_unix_server(self.front, path=str(self.path))
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, self._stopping.set)
         loop.add_signal_handler(signal.SIGINT, lambda: None)  # Ctrl-C reaches the group: the supervisor decides
@@ -88,13 +113,13 @@ class EngineHost:
         await self.state.close(timeout_s=1.0)
         return True
 
-    async def _front(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def front(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """One front's connection: its requests, each answered on its own task, until it closes."""
         hello = await read_to_host(reader)
         if not isinstance(hello, Hello):
             writer.close()
             return
-        self.fronts.add(writer)
+        self.fronts[writer] = self.version
         writer.write(frame(self.models()))
         running: dict[int, asyncio.Task[None]] = {}
         try:
@@ -105,14 +130,42 @@ class EngineHost:
                     task.add_done_callback(lambda _, k=msg.id: running.pop(k, None))
                 elif isinstance(msg, Cancel) and msg.id in running:
                     running[msg.id].cancel()
+                elif isinstance(msg, Applied):
+                    async with self._applied:
+                        self.fronts[writer] = max(self.fronts.get(writer, 0), msg.version)
+                        self._applied.notify_all()
+                elif isinstance(msg, Control):
+                    self._controls.add(task := asyncio.create_task(self._control(msg, writer)))
+                    task.add_done_callback(self._controls.discard)
         except (ConnectionError, asyncio.IncompleteReadError):
             pass
         finally:  # the front has gone: nobody waits for its requests
             for task in list(running.values()):
                 task.cancel()
-            self.fronts.discard(writer)
+            async with self._applied:
+                self.fronts.pop(writer, None)
+                self._applied.notify_all()
             writer.close()
             log.info("front %d disconnected", hello.front)
+
+    async def _control(self, msg: Control, writer: asyncio.StreamWriter) -> None:
+        """A repository request, carried out by the host's model control (every front serves a change before it is
+        answered: see :meth:`broadcast`)."""
+        control = self.state.control
+        reply = Controlled(msg.id, 200)
+        try:
+            if msg.op == "index":
+                reply.entries = await control.entries(ready_only=msg.ready_only)
+            elif msg.op == "load":
+                await control.load(msg.name)
+            else:
+                await control.unload(msg.name)
+        except APIError as e:
+            reply = Controlled(msg.id, e.status, e.message)
+        except Exception as e:
+            reply = Controlled(msg.id, 500, f"{type(e).__name__}: {e}")
+        with contextlib.suppress(ConnectionError):
+            writer.write(frame(reply))
 
     async def _run(self, msg: Run, writer: asyncio.StreamWriter) -> None:
         """A front's request on its backbone's batcher, answered with the texts' answers or why there are none."""
@@ -123,9 +176,11 @@ class EngineHost:
         else:
             jobs = [TextJob.of(job.encoding, job.asks) for job in msg.jobs]
             chunks = [w for job in jobs for w in job.chunks()]
+            keys = list({ask.model or backbone.engine.default for job in jobs for ask in job.asks})
             try:
-                got = await backbone.batcher.submit(chunks, [w.cost for w in chunks], msg.deadline,
-                                                    groups=[w.job for w in chunks])
+                with self.state.inference.holding(keys):  # a retired head answers what it took before it goes
+                    got = await backbone.batcher.submit(chunks, [w.cost for w in chunks], msg.deadline,
+                                                        groups=[w.job for w in chunks])
                 reply = Answered(msg.id, answers_of(chunks, got))
             except Overloaded as e:
                 reply = Refused(msg.id, "overloaded", str(e))

@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
@@ -237,13 +237,26 @@ class Inference:
             await self.cache.bring(models, False)  # again: a head may have left memory since the route brought it in
         backbones = [self.backbone_of(name) for name in models]
         keys = [self.heads[name] for name in models]  # the heads this request holds until it is answered
-        self._using.update(keys)
         started = time.perf_counter()
         try:
-            out = await self._run(backbones, keys, texts, specs, deadline, gone)
+            with self.holding(keys):
+                out = await self._run(backbones, keys, texts, specs, deadline, gone)
         except BaseException:
             self.stats.answered(models, time.perf_counter() - started, ok=False)
             raise
+        finally:
+            if self.cache is not None:
+                self.cache.released()
+        self.stats.answered(models, time.perf_counter() - started, ok=True)
+        return out
+
+    @contextlib.contextmanager
+    def holding(self, keys: Sequence[str]) -> Iterator[None]:
+        """Hold heads ``keys`` while the block runs: a retired head is dropped only once nothing holds it (see
+        :meth:`released`)."""
+        self._using.update(keys)
+        try:
+            yield
         finally:
             for key in keys:
                 self._using[key] -= 1
@@ -251,10 +264,6 @@ class Inference:
                     del self._using[key]
                     if key in self._released:
                         self._released[key].set()
-            if self.cache is not None:
-                self.cache.released()
-        self.stats.answered(models, time.perf_counter() - started, ok=True)
-        return out
 
     async def _run(self, backbones: list[Backbone], keys: list[str], texts: list[str],
                    specs: Sequence[CreditSpec | None], deadline: float, gone: Gone | None) -> list[list[Scored]]:

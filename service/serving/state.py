@@ -5,9 +5,11 @@ engine + batcher per backbone group. Loading happens in the background so /healt
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -75,6 +77,8 @@ class AppState:
     host: Path | None = None
     """The engine host's socket when this is one of several fronts (its models are served there), else None."""
     link: HostLink | None = field(default=None, init=False)
+    announce: Callable[[], Awaitable[None]] | None = field(default=None, init=False)
+    """An engine host's: tell every front what it serves now, once they serve it (see ``ModelControl``)."""
     default_model: str | None = field(init=False)
     """The model behind /v1/classify and /v1/explain (see :func:`default_model_at_start`); None while no model has
     served yet in a server started without any."""
@@ -130,8 +134,7 @@ class AppState:
                          os.environ.get("OMP_WAIT_POLICY", "(runtime default)"),
                          os.environ.get("GOMP_SPINCOUNT", "(runtime default)"))
             names = self.model_names(s.model_repository)
-            chosen = s.metrics_models
-            self.metrics.label_models(None if chosen == ["all"] else names if chosen == ["pinned"] else chosen)
+            self.label_metrics(names)
             if not names and not may_start_empty(s):
                 raise ValueError(f"no models in {s.model_repository} (ROUTING_MODEL_CONTROL=poll or explicit, or a "
                                  "head cache, ROUTING_HEAD_CACHE_BYTES, starts a server without any to load them while "
@@ -156,28 +159,20 @@ class AppState:
             self.lifecycle.fail(f"{type(e).__name__}: {e}")
             log.error("model loading failed: %s", self.lifecycle.error)
 
+    def label_metrics(self, names: list[str]) -> None:
+        """The models with series of their own (``metrics_models``; ``names``: those served at start)."""
+        chosen = self.settings.metrics_models
+        self.metrics.label_models(None if chosen == ["all"] else names if chosen == ["pinned"] else chosen)
+
     async def _connect(self) -> None:
         """A front of several: serve what the engine host serves (tokenizers and manifests here, its weights and
-        batchers there); on failure record why (the front then exits)."""
-        from service.serving.fronts import HostLink, RemoteBatcher, RemotePlanner
-        from service.serving.inference import Backbone
+        batchers there), as it changes; on failure record why (the front then exits)."""
+        from service.serving.fronts import HostLink, RemoteControl, serve_models
 
         assert self.host is not None
         try:
-            self.link = await HostLink.connect(self.host, os.getpid())
-            loop = asyncio.get_running_loop()
-            names = [model_of(key) for info in self.link.models.backbones for key in info.folders]
-            chosen = self.settings.metrics_models
-            self.metrics.label_models(None if chosen == ["all"] else names if chosen == ["pinned"] else chosen)
-            for info in self.link.models.backbones:
-                planner = await loop.run_in_executor(None, RemotePlanner, info)
-                backbone = Backbone(planner, RemoteBatcher(self.link, info.name))  # type: ignore[arg-type]
-                self.inference.add(backbone)
-                for key in planner.models:
-                    self.published(backbone, model_of(key), Path(info.folders[key]),
-                                   float(info.descriptions[key].get("load_seconds", 0.0)))
-            if self.link.models.default_model is not None:
-                self.default_model = self.link.models.default_model
+            self.link = await HostLink.connect(self.host, os.getpid(), functools.partial(serve_models, self))
+            self.control = RemoteControl(self.link)  # type: ignore[assignment]
             self.lifecycle.loaded()
         except Exception as e:
             self.lifecycle.fail(f"{type(e).__name__}: {e}")

@@ -5,7 +5,9 @@ host answers numbers (:class:`~service.serving.contract.Result`); each side buil
 
 A front opens one connection, says :class:`Hello` and gets :class:`Models`; then :class:`Run` (one request's texts
 on one backbone) is answered by :class:`Answered` or :class:`Refused` with the same ``id``, and :class:`Cancel`
-drops a request whose client has gone. The host sends :class:`Models` again whenever the models it serves change.
+drops a request whose client has gone. The host sends :class:`Models` again whenever the models it serves change,
+and each front answers :class:`Applied`; a repository request a front takes goes to the host as :class:`Control`,
+answered by :class:`Controlled` once every front serves the change.
 """
 
 from __future__ import annotations
@@ -41,10 +43,41 @@ class BackboneInfo(msgspec.Struct):
 
 
 class Models(msgspec.Struct, tag=True):
-    """What the host serves: every backbone group, and the model behind ``/v1/classify``."""
+    """What the host serves: every backbone group (with every head it holds, retired ones still answering what
+    they took included), the head each model's name serves from (``served``: name -> head key), and the model
+    behind ``/v1/classify``. ``version`` counts the changes: a front answers :class:`Applied` with it."""
 
+    version: int
     backbones: list[BackboneInfo]
+    served: dict[str, str]
     default_model: str | None
+
+
+class Applied(msgspec.Struct, tag=True):
+    """A front serves what :class:`Models` of ``version`` says (the host's change of models returns after every
+    front has said so)."""
+
+    version: int
+
+
+class Control(msgspec.Struct, tag=True):
+    """A repository request a front took (Triton's repository extension: ``index``, ``load``, ``unload``), for the
+    host's model control to carry out once for the whole server."""
+
+    id: int
+    op: Literal["index", "load", "unload"]
+    name: str = ""
+    ready_only: bool = False
+
+
+class Controlled(msgspec.Struct, tag=True):
+    """The answer to :class:`Control` ``id``: ``status`` 200 and the index's ``entries``, or the error's status and
+    message."""
+
+    id: int
+    status: int
+    message: str = ""
+    entries: list[dict[str, str]] = msgspec.field(default_factory=list)
 
 
 class Job(msgspec.Struct, array_like=True):
@@ -89,8 +122,8 @@ class Refused(msgspec.Struct, tag=True):
     message: str
 
 
-ToHost = Hello | Run | Cancel
-ToFront = Models | Answered | Refused
+ToHost = Hello | Run | Cancel | Applied | Control
+ToFront = Models | Answered | Refused | Controlled
 
 _encoder = msgspec.msgpack.Encoder()
 _to_host = msgspec.msgpack.Decoder(ToHost)

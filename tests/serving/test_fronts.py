@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import signal
 import time
 from collections.abc import Iterator
@@ -20,6 +21,7 @@ from pydantic import ValidationError
 
 from service.bench.server import descendants, is_backbone_process
 from service.config import Settings
+from tests.conftest import write_tiny_model
 from tests.serving.server import Server, in_flight, metric, side_by_side
 
 TEXTS = ["a short text", "another text that is somewhat longer than the first one", "x"]
@@ -165,10 +167,58 @@ def test_a_drain_answers_every_accepted_request_and_a_dead_front_is_started_agai
         a if isinstance(a, Exception) else a.status_code for a in answers]
 
 
-def test_several_fronts_serve_the_models_loaded_at_start() -> None:
-    for bad in ({"model_control": "poll"}, {"head_cache_bytes": 10_000_000}):
-        with pytest.raises(ValidationError, match="workers > 1 serves the models loaded at start"):
-            Settings(workers=2, **bad)
+def test_several_fronts_have_no_head_cache_yet() -> None:
+    with pytest.raises(ValidationError, match="workers > 1 and a head cache"):
+        Settings(workers=2, head_cache_bytes=10_000_000)
+
+
+def test_a_model_loaded_through_the_repository_api_answers_from_every_front(tiny_backbone_dir: Path,
+                                                                              tmp_path: Path) -> None:
+    """A load (or an unload) through either front returns once every front serves the change: requests over new
+    connections right after it, spread over both fronts, all get the new model (or all 404). The model loaded names a
+    backbone of its own (a copy of the tiny one's folder): each front then loads its tokenizer before it serves it."""
+    repo = tmp_path / "repo"
+    write_tiny_model(repo, tiny_backbone_dir, name="tiny")
+    folder = write_tiny_model(repo, Path(shutil.copytree(tiny_backbone_dir, tmp_path / "backbone-b")), name="tiny-b",
+                              seed=1)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["backbone"]["revision"] = "copy"  # a group of its own, by its name too
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    admin = {"headers": {"Authorization": "Bearer admin-key"}, "timeout": 120}  # a new backbone's process: seconds
+    (server,) = side_by_side(tmp_path, {"model_repository": repo, "models": "tiny", "default_model": "tiny",
+                                        "workers": 2, "model_control": "explicit", "admin_keys": "admin-key"})
+    try:
+        (alone,) = side_by_side(tmp_path / "alone", {"model_repository": repo, "models": "tiny-b",
+                                                     "default_model": "tiny-b"})
+        want = httpx.post(f"{alone.url}/v1/models/tiny-b/classify", json={"inputs": TEXTS}).json()
+        assert alone.stop() == 0
+
+        def everywhere(path: str, expect: int) -> list[httpx.Response]:
+            cpu = {p: Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[11:13] for p in fronts(server)}
+            got = [httpx.post(f"{server.url}{path}", json={"inputs": TEXTS}) for _ in range(30)]  # new connections
+            assert [r.status_code for r in got] == [expect] * 30, [r.text for r in got if r.status_code != expect]
+            moved = [p for p, was in cpu.items() if Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[
+                11:13] != was]
+            assert len(moved) == 2, "both fronts answered"
+            return got
+
+        everywhere("/v1/models/tiny-b/classify", 404)
+        index = httpx.post(f"{server.url}/v2/repository/index", json={}, **admin).json()
+        assert {e["name"]: e["state"] for e in index} == {"tiny": "READY", "tiny-b": "UNAVAILABLE"}
+        assert httpx.post(f"{server.url}/v2/repository/models/tiny-b/load", json={}, **admin).status_code == 200
+        for r in everywhere("/v1/models/tiny-b/classify", 200):
+            close(r.json(), want)
+        assert httpx.post(f"{server.url}/v2/repository/models/tiny-b/load", json={}, **admin).status_code == 200
+        everywhere("/v1/models/tiny-b/classify", 200)  # reloaded: answers on
+        bad = httpx.post(f"{server.url}/v2/repository/models/nope/load", json={}, **admin)
+        assert bad.status_code == 404 and "no model folder 'nope'" in bad.json()["error"]
+        assert httpx.post(f"{server.url}/v2/repository/models/tiny-b/unload", json={}, **admin).status_code == 200
+        everywhere("/v1/models/tiny-b/classify", 404)
+        everywhere("/v1/models/tiny/classify", 200)
+        models = httpx.get(f"{server.url}/v1/models").json()["models"]
+        assert [m["name"] for m in models] == ["tiny"]
+    finally:
+        assert server.stop() == 0
 
 
 async def test_a_cancelled_request_is_dropped_on_the_host(servers: tuple[Server, Server]) -> None:

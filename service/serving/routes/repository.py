@@ -74,7 +74,7 @@ async def index(request: Request, state: State) -> list[dict[str, str]]:
     ready = (await _body(request)).get("ready", False)
     if not isinstance(ready, bool):
         raise APIError(400, "ready must be a bool")
-    return [e.json() for e in state.control.index(ready_only=ready)]
+    return await state.control.entries(ready_only=ready)
 
 
 @repository.post("/models/{model}/load", summary="Load a model from its folder, or reload it")
