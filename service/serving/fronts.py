@@ -47,6 +47,8 @@ from service.serving.wire import (
     Models,
     Refused,
     Run,
+    Scrape,
+    Scraped,
     frame,
     read_to_front,
 )
@@ -107,7 +109,7 @@ class HostLink:
                     continue
                 if isinstance(msg, Answered):
                     future.set_result(msg.answers)
-                elif isinstance(msg, Controlled):
+                elif isinstance(msg, Controlled | Scraped):
                     future.set_result(msg)
                 else:
                     future.set_exception(_refusal(msg))
@@ -158,6 +160,16 @@ class HostLink:
         self._waiting[k] = future
         self._writer.write(frame(Control(k, op, name, ready_only)))
         return await future
+
+    async def scrape(self) -> bytes:
+        """The host's readings for ``/metrics`` (see :meth:`~service.serving.metrics.Metrics.reading`)."""
+        if self.closed:
+            return b""
+        k = next(self._ids)
+        future: asyncio.Future[Scraped] = asyncio.get_running_loop().create_future()
+        self._waiting[k] = future
+        self._writer.write(frame(Scrape(k)))
+        return (await future).text
 
     async def close(self) -> None:
         self._writer.close()

@@ -43,6 +43,8 @@ from service.serving.wire import (
     Models,
     Refused,
     Run,
+    Scrape,
+    Scraped,
     frame,
     read_to_host,
 )
@@ -134,6 +136,8 @@ class EngineHost:
                     async with self._applied:
                         self.fronts[writer] = max(self.fronts.get(writer, 0), msg.version)
                         self._applied.notify_all()
+                elif isinstance(msg, Scrape):
+                    writer.write(frame(Scraped(msg.id, self.state.metrics.reading())))
                 elif isinstance(msg, Control):
                     self._controls.add(task := asyncio.create_task(self._control(msg, writer)))
                     task.add_done_callback(self._controls.discard)

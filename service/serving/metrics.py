@@ -130,10 +130,11 @@ class Metrics:
         ProcessCollector(namespace="routing", registry=r)  # routing_process_resident_memory_bytes, cpu, fds
         _GcCollector.install()
         r.register(_GcCollector())
-        if device_memory is not None:
-            r.register(_DeviceMemoryCollector(device_memory))
-        if backbone_processes is not None:
-            r.register(_BackboneProcessCollector(backbone_processes))
+        self.readings = CollectorRegistry()  # what a process reads of the devices and the backbones' processes
+        for collector in ([_DeviceMemoryCollector(device_memory)] if device_memory is not None else []) + (
+                [_BackboneProcessCollector(backbone_processes)] if backbone_processes is not None else []):
+            r.register(collector)
+            self.readings.register(collector)
         self.requests = Counter("routing_requests_total", "HTTP requests by endpoint and status code",
                                 ["endpoint", "status"], registry=r)
         self.request_duration = Histogram("routing_request_duration_seconds", "HTTP request duration",
@@ -196,13 +197,19 @@ class Metrics:
     def exposition(self) -> bytes:
         """The ``/metrics`` page. In a server of several processes (fronts and an engine host, each writing its
         series under ``PROMETHEUS_MULTIPROC_DIR``): every process's series merged, counters and histograms summed,
-        the in-flight and queue gauges summed over the live processes, the models' gauges their largest value;
-        the per-process collectors (CPU, memory, garbage collector, CUDA memory) are not merged there yet."""
+        the in-flight and queue gauges summed over the live processes, the models' gauges their largest value (the
+        front adds the engine host's :meth:`reading`); the ``routing_process_*`` series of each process are left
+        out there."""
         if not MULTIPROCESS:
             return generate_latest(self.registry)
         merged = CollectorRegistry()
         MultiProcessCollector(merged)
         return generate_latest(merged)
+
+    def reading(self) -> bytes:
+        """The readings of this process's backbones and devices (their processes' memory and restarts, CUDA
+        memory), as Prometheus text: what an engine host adds to its fronts' ``/metrics``."""
+        return generate_latest(self.readings)
 
     def label_models(self, names: Iterable[str] | None) -> None:
         """From now on only the models ``names`` (None: every model) have series of their own; every other model's

@@ -122,8 +122,21 @@ class Refused(msgspec.Struct, tag=True):
     message: str
 
 
-ToHost = Hello | Run | Cancel | Applied | Control
-ToFront = Models | Answered | Refused | Controlled
+class Scrape(msgspec.Struct, tag=True):
+    """A front answers ``/metrics``: the host's own readings (its backbones' processes, CUDA memory), as text."""
+
+    id: int
+
+
+class Scraped(msgspec.Struct, tag=True):
+    """The answer to :class:`Scrape` ``id``: Prometheus text of the host's readings."""
+
+    id: int
+    text: bytes
+
+
+ToHost = Hello | Run | Cancel | Applied | Control | Scrape
+ToFront = Models | Answered | Refused | Controlled | Scraped
 
 _encoder = msgspec.msgpack.Encoder()
 _to_host = msgspec.msgpack.Decoder(ToHost)

@@ -38,9 +38,13 @@ def servers(tiny_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 
 
 def fronts(server: Server) -> list[int]:
-    """The front processes of a server of several."""
-    return [p for p in descendants(server.proc.pid)
-            if b"service.serving.fronts" in Path(f"/proc/{p}/cmdline").read_bytes()]
+    """The front processes of a server of several (running now)."""
+    def command(pid: int) -> bytes:
+        try:
+            return Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:  # it exited meanwhile
+            return b""
+    return [p for p in descendants(server.proc.pid) if b"service.serving.fronts" in command(p)]
 
 
 def close(a: object, b: object, path: str = "") -> None:
@@ -116,6 +120,8 @@ def test_metrics_count_every_front(servers: tuple[Server, Server]) -> None:
         before, "routing_texts_processed_total", model="tiny") == n
     assert metric(after, "routing_batch_size_count") - metric(before, "routing_batch_size_count") >= 1
     assert metric(after, "routing_model_info", model="tiny") == 1  # each process says so; counted once
+    assert metric(after, "routing_backbone_process_resident_memory_bytes", backbone="tiny-bert@random") > 1e6
+    assert after.count("# TYPE routing_backbone_process_resident_memory_bytes") == 1  # the host's reading, once
     busy = [p for p, was in cpu.items() if Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[11:13] != was]
     assert len(busy) == 2, "both fronts answered some of the requests"
 

@@ -35,4 +35,7 @@ async def metrics(state: State, authorization: Annotated[str | None, Header(incl
                   ) -> Response:
     if state.settings.protect_metrics:
         check_key(state, authorization)
-    return Response(state.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+    body = state.metrics.exposition()
+    if state.link is not None:  # a front of several: the engine host's readings too
+        body += await state.link.scrape()
+    return Response(body, media_type=CONTENT_TYPE_LATEST)
