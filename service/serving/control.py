@@ -19,7 +19,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from service.modeling.manifest import MANIFEST, MODEL_NAME, NAME_RULE, WEIGHTS, ModelLoadError, discover, read_manifest
 from service.serving.errors import APIError
@@ -122,6 +122,10 @@ class ModelControl:
     async def entries(self, ready_only: bool = False) -> list[dict[str, str]]:
         """The repository index (see :meth:`index`) as the API answers it."""
         return [e.json() for e in self.index(ready_only)]
+
+    async def statistics(self, names: list[str]) -> dict[str, Any]:
+        """Models ``names``' inference statistics (Triton's shape)."""
+        return self.app.metrics.stats.json(names)
 
     async def load(self, name: str) -> float:
         """Load model ``name`` from its folder, or reload it if it serves; returns the seconds it took.

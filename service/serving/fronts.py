@@ -150,15 +150,15 @@ class HostLink:
             self._writer.write(frame(Cancel(k)))
         return True
 
-    async def control(self, op: Literal["index", "load", "unload"], name: str = "", ready_only: bool = False
-                      ) -> Controlled:
-        """A repository request carried out by the host (for every front at once)."""
+    async def control(self, op: Literal["index", "load", "unload", "stats"], name: str = "", ready_only: bool = False,
+                      names: list[str] | None = None) -> Controlled:
+        """A repository request carried out by the host (for every front at once), or the models' statistics."""
         if self.closed:
             raise HostGone("the engine host has exited")
         k = next(self._ids)
         future: asyncio.Future[Controlled] = asyncio.get_running_loop().create_future()
         self._waiting[k] = future
-        self._writer.write(frame(Control(k, op, name, ready_only)))
+        self._writer.write(frame(Control(k, op, name, ready_only, names or [])))
         return await future
 
     async def scrape(self) -> bytes:
@@ -299,10 +299,14 @@ class RemoteControl:
     async def unload(self, name: str) -> None:
         await self._ask("unload", name)
 
-    async def _ask(self, op: Literal["index", "load", "unload"], name: str = "", ready_only: bool = False
-                   ) -> Controlled:
+    async def statistics(self, names: list[str]) -> dict[str, Any]:
+        """Models ``names``' statistics as the host counts them (every front's requests)."""
+        return (await self._ask("stats", names=names)).stats
+
+    async def _ask(self, op: Literal["index", "load", "unload", "stats"], name: str = "", ready_only: bool = False,
+                   names: list[str] | None = None) -> Controlled:
         try:
-            got = await self.link.control(op, name, ready_only)
+            got = await self.link.control(op, name, ready_only, names)
         except HostGone as e:
             raise errors.unavailable(str(e), "draining") from None
         if got.status != 200:

@@ -226,7 +226,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
                 inf.backbone_of(request.name)
                 check_version(request.version or "1")
             names = [request.name] if request.name else inf.resolve("all")
-            stats = self.state.metrics.stats.json(names)
+            stats = await self.state.control.statistics(names)
             return json_format.ParseDict(stats, pb.ModelStatisticsResponse(), ignore_unknown_fields=True)
         return await self._call(context, "ModelStatistics", work)
 

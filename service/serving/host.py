@@ -160,6 +160,8 @@ class EngineHost:
         try:
             if msg.op == "index":
                 reply.entries = await control.entries(ready_only=msg.ready_only)
+            elif msg.op == "stats":
+                reply.stats = self.state.metrics.stats.json(msg.names)
             elif msg.op == "load":
                 await control.load(msg.name)
             else:
@@ -181,6 +183,7 @@ class EngineHost:
             jobs = [TextJob.of(job.encoding, job.asks) for job in msg.jobs]
             chunks = [w for job in jobs for w in job.chunks()]
             keys = list({ask.model or backbone.engine.default for job in jobs for ask in job.asks})
+            started = time.perf_counter()
             try:
                 with self.state.inference.holding(keys):  # a retired head answers what it took before it goes
                     got = await backbone.batcher.submit(chunks, [w.cost for w in chunks], msg.deadline,
@@ -194,6 +197,10 @@ class EngineHost:
                 reply = Refused(msg.id, "deadline", str(e))
             except Exception as e:  # the batch failed: the front answers 500 with why
                 reply = Refused(msg.id, "failed", f"{type(e).__name__}: {e}")
+            # every front's requests in one place (/v2/models/stats); their time here: queued and computed
+            self.state.metrics.stats.answered(sorted({model_of(k) for k in keys}), time.perf_counter() - started,
+                                              ok=isinstance(reply, Answered) and all(
+                                                  not r.error for answer in reply.answers for r in answer))
         with contextlib.suppress(ConnectionError):
             writer.write(frame(reply))
 

@@ -62,22 +62,25 @@ class Applied(msgspec.Struct, tag=True):
 
 class Control(msgspec.Struct, tag=True):
     """A repository request a front took (Triton's repository extension: ``index``, ``load``, ``unload``), for the
-    host's model control to carry out once for the whole server."""
+    host's model control to carry out once for the whole server; or the statistics of models ``names`` (``stats``:
+    the host counts every front's requests)."""
 
     id: int
-    op: Literal["index", "load", "unload"]
+    op: Literal["index", "load", "unload", "stats"]
     name: str = ""
     ready_only: bool = False
+    names: list[str] = msgspec.field(default_factory=list)
 
 
 class Controlled(msgspec.Struct, tag=True):
-    """The answer to :class:`Control` ``id``: ``status`` 200 and the index's ``entries``, or the error's status and
-    message."""
+    """The answer to :class:`Control` ``id``: ``status`` 200 with the index's ``entries`` or the ``stats``, or the
+    error's status and message."""
 
     id: int
     status: int
     message: str = ""
     entries: list[dict[str, str]] = msgspec.field(default_factory=list)
+    stats: dict[str, Any] = msgspec.field(default_factory=dict)
 
 
 class Job(msgspec.Struct, array_like=True):

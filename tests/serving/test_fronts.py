@@ -107,12 +107,15 @@ def test_metrics_count_every_front(servers: tuple[Server, Server]) -> None:
     engine host's batches with them."""
     _, two = servers
     page = lambda: httpx.get(f"{two.url}/metrics").text  # noqa: E731
-    before = page()
+    stats = lambda: httpx.get(f"{two.url}/v2/models/tiny/stats").json()["model_stats"][0]  # noqa: E731
+    before, counted = page(), stats()
     cpu = {p: (Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[11:13]) for p in fronts(two)}
     n = 40
     for _ in range(n):
         assert httpx.post(f"{two.url}/v1/classify", json={"inputs": ["count me"]}).status_code == 200
-    after = page()
+    after, now = page(), stats()
+    assert now["inference_stats"]["success"]["count"] - counted["inference_stats"]["success"]["count"] == n
+    assert now["inference_count"] - counted["inference_count"] == n  # Triton's statistics, every front's requests
     ok = 'endpoint="/v1/classify",status="200"'
     assert (metric(after, "routing_requests_total", endpoint="/v1/classify", status="200")
             - metric(before, "routing_requests_total", endpoint="/v1/classify", status="200")) == n, ok

@@ -95,7 +95,7 @@ async def unload(request: Request, state: State, model: str) -> dict[str, Any]:
 
 @stats.get("/models/stats", summary="Inference statistics of every model")
 async def all_stats(state: State) -> dict[str, Any]:
-    return state.metrics.stats.json(state.inference.resolve("all"))
+    return await state.control.statistics(state.inference.resolve("all"))
 
 
 @stats.get("/models/{model}/stats", summary="Inference statistics of one model")
@@ -104,4 +104,4 @@ async def all_stats(state: State) -> dict[str, Any]:
 async def model_stats(state: State, model: str, version: str = "1") -> dict[str, Any]:
     state.inference.backbone_of(model)
     check_version(version)
-    return state.metrics.stats.json([model])
+    return await state.control.statistics([model])
