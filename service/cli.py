@@ -590,6 +590,8 @@ def bench_serve(
     peer_rounds: Annotated[int, typer.Option(min=1, help="Turns of the peer comparison")] = 2,
     baseline: Annotated[Path | None, typer.Option(help="A checkout of this repository (e.g. a git worktree of "
                                                        "an earlier commit) to serve beside the peers")] = None,
+    workers: Annotated[str, typer.Option(help="Also this service with these numbers of front processes "
+                                              "(ROUTING_WORKERS), beside the peers (comma-separated)")] = "",
     out: Annotated[Path, typer.Option(help="JSON result file")] = Path("bench-results/serve.json"),
 ) -> None:
     """Served throughput and latency vs. concurrency, batching on vs. off, thread settings, short requests
@@ -630,7 +632,12 @@ def bench_serve(
     if baseline is not None and not (baseline / "service" / "__init__.py").is_file():
         typer.echo(f"--baseline {baseline}: not a checkout of this repository (no service/ package)", err=True)
         raise typer.Exit(2)
-    plan = Plan(names, baseline, peer_levels, open_fractions, peer_rounds) if names or baseline is not None else None
+    fronts = numbers(workers, "--workers", required=False)
+    if any(n < 2 for n in fronts):
+        raise typer.BadParameter("numbers of fronts of at least 2 (one front is this service itself)",
+                                 param_hint="--workers")
+    plan = (Plan(names, baseline, peer_levels, open_fractions, peer_rounds, fronts)
+            if names or baseline is not None or fronts else None)
     sb.run(model=model, preset=preset or model, levels=levels, duration=duration,
            n_texts=n_texts, repository=model_repository, device=device, max_wait_ms=max_wait_ms,
            max_batch_size=max_batch_size, offline_batch_sizes=sizes,

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
@@ -45,18 +45,21 @@ def peer_stats(server: PeerServer) -> Stats:
 
 
 def start(peers: list[str], repository: Path, model: str, device: str, max_batch_size: int, max_wait_ms: float,
-          logs: Path, baseline: Path | None) -> list[Contender]:
-    """This service (defaults but the batch settings), the baseline's and each peer, all up and answering."""
+          logs: Path, baseline: Path | None, fronts: Sequence[int] = ()) -> list[Contender]:
+    """This service (defaults but the batch settings), with each number of ``fronts`` too, the baseline's and each
+    peer, all up and answering."""
     settings = {"model_repository": repository.resolve(), "models": model, "default_model": model,
                 "max_queue": 100000, "device": device, "max_batch_size": max_batch_size, "max_wait_ms": max_wait_ms}
-    local = [(THIS, None), *([("baseline", baseline)] if baseline else [])]
+    local: list[tuple[str, Path | None, dict[str, object]]] = [
+        (THIS, None, {}), *((f"{THIS}, {n} fronts", None, {"workers": n}) for n in fronts),
+        *([("baseline", baseline, {})] if baseline else [])]
     servers = ready_together([
-        *(functools.partial(LocalServer, logs, checkout=checkout, **settings) for _, checkout in local),
+        *(functools.partial(LocalServer, logs, checkout=checkout, **settings, **more) for _, checkout, more in local),
         *(functools.partial(PeerServer, logs, peer, (repository / model).resolve(), device, max_batch_size,
                             max_wait_ms) for peer in peers)])
     return [Contender(name, s, s.path, peer_stats(s), s.cpu) if isinstance(s, PeerServer)
             else Contender(name, s, "/v1/classify", metrics_stats(s.url), s.cpu)
-            for name, s in zip([name for name, _ in local] + peers, servers, strict=True)]
+            for name, s in zip([name for name, _, _ in local] + peers, servers, strict=True)]
 
 
 def stop(contenders: list[Contender]) -> None:
@@ -177,17 +180,21 @@ class Plan:
     levels: list[int]
     open_fractions: list[float]
     rounds: int
+    fronts: list[int] = field(default_factory=list)
+    """Also this service with each of these numbers of front processes (``ROUTING_WORKERS``)."""
 
 
 def measure(plan: Plan, repository: Path, model: str, device: str, max_batch_size: int, max_wait_ms: float,
             logs: Path, texts: list[str], seconds: float,
             engine: dict[int, Callable[[], float]] | None = None) -> dict[str, Any]:
     """Start every contender, compare them (see :func:`compare`, ``engine`` too), stop them; print the tables."""
-    names = [THIS, *(["baseline"] if plan.baseline else []), *plan.peers]
+    names = [THIS, *(f"{THIS}, {n} fronts" for n in plan.fronts), *(["baseline"] if plan.baseline else []),
+             *plan.peers]
     echo(f"  {', '.join(names)}: each measured while the others are paused, closed loops at {plan.levels} and "
          f"open loops at {plan.open_fractions} of capacity, {plan.rounds} rounds in turns, {seconds:.0f} s each",
          err=True)
-    contenders = start(plan.peers, repository, model, device, max_batch_size, max_wait_ms, logs, plan.baseline)
+    contenders = start(plan.peers, repository, model, device, max_batch_size, max_wait_ms, logs, plan.baseline,
+                       plan.fronts)
     try:
         result = compare(contenders, texts, plan.levels, seconds, plan.rounds, plan.open_fractions, engine)
         result["versions"] = {peer: version(peer) for peer in plan.peers}

@@ -130,3 +130,18 @@ def test_the_engine_alone_computes_the_clients_batches_and_each_server_gets_its_
     assert summary["peers_of_engine_alone"][1] == pytest.approx(
         {n: m["of_engine_alone"] for n, m in one["summary"].items()})
     assert (tmp_path / "serve.json").exists()
+
+
+def test_this_service_with_several_fronts_is_a_contender_of_its_own(tiny_repo: Path, tmp_path: Path) -> None:
+    """``bench serve --workers 2``: the same service with two fronts beside the one-front server, measured in turns;
+    its CPU counts every process of it (supervisor, fronts, engine host: server; backbone: models)."""
+    contenders = versus.start([], tiny_repo, "tiny", "cpu", 4, 2.0, tmp_path, None, [2])
+    try:
+        assert [c.name for c in contenders] == [versus.THIS, f"{versus.THIS}, 2 fronts"]
+        result = versus.compare(contenders, ["a short text", "another one"], [2], 0.5, 1, [])
+        summary = result["closed"][2]["summary"]
+        assert all(m["throughput"] > 0 for m in summary.values())
+        cpu = contenders[1].cpu()
+        assert cpu is not None and cpu["server"] > 0 and cpu["models"] > 0
+    finally:
+        versus.stop(contenders)
