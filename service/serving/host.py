@@ -94,15 +94,18 @@ class EngineHost:
                         [v for v in self.fronts.values() if v < version], version)
 
     async def serve(self) -> bool:
-        """Load the models and answer the fronts until SIGTERM, then drain; False if the models could not load."""
+        """Load the models and answer the fronts until SIGTERM, then drain; False if the models could not load (a
+        SIGTERM while they load stops their processes: True, and nothing served)."""
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, self._stop)
+        loop.add_signal_handler(signal.SIGINT, lambda: None)  # the supervisor decides
         await self.state.load()
+        if self.state.launches.stopped:
+            return True
         if self.state.lifecycle.failed:
             print(f"failed: {self.state.lifecycle.error}", flush=True)
             return False
         server = await asyncio.start_unix_server(self.front, path=str(self.path))
-        loop = asyncio.get_running_loop()
-        loop.add_signal_handler(signal.SIGTERM, self._stopping.set)
-        loop.add_signal_handler(signal.SIGINT, lambda: None)  # Ctrl-C reaches the group: the supervisor decides
         print("ready", flush=True)
         async with server:
             await self._stopping.wait()
@@ -114,6 +117,12 @@ class EngineHost:
             server.close()
         await self.state.close(timeout_s=1.0)
         return True
+
+    def _stop(self) -> None:
+        """SIGTERM: drain once loaded; while loading, stop the backbones' processes loading."""
+        self._stopping.set()
+        if self.state.lifecycle.loading:
+            self.state.launches.stop()
 
     async def front(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """One front's connection: its requests, each answered on its own task, until it closes."""

@@ -61,18 +61,36 @@ def run_supervisor(settings: Settings) -> int:
     """Serve with ``settings.workers`` fronts over one engine host until SIGTERM or Ctrl-C; the exit code (1: the
     models could not be loaded; 3: a front could not listen)."""
     folder = Path(tempfile.mkdtemp(prefix="routing-"))
+    try:
+        return _supervise(settings, folder)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _supervise(settings: Settings, folder: Path) -> int:
+    """:func:`run_supervisor` with ``folder`` for the host's socket and the metrics' files."""
     path = folder / "host.sock"
     (folder / "metrics").mkdir()  # each process's series, merged by whichever front answers /metrics
     env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(folder / "metrics")}
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    stop, loaded = threading.Event(), threading.Event()
     host = _child("service.serving.host", [str(path)], settings, env, stdout=subprocess.PIPE)
+
+    def on_signal(*_: object) -> None:
+        stop.set()
+        if not loaded.is_set():  # a signal while the models load stops them instead of waiting for them
+            host.terminate()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     assert host.stdout is not None
     line = host.stdout.readline().decode().strip()  # "ready" once the models are loaded
+    loaded.set()
     if line != "ready":
-        log.error("exiting: %s", line.removeprefix("failed: ") or f"the engine host exited (code {host.wait()})")
-        host.wait()
+        code = host.wait()
+        if stop.is_set():
+            log.info("stopped while the models loaded")
+            return 0
+        log.error("exiting: %s", line.removeprefix("failed: ") or f"the engine host exited (code {code})")
         return 1
     fronts = {k: _child("service.serving.fronts", [str(k), str(path)], settings, env) for k in range(settings.workers)}
     log.info("%d fronts (processes %s) over the engine host (process %d) on %s:%d", settings.workers,
@@ -109,7 +127,6 @@ def run_supervisor(settings: Settings) -> int:
     except subprocess.TimeoutExpired:
         host.kill()
         host.wait()
-    shutil.rmtree(folder, ignore_errors=True)
     log.info("stopped")
     return code
 

@@ -154,26 +154,31 @@ def test_one_queue_for_the_whole_server(tiny_repo: Path, tmp_path: Path) -> None
 def test_a_drain_answers_every_accepted_request_and_a_dead_front_is_started_again(tiny_repo: Path,
                                                                                    tmp_path: Path) -> None:
     (server,) = side_by_side(tmp_path, {"model_repository": tiny_repo, "default_model": "tiny", "workers": 2})
-    killed = fronts(server)[0]
-    os.kill(killed, signal.SIGKILL)
-    for _ in range(300):  # started again; the server answers meanwhile through the other front
-        assert httpx.post(f"{server.url}/v1/classify", json={"inputs": ["still here"]}, timeout=30).status_code == 200
-        if len(now := fronts(server)) == 2 and killed not in now:
-            break
-        time.sleep(0.1)
-    assert len(fronts(server)) == 2 and killed not in fronts(server)
-    assert "front 0 exited" in server.log() or "front 1 exited" in server.log()
-    backbone = next(p for p in descendants(server.proc.pid) if is_backbone_process(p))
-    os.kill(backbone, signal.SIGSTOP)  # requests pile up in flight
-    answers: list[httpx.Response | httpx.TransportError] = []
-    held = in_flight(server, [{"inputs": [f"drained {k}"]} for k in range(12)], answers.append)
-    server.proc.send_signal(signal.SIGTERM)  # the supervisor: every front drains
-    time.sleep(0.5)
-    os.kill(backbone, signal.SIGCONT)
-    held.join()
-    assert server.proc.wait(60) == 0
-    assert len(answers) == 12 and all(isinstance(a, httpx.Response) and a.status_code == 200 for a in answers), [
-        a if isinstance(a, Exception) else a.status_code for a in answers]
+    try:
+        killed = fronts(server)[0]
+        os.kill(killed, signal.SIGKILL)
+        for _ in range(300):  # started again; the server answers meanwhile through the other front
+            answer = httpx.post(f"{server.url}/v1/classify", json={"inputs": ["still here"]}, timeout=30)
+            assert answer.status_code == 200
+            if len(now := fronts(server)) == 2 and killed not in now:
+                break
+            time.sleep(0.1)
+        assert len(fronts(server)) == 2 and killed not in fronts(server)
+        assert "front 0 exited" in server.log() or "front 1 exited" in server.log()
+        backbone = next(p for p in descendants(server.proc.pid) if is_backbone_process(p))
+        os.kill(backbone, signal.SIGSTOP)  # requests pile up in flight
+        answers: list[httpx.Response | httpx.TransportError] = []
+        held = in_flight(server, [{"inputs": [f"drained {k}"]} for k in range(12)], answers.append)
+        server.proc.send_signal(signal.SIGTERM)  # the supervisor: every front drains
+        time.sleep(0.5)
+        os.kill(backbone, signal.SIGCONT)
+        held.join()
+        assert server.proc.wait(60) == 0
+        assert len(answers) == 12 and all(isinstance(a, httpx.Response) and a.status_code == 200 for a in answers), [
+            a if isinstance(a, Exception) else a.status_code for a in answers]
+    finally:
+        if server.proc.poll() is None:  # the test failed before its drain
+            server.stop()
 
 
 def test_several_fronts_have_no_head_cache_yet() -> None:

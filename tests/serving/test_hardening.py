@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from service.bench.server import children, process_state
+from service.bench.server import descendants, process_state
 from tests.conftest import write_tiny_model
 from tests.serving.server import Server, in_flight, metric, running
 
@@ -210,12 +210,15 @@ def test_a_port_in_use_fails_at_once_before_any_model_loads(tiny_repo: Path, log
     assert "loading models" not in log and "computes in" not in log  # nothing was loaded
 
 
-def test_sigterm_while_the_models_load_stops_their_process_and_exits_0(tiny_repo: Path, logs: Path) -> None:
-    server = Server(logs, model_repository=tiny_repo, default_model="tiny")
+@pytest.mark.parametrize("workers", [1, 2])
+def test_sigterm_while_the_models_load_stops_their_process_and_exits_0(tiny_repo: Path, logs: Path,
+                                                                        workers: int) -> None:
+    """With two fronts, the signal reaches the supervisor, which stops the engine host while it loads."""
+    server = Server(logs, model_repository=tiny_repo, default_model="tiny", workers=workers)
     end = time.monotonic() + 60
     while "loading models" not in server.full_log() and time.monotonic() < end:
         time.sleep(0.02)
-    loading = children(server.proc.pid)  # the backbone's process, importing torch (or about to start)
+    loading = descendants(server.proc.pid)  # the backbone's process, importing torch (or about to start); the host
     t0 = time.monotonic()
     server.terminate()
     code = server.proc.wait(30)
