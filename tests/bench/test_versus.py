@@ -141,6 +141,7 @@ def test_this_service_with_several_fronts_is_a_contender_of_its_own(tiny_repo: P
         result = versus.compare(contenders, ["a short text", "another one"], [2], 0.5, 1, [])
         summary = result["closed"][2]["summary"]
         assert all(m["throughput"] > 0 for m in summary.values())
+        assert all(0 < m["front_cpu_ms"] < m["server_cpu_ms"] for m in summary.values())  # per text: fronts, all
         cpu = contenders[1].cpu()
         assert cpu is not None and cpu["server"] > 0 and cpu["models"] > 0
     finally:
