@@ -203,10 +203,22 @@ def measure(plan: Plan, repository: Path, model: str, device: str, max_batch_siz
     try:
         result = compare(contenders, texts, plan.levels, seconds, plan.rounds, plan.open_fractions, engine)
         result["versions"] = {peer: version(peer) for peer in plan.peers}
+        result["pss_mib"] = memory(contenders)
     finally:
         stop(contenders)
     report(result)
     return result
+
+
+def memory(contenders: list[Contender]) -> dict[str, dict[str, float]]:
+    """This service's servers' proportional set size now (MiB), after the comparison: the backbones' processes and
+    the rest (see ``LocalServer.pss``)."""
+    out = {}
+    for c in contenders:
+        pss = c.server.pss() if isinstance(c.server, LocalServer) else None
+        if pss is not None:
+            out[c.name] = {**{part: b / 2**20 for part, b in pss.items()}, "total": sum(pss.values()) / 2**20}
+    return out
 
 
 def report(result: dict[str, Any]) -> None:

@@ -144,5 +144,8 @@ def test_this_service_with_several_fronts_is_a_contender_of_its_own(tiny_repo: P
         assert all(0 < m["front_cpu_ms"] < m["server_cpu_ms"] for m in summary.values())  # per text: fronts, all
         cpu = contenders[1].cpu()
         assert cpu is not None and cpu["server"] > 0 and cpu["models"] > 0
+        pss = versus.memory(contenders)
+        assert set(pss) == {c.name for c in contenders} and all(m["backbones"] > 0 for m in pss.values())
+        assert pss[contenders[1].name]["server"] > pss[versus.THIS]["server"]  # two fronts, a host, a supervisor
     finally:
         versus.stop(contenders)
