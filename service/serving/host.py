@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 from service.config import Settings
+from service.serving import wire
 from service.serving.batcher import DeadlineExceeded, Draining, Overloaded
 from service.serving.contract import TextJob, answers_of
 from service.serving.errors import APIError
@@ -32,22 +33,6 @@ from service.serving.logs import setup_logging
 from service.serving.metrics import Metrics
 from service.serving.planner import model_of
 from service.serving.state import AppState
-from service.serving.wire import (
-    Answered,
-    Applied,
-    BackboneInfo,
-    Cancel,
-    Control,
-    Controlled,
-    Hello,
-    Models,
-    Refused,
-    Run,
-    Scrape,
-    Scraped,
-    frame,
-    read_to_host,
-)
 
 log = logging.getLogger("service.host")
 
@@ -66,7 +51,7 @@ class EngineHost:
         self._controls: set[asyncio.Task[None]] = set()
         self._stopping = asyncio.Event()
 
-    def models(self) -> Models:
+    def models(self) -> wire.Models:
         """What the fronts serve: every backbone group, its heads and their folders, the head each name serves
         from."""
         backbones = []
@@ -74,15 +59,15 @@ class EngineHost:
         for name, backbone in inference.backbones.items():
             engine = backbone.engine
             folders = {key: str(self.settings.model_repository / model_of(key)) for key in engine.models}
-            backbones.append(BackboneInfo(name, folders, {k: engine.describe(k) for k in engine.models},
+            backbones.append(wire.BackboneInfo(name, folders, {k: engine.describe(k) for k in engine.models},
                                           str(engine.device), str(engine.dtype).removeprefix("torch.")))
-        return Models(self.version, backbones, dict(inference.heads), self.state.default_model)
+        return wire.Models(self.version, backbones, dict(inference.heads), self.state.default_model)
 
     async def broadcast(self) -> None:
         """Tell every front what the host serves now, and wait until each serves it (at most ``drain_timeout_s``: a
         front that does not say so by then is left behind, and logged)."""
         self.version += 1
-        version, msg = self.version, frame(self.models())
+        version, msg = self.version, wire.frame(self.models())
         for writer in list(self.fronts):
             with contextlib.suppress(ConnectionError):
                 writer.write(msg)
@@ -126,28 +111,28 @@ class EngineHost:
 
     async def front(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """One front's connection: its requests, each answered on its own task, until it closes."""
-        hello = await read_to_host(reader)
-        if not isinstance(hello, Hello):
+        hello = await wire.read_to_host(reader)
+        if not isinstance(hello, wire.Hello):
             writer.close()
             return
         self.fronts[writer] = self.version
-        writer.write(frame(self.models()))
+        writer.write(wire.frame(self.models()))
         running: dict[int, asyncio.Task[None]] = {}
         try:
-            while (msg := await read_to_host(reader)) is not None:
-                if isinstance(msg, Run):
+            while (msg := await wire.read_to_host(reader)) is not None:
+                if isinstance(msg, wire.Run):
                     task = asyncio.create_task(self._run(msg, writer))
                     running[msg.id] = task
                     task.add_done_callback(lambda _, k=msg.id: running.pop(k, None))
-                elif isinstance(msg, Cancel) and msg.id in running:
+                elif isinstance(msg, wire.Cancel) and msg.id in running:
                     running[msg.id].cancel()
-                elif isinstance(msg, Applied):
+                elif isinstance(msg, wire.Applied):
                     async with self._applied:
                         self.fronts[writer] = max(self.fronts.get(writer, 0), msg.version)
                         self._applied.notify_all()
-                elif isinstance(msg, Scrape):
-                    writer.write(frame(Scraped(msg.id, self.state.metrics.reading())))
-                elif isinstance(msg, Control):
+                elif isinstance(msg, wire.Scrape):
+                    writer.write(wire.frame(wire.Scraped(msg.id, self.state.metrics.reading())))
+                elif isinstance(msg, wire.Control):
                     self._controls.add(task := asyncio.create_task(self._control(msg, writer)))
                     task.add_done_callback(self._controls.discard)
         except (ConnectionError, asyncio.IncompleteReadError):
@@ -161,11 +146,11 @@ class EngineHost:
             writer.close()
             log.info("front %d disconnected", hello.front)
 
-    async def _control(self, msg: Control, writer: asyncio.StreamWriter) -> None:
+    async def _control(self, msg: wire.Control, writer: asyncio.StreamWriter) -> None:
         """A repository request, carried out by the host's model control (every front serves a change before it is
         answered: see :meth:`broadcast`)."""
         control = self.state.control
-        reply = Controlled(msg.id, 200)
+        reply = wire.Controlled(msg.id, 200)
         try:
             if msg.op == "index":
                 reply.entries = await control.entries(ready_only=msg.ready_only)
@@ -176,18 +161,18 @@ class EngineHost:
             else:
                 await control.unload(msg.name)
         except APIError as e:
-            reply = Controlled(msg.id, e.status, e.message)
+            reply = wire.Controlled(msg.id, e.status, e.message)
         except Exception as e:
-            reply = Controlled(msg.id, 500, f"{type(e).__name__}: {e}")
+            reply = wire.Controlled(msg.id, 500, f"{type(e).__name__}: {e}")
         with contextlib.suppress(ConnectionError):
-            writer.write(frame(reply))
+            writer.write(wire.frame(reply))
 
-    async def _run(self, msg: Run, writer: asyncio.StreamWriter) -> None:
+    async def _run(self, msg: wire.Run, writer: asyncio.StreamWriter) -> None:
         """A front's request on its backbone's batcher, answered with the texts' answers or why there are none."""
         backbone = self.state.inference.backbones.get(msg.backbone)
-        reply: Answered | Refused
+        reply: wire.Answered | wire.Refused
         if backbone is None:
-            reply = Refused(msg.id, "failed", f"no backbone {msg.backbone!r} here")
+            reply = wire.Refused(msg.id, "failed", f"no backbone {msg.backbone!r} here")
         else:
             jobs = [TextJob.of(job.encoding, job.asks) for job in msg.jobs]
             chunks = [w for job in jobs for w in job.chunks()]
@@ -197,21 +182,21 @@ class EngineHost:
                 with self.state.inference.holding(keys):  # a retired head answers what it took before it goes
                     got = await backbone.batcher.submit(chunks, [w.cost for w in chunks], msg.deadline,
                                                         groups=[w.job for w in chunks])
-                reply = Answered(msg.id, answers_of(chunks, got))
+                reply = wire.Answered(msg.id, answers_of(chunks, got))
             except Overloaded as e:
-                reply = Refused(msg.id, "overloaded", str(e))
+                reply = wire.Refused(msg.id, "overloaded", str(e))
             except Draining as e:
-                reply = Refused(msg.id, "draining", str(e))
+                reply = wire.Refused(msg.id, "draining", str(e))
             except DeadlineExceeded as e:
-                reply = Refused(msg.id, "deadline", str(e))
+                reply = wire.Refused(msg.id, "deadline", str(e))
             except Exception as e:  # the batch failed: the front answers 500 with why
-                reply = Refused(msg.id, "failed", f"{type(e).__name__}: {e}")
+                reply = wire.Refused(msg.id, "failed", f"{type(e).__name__}: {e}")
             # every front's requests in one place (/v2/models/stats); their time here: queued and computed
             self.state.metrics.stats.answered(sorted({model_of(k) for k in keys}), time.perf_counter() - started,
-                                              ok=isinstance(reply, Answered) and all(
+                                              ok=isinstance(reply, wire.Answered) and all(
                                                   not r.error for answer in reply.answers for r in answer))
         with contextlib.suppress(ConnectionError):
-            writer.write(frame(reply))
+            writer.write(wire.frame(reply))
 
 
 def main(path: Path) -> int:
