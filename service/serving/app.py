@@ -37,7 +37,7 @@ def create_app(settings: Settings | None = None, host: Path | None = None) -> Fa
         tracing.configure()  # before the models load: their batches' observers are traced from the start
         loader = asyncio.create_task(state.load())
         app.state.loader = loader
-        if state.host is not None:  # a front of several: it listens once it serves (its models are the host's)
+        if state.host is not None:  # a front of several: it accepts once it serves (its models are the host's)
             await loader
             if state.lifecycle.failed:
                 raise RuntimeError(f"the engine host's models cannot be served here: {state.lifecycle.error}")

@@ -4,7 +4,7 @@
 
     supervisor (routing-service serve)
       ├── engine host (service.serving.host): the models, one batcher per backbone, the backbones' processes
-      └── front 0 .. N-1: HTTP and gRPC on the same ports (SO_REUSEPORT: the kernel spreads the connections),
+      └── front 0 .. N-1: HTTP from one listening socket the supervisor opens, gRPC on one port (SO_REUSEPORT),
           each validating, tokenizing and rendering; typed messages to the host (service.serving.wire)
 
 A front is the one-process server's app with its backbones replaced by their front sides: :class:`RemotePlanner`
@@ -367,8 +367,9 @@ class RemotePlanner(Planner):
         pass
 
 
-if __name__ == "__main__":  # a front: python -m service.serving.fronts K SOCKET, settings on stdin
+if __name__ == "__main__":  # a front: python -m service.serving.fronts K HOST-SOCKET FD, settings on stdin
     from service.serving.server import run_front
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    sys.exit(run_front(Settings.model_validate_json(sys.stdin.read()), int(sys.argv[1]), Path(sys.argv[2])))
+    sys.exit(run_front(Settings.model_validate_json(sys.stdin.read()), int(sys.argv[1]), Path(sys.argv[2]),
+                       int(sys.argv[3])))

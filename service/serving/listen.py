@@ -50,14 +50,14 @@ def check_ports(settings: Settings) -> None:
             sys.exit(CANNOT_LISTEN)
 
 
-def front_socket(host: str, port: int) -> socket.socket:
-    """A socket bound to ``host:port`` beside the other fronts' (SO_REUSEPORT: the kernel spreads the connections over
-    the sockets listening there). It listens only once the front's app has started (uvicorn calls ``listen``), so
-    that no connection waits on a front still starting (one started again while the others serve)."""
+def shared_socket(host: str, port: int) -> socket.socket:
+    """A socket listening on ``host:port`` that several fronts accept from (made by the supervisor, inherited by each
+    front): one queue of connections, so a front that dies takes none of the others' with it, and a front started
+    again accepts only once it serves."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     sock.bind((host, port))
-    sock.set_inheritable(False)
+    sock.listen(2048)
+    sock.set_inheritable(True)
     return sock

@@ -17,7 +17,7 @@ from fastapi import FastAPI
 
 from service.config import Settings
 from service.serving.app import create_app
-from service.serving.listen import CANNOT_LISTEN, check_ports, front_socket
+from service.serving.listen import check_ports
 from service.serving.logs import setup_logging
 from service.serving.metrics import freeze_garbage_collection
 from service.serving.protocol import HttpLimits, guarded_protocol
@@ -97,16 +97,11 @@ def run_server(settings: Settings) -> None:
         sys.exit(1)
 
 
-def run_front(settings: Settings, k: int, host: Path) -> int:
-    """Front ``k`` of several: the app over the engine host at ``host``, on a socket shared with the other fronts;
-    the exit code (1: the host's models cannot be served here; 3: the address cannot be listened on)."""
+def run_front(settings: Settings, k: int, host: Path, fd: int) -> int:
+    """Front ``k`` of several: the app over the engine host at ``host``, accepting from the listening socket ``fd``
+    that every front shares; the exit code (1: the host's models cannot be served here)."""
     setup_logging(settings)
-    try:
-        sock = front_socket(settings.host, settings.port)
-    except OSError as e:
-        log.error("front %d cannot listen on %s:%d: %s", k, settings.host, settings.port, e.strerror or e)
-        return CANNOT_LISTEN
-    return 1 if _serve(settings, create_app(settings, host=host), sock) else 0
+    return 1 if _serve(settings, create_app(settings, host=host), socket.socket(fileno=fd)) else 0
 
 
 def _serve(settings: Settings, app: FastAPI, sock: socket.socket | None = None) -> bool:

@@ -5,11 +5,12 @@ itself, which serves nothing (it imports neither torch nor the HTTP stack).
 
     supervisor (routing-service serve)
       ├── engine host (service.serving.host): the models, one batcher per backbone, the backbones' processes
-      └── front 0 .. N-1 (service.serving.fronts): HTTP and gRPC on the same ports (SO_REUSEPORT: the kernel
-          spreads the connections), each validating, tokenizing and rendering, sending typed messages to the host
+      └── front 0 .. N-1 (service.serving.fronts): HTTP accepted from one listening socket the supervisor opens
+          (a front that dies takes no queued connection with it), gRPC on one port (SO_REUSEPORT); each validating,
+          tokenizing and rendering, sending typed messages to the host
 
 It starts the host, waits until its models are loaded, starts the fronts, and starts again a front that exits
-while the server runs (one that cannot serve the host's models or listen stops the server: it would again). On
+while the server runs (one that cannot serve the host's models stops the server: it would again). On
 SIGTERM (or Ctrl-C) every front drains (new requests 503, accepted ones answered) and exits; then the host, which
 has answered them all, exits too.
 """
@@ -31,7 +32,7 @@ from pathlib import Path
 from prometheus_client import multiprocess
 
 from service.config import Settings
-from service.serving.listen import check_ports
+from service.serving.listen import CANNOT_LISTEN, check_ports, shared_socket
 from service.serving.logs import setup_logging
 
 log = logging.getLogger("service.supervisor")
@@ -45,12 +46,12 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def _child(module: str, args: list[str], settings: Settings, env: dict[str, str], stdout: int | None = None
-           ) -> subprocess.Popen[bytes]:
+def _child(module: str, args: list[str], settings: Settings, env: dict[str, str], stdout: int | None = None,
+           pass_fds: tuple[int, ...] = ()) -> subprocess.Popen[bytes]:
     """A fresh interpreter running ``module`` with ``args``, the server's settings as JSON on its standard input."""
     # a session of its own: Ctrl-C reaches the supervisor alone, which stops the children once, in order
     proc = subprocess.Popen([sys.executable, "-m", module, *args], stdin=subprocess.PIPE, stdout=stdout, env=env,
-                            start_new_session=True, preexec_fn=_die_with_parent)
+                            start_new_session=True, preexec_fn=_die_with_parent, pass_fds=pass_fds)
     assert proc.stdin is not None
     proc.stdin.write(settings.model_dump_json(exclude_unset=True).encode())  # what was set stays set (only that)
     proc.stdin.close()
@@ -92,7 +93,19 @@ def _supervise(settings: Settings, folder: Path) -> int:
             return 0
         log.error("exiting: %s", line.removeprefix("failed: ") or f"the engine host exited (code {code})")
         return 1
-    fronts = {k: _child("service.serving.fronts", [str(k), str(path)], settings, env) for k in range(settings.workers)}
+    try:
+        listening = shared_socket(settings.host, settings.port)
+    except OSError as e:
+        log.error("cannot listen on %s:%d: %s", settings.host, settings.port, e.strerror or e)
+        host.terminate()
+        host.wait()
+        return CANNOT_LISTEN
+
+    def front(k: int) -> subprocess.Popen[bytes]:
+        return _child("service.serving.fronts", [str(k), str(path), str(listening.fileno())], settings, env,
+                      pass_fds=(listening.fileno(),))
+
+    fronts = {k: front(k) for k in range(settings.workers)}
     log.info("%d fronts (processes %s) over the engine host (process %d) on %s:%d", settings.workers,
              [p.pid for p in fronts.values()], host.pid, settings.host, settings.port)
     code = 0
@@ -103,14 +116,14 @@ def _supervise(settings: Settings, folder: Path) -> int:
             break
         for k, proc in fronts.items():
             if proc.poll() is not None:
-                if proc.returncode in (1, 3):  # it cannot serve the host's models, or listen: it would again
+                if proc.returncode == 1:  # it cannot serve the host's models: it would not again
                     log.error("front %d exited (code %d): stopping", k, proc.returncode)
                     stop.set()
                     code = proc.returncode
                     break
                 log.error("front %d exited (code %s): starting it again", k, proc.returncode)
                 multiprocess.mark_process_dead(proc.pid, str(folder / "metrics"))  # its gauges go; counters stay
-                fronts[k] = _child("service.serving.fronts", [str(k), str(path)], settings, env)
+                fronts[k] = front(k)
     # every front drains (new requests 503, accepted ones answered) and exits; the host answers what they sent, its
     # batches going without waiting to fill, and exits once they are all gone
     for proc in [*fronts.values(), host]:
