@@ -122,12 +122,16 @@ class HostLink:
 
     def send(self, backbone: str, jobs: list[TextJob], deadline: float) -> tuple[int, asyncio.Future[list[Answer]]]:
         """Send the jobs of one request to the host: its number, and the future of each job's answer (in order)."""
+        return self._ask(lambda k: Run(k, backbone, [Job(j.encoding, j.asks) for j in jobs], deadline))
+
+    def _ask(self, message: Callable[[int], Run | Control | Scrape]) -> tuple[int, asyncio.Future[Any]]:
+        """Send ``message(k)`` under a new request number ``k``: ``k``, and the future its answer sets."""
         if self.closed:
             raise HostGone("the engine host has exited")
         k = next(self._ids)
-        future: asyncio.Future[list[Answer]] = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._waiting[k] = future
-        self._writer.write(frame(Run(k, backbone, [Job(j.encoding, j.asks) for j in jobs], deadline)))
+        self._writer.write(frame(message(k)))
         return k, future
 
     async def wait(self, k: int, future: asyncio.Future[list[Answer]]) -> list[Answer]:
@@ -153,23 +157,17 @@ class HostLink:
     async def control(self, op: Literal["index", "load", "unload", "stats"], name: str = "", ready_only: bool = False,
                       names: list[str] | None = None) -> Controlled:
         """A repository request carried out by the host (for every front at once), or the models' statistics."""
-        if self.closed:
-            raise HostGone("the engine host has exited")
-        k = next(self._ids)
-        future: asyncio.Future[Controlled] = asyncio.get_running_loop().create_future()
-        self._waiting[k] = future
-        self._writer.write(frame(Control(k, op, name, ready_only, names or [])))
-        return await future
+        _, future = self._ask(lambda k: Control(k, op, name, ready_only, names or []))
+        answer: Controlled = await future
+        return answer
 
     async def scrape(self) -> bytes:
         """The host's readings for ``/metrics`` (see :meth:`~service.serving.metrics.Metrics.reading`)."""
         if self.closed:
             return b""
-        k = next(self._ids)
-        future: asyncio.Future[Scraped] = asyncio.get_running_loop().create_future()
-        self._waiting[k] = future
-        self._writer.write(frame(Scrape(k)))
-        return (await future).text
+        _, future = self._ask(Scrape)
+        answer: Scraped = await future
+        return answer.text
 
     async def close(self) -> None:
         self._writer.close()
