@@ -189,35 +189,50 @@ class Backbone(torch.nn.Module):
         return Encoded(hidden, pad, list(encodings))
 
     @torch.inference_mode()
-    def run_stream(self, ids: np.ndarray, lengths: np.ndarray) -> torch.Tensor:
+    def run_stream(self, ids: np.ndarray, lengths: np.ndarray, dest: np.ndarray | None = None, rows: int = 0
+                   ) -> torch.Tensor:
         """``[T, d_depth, d_emb]`` hidden states of chunks whose token ids (special tokens included) lie back to back
         in ``ids [T]``, ``lengths [c]`` each, in the same order: through :attr:`stream` in calls of at most
-        ``chunk_batch_tokens`` tokens, else (an encoder it does not know) through :meth:`run_chunks`."""
+        ``chunk_batch_tokens`` tokens, else (an encoder it does not know) through :meth:`run_chunks`.
+
+        With ``dest [T]``: ``[rows, d_depth, d_emb]``, token ``t``'s states in row ``dest[t]`` (the other rows are left
+        as allocated, for the caller to fill), written there as the encoder computes them: a reader of another
+        layout (the heads' padded batches, see :func:`~service.modeling.grouping.lay_out`) then copies nothing."""
         bounds = np.cumsum(lengths)  # [c] each chunk's end in the stream
+        out = None if dest is None else torch.empty(rows, self.d_depth, self.d_emb, device=self.device,
+                                                    dtype=self.dtype)  # [R e d]
         if self.stream is None:
             chunks = [ids[a:b].tolist() for a, b in zip(bounds - lengths, bounds, strict=True)]
-            return torch.cat(self.run_chunks(chunks)) if chunks else self._empty()
+            flat = torch.cat(self.run_chunks(chunks)) if chunks else self._empty()  # [T e d]
+            if out is None or dest is None:
+                return flat
+            out[torch.from_numpy(dest).to(self.device)] = flat  # [T e d] of [R e d]
+            return out
         parts, first, taken = [], 0, 0
         while first < len(lengths):  # calls of whole chunks within the budget (a longer chunk alone)
             last = max(first + 1, int(np.searchsorted(bounds, taken + self.chunk_batch_tokens, side="right")))
             end = int(bounds[last - 1])
-            parts.append(self._stream_call(ids[taken:end], lengths[first:last]))
+            parts.append(self._stream_call(ids[taken:end], lengths[first:last],
+                                           None if dest is None else dest[taken:end], out))
             first, taken = last, end
+        if out is not None:
+            return out
         if not parts:
             return self._empty()
         return parts[0] if len(parts) == 1 else torch.cat(parts)  # [T e d]
 
-    def _stream_call(self, ids: np.ndarray, lengths: np.ndarray) -> torch.Tensor:
-        """One call of :attr:`stream`. On a CPU, where attention's padded work costs time, chunks of different
-        lengths share rows (:func:`~service.modeling.grouping.pack_rows`); on a GPU one chunk a row, which
-        costs the host less."""
+    def _stream_call(self, ids: np.ndarray, lengths: np.ndarray, dest: np.ndarray | None = None,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+        """One call of :attr:`stream` (``dest``, ``out``: see :meth:`run_stream`). On a CPU, where attention's padded
+        work costs time, chunks of different lengths share rows (:func:`~service.modeling.grouping.pack_rows`); on
+        a GPU one chunk a row, which costs the host less."""
         assert self.stream is not None
         rows = width = None
         if self.device.type == "cpu" and len(lengths) > 1 and lengths.min() != lengths.max():
             width, rows = pack_rows(lengths.tolist(), self.row_limit, self.d_emb)
-        packing = pack(ids, lengths, self.device, rows, width)
+        packing = pack(ids, lengths, self.device, rows, width, dest)
         t0 = time.perf_counter()
-        states = self.stream(packing)  # [T e d]
+        states = self.stream(packing, out)  # [T e d], or out [R e d]
         self.forward_seconds += time.perf_counter() - t0
         return states
 

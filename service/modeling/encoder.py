@@ -43,6 +43,8 @@ class Packing:
             but the padding), ``[r, 1, L, L]`` with several (the keys of the same sequence); None with
             ``to_padded``.
         shape: ``(r, L)``.
+        dest: ``[T]`` the row of the output each token's states are written to (see :meth:`PackedEncoder.forward`);
+            None: the stream's order.
     """
 
     ids: torch.Tensor
@@ -51,26 +53,28 @@ class Packing:
     from_padded: torch.Tensor | None
     keep: torch.Tensor | None
     shape: tuple[int, int]
+    dest: torch.Tensor | None = None
 
 
 def pack(ids: np.ndarray, lengths: np.ndarray, device: torch.device, rows: list[list[int]] | None = None,
-         width: int | None = None) -> Packing:
+         width: int | None = None, dest: np.ndarray | None = None) -> Packing:
     """The :class:`Packing` of sequences of ``lengths [s]`` whose token ids lie back to back in ``ids [T]``:
     computed in numpy (no loop over tokens) and sent to the device in one copy.
 
     Attention runs on a padded view: one sequence per row, padded to the longest (``rows`` None), or the
     sequences ``rows[r]`` side by side in row ``r`` of ``width`` slots, each attending only to itself (less
     padding where lengths differ: on a CPU, where attention's padded work costs time; see
-    :func:`~service.modeling.grouping.pack_rows`)."""
+    :func:`~service.modeling.grouping.pack_rows`). ``dest [T]``: each token's row of the output, sent with the rest."""
     s, T = len(lengths), len(ids)
     starts = np.cumsum(lengths) - lengths  # [s] first token of each sequence in the stream
     positions = np.arange(T) - np.repeat(starts, lengths)  # [T]
     parts = [ids.astype(np.int64, copy=False), positions]
+    tail = [] if dest is None else [dest.astype(np.int64, copy=False)]  # last: the other parts keep their places
     if rows is None:
         L = int(lengths.max())
         if bool((lengths == L).all()):  # the stream is the padded view
-            flat = to_device(parts, device)
-            return Packing(flat[:T], flat[T:], None, None, None, (s, L))
+            flat = to_device([*parts, *tail], device)
+            return Packing(flat[:T], flat[T : 2 * T], None, None, None, (s, L), flat[2 * T :] if tail else None)
         row_of, at = np.arange(s), np.zeros(s, dtype=np.int64)  # [s] each sequence's row, and where it starts there
     else:
         L = int(width or lengths.max())
@@ -85,14 +89,16 @@ def pack(ids: np.ndarray, lengths: np.ndarray, device: torch.device, rows: list[
     to_padded[from_padded] = np.arange(T)
     seg = np.full(n_rows * L, -1, dtype=np.int64)  # [rL] which sequence fills each slot; -1: none
     seg[from_padded] = np.repeat(np.arange(s), lengths)
-    flat = to_device([*parts, to_padded, from_padded, seg], device)
-    seg_d = flat[2 * T + n_rows * L + T :].view(n_rows, L)  # [r L]
+    flat = to_device([*parts, to_padded, from_padded, seg, *tail], device)
+    end = 2 * T + n_rows * L + T + n_rows * L
+    seg_d = flat[2 * T + n_rows * L + T : end].view(n_rows, L)  # [r L]
     # one sequence a row: the keys of every slot but the padding; several: the keys of the same sequence (empty
     # slots attend to each other, so that no row of the mask is all False)
     keep = ((seg_d >= 0)[:, None, None, :] if rows is None  # [r 1 1 L]
             else (seg_d[:, :, None] == seg_d[:, None, :])[:, None])  # [r 1 L L]
     return Packing(flat[:T], flat[T : 2 * T], flat[2 * T : 2 * T + n_rows * L].view(n_rows, L),
-                   flat[2 * T + n_rows * L : 2 * T + n_rows * L + T], keep, (n_rows, L))
+                   flat[2 * T + n_rows * L : 2 * T + n_rows * L + T], keep, (n_rows, L),
+                   flat[end:] if tail else None)
 
 
 def to_device(parts: list[np.ndarray], device: torch.device) -> torch.Tensor:
@@ -160,11 +166,20 @@ class PackedEncoder(nn.Module):
                  and hasattr(model, "embeddings") and hasattr(model, "encoder"))
         return cls(model) if known else None
 
-    def forward(self, p: Packing) -> torch.Tensor:
-        """``[T, e, d]`` the hidden states of every depth of the packed tokens (the embeddings' output first)."""
+    def forward(self, p: Packing, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``[T, e, d]`` the hidden states of every depth of the packed tokens (the embeddings' output first); with
+        ``out [R, e, d]`` (and ``p.dest``), each token's states written to its row ``p.dest`` of ``out`` as each depth
+        is computed (one copy, no ``[T, e, d]`` of its own), and ``out`` returned."""
         d = self.word.embedding_dim
         x = self.word(p.ids) + self.position(p.positions) + self.type0  # [T d]
         x = F.layer_norm(x, (d,), self.norm.weight, self.norm.bias, self.eps)  # [T d]
+        if out is not None:
+            assert p.dest is not None, "an output needs each token's row"
+            out[:, 0].index_copy_(0, p.dest, x)  # [R d] of [R e d]
+            for depth, layer in enumerate(self.layers, start=1):
+                x = layer(x, p)  # [T d]
+                out[:, depth].index_copy_(0, p.dest, x)  # [R d] of [R e d]
+            return out
         states = [x]
         for layer in self.layers:
             x = layer(x, p)  # [T d]

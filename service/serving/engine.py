@@ -28,8 +28,9 @@ from service.modeling.classifier import CreditRequest, Explained, Prediction, Ro
 from service.modeling.device import resolve_device, resolve_dtype
 from service.modeling.encoder import to_device
 from service.modeling.encoding import Encoding
-from service.modeling.grouping import length_groups
+from service.modeling.grouping import Layout, lay_out, length_groups
 from service.modeling.head import StackSpace, head_shape, stack_heads
+from service.modeling.heap import keep_freed_memory
 from service.modeling.repository import MANIFEST, Manifest, ModelLoadError, load_model, read_manifest
 from service.serving.contract import (
     METHODS,
@@ -176,6 +177,8 @@ class Engine(Planner):
         folders = [folders] if isinstance(folders, Path | str) else list(folders)
         dev = resolve_device(device)
         dt = resolve_dtype(dtype, dev)
+        if dev.type == "cpu":  # batches reuse the pages the one before freed
+            keep_freed_memory()
         manifests, classifiers = load_backbone(folders, dev, dt, keys)
         engine = cls(manifests, classifiers, dev, dt, 0.0)
         if warmup:
@@ -336,42 +339,56 @@ class Engine(Planner):
             self.clock.wall_s += time.perf_counter() - t0
 
     def _submit(self, works: list[ChunkWork]) -> Submitted:
-        with _phase("engine.encode"):
-            lengths = np.fromiter((len(w.ids) for w in works), dtype=np.int64, count=len(works))  # [c]
-            ids = np.fromiter(itertools.chain.from_iterable(w.ids for w in works), dtype=np.int64,
-                              count=int(lengths.sum()))  # [T]
-            flat = self.backbone.run_stream(ids, lengths)  # [T e d]
-        starts = np.cumsum(lengths) - lengths  # [c] each chunk's first token in the stream
+        lengths = np.fromiter((len(w.ids) for w in works), dtype=np.int64, count=len(works))  # [c]
         done: dict[int, TextJob] = {}  # position in the batch -> text completed there
         for pos, w in enumerate(works):
-            w.job.states[w.k] = pos  # a chunk of this batch: its place in the stream
+            w.job.states[w.k] = pos  # a chunk of this batch: its place in the batch
             w.job.left -= 1
             if w.job.left == 0:
                 done[pos] = w.job
         failed = {pos: job for pos, job in done.items() if job.failed}
         done = {pos: job for pos, job in done.items() if not job.failed}
-        for pos, w in enumerate(works):
-            if w.job.left:  # the text goes on in a later batch: its chunk's states kept (a copy: not the batch's)
-                w.job.states[w.k] = flat[starts[pos] : starts[pos] + lengths[pos]].clone()  # [L_c e d]
+        plan = self._plan_calls(done)
+        # a text of one chunk is written by the encoder where its first head call reads it, padded among that call's
+        # texts (a block); the other calls (a text read twice, or again, or of several chunks) gather their texts'
+        # states from where they lie
+        blocks: dict[tuple[int, ...], int] = {}  # texts (positions) read in place -> their block
+        placed: set[int] = set()
+        for _, key in plan:
+            if (key not in blocks and len(set(key)) == len(key) and placed.isdisjoint(key)
+                    and all(len(done[pos].states) == 1 for pos in key)):
+                blocks[key] = len(blocks)
+                placed.update(key)
+        layout = lay_out(lengths, list(blocks))
+        earlier = [st for job in done.values() if len(job.states) > 1 for st in job.states if not isinstance(st, int)]
+        with _phase("engine.encode"):
+            ids = np.fromiter(itertools.chain.from_iterable(w.ids for w in works), dtype=np.int64,
+                              count=int(lengths.sum()))  # [T]
+            rows = self.backbone.run_stream(ids, lengths, layout.dest,
+                                            layout.rows + sum(len(st) for st in earlier))  # [R e d]
         with _phase("engine.join"):
-            source, where = self._sources(flat, starts, lengths, done)
-        buckets: dict[object, list[tuple[int, int]]] = {}  # texts whose heads run together
-        for pos, job in done.items():
-            for a, ask in enumerate(job.asks):
-                buckets.setdefault(self._bucket(ask.model or self.default), []).append((pos, a))
+            if earlier:  # the held chunks of texts completed here, after this batch's rows
+                torch.cat(earlier, out=rows[layout.rows :])  # [R' e d]
+            if len(layout.pad_rows):  # padding holds a copy of its text's first token (finite; the head masks it)
+                P = len(layout.pad_rows)
+                pad = to_device([layout.pad_rows, layout.pad_from], rows.device)  # [2P]
+                rows[pad[:P]] = rows[pad[P:]]  # [P e d]
+            for pos, w in enumerate(works):
+                if w.job.left:  # the text goes on in a later batch: its chunk's states kept (a copy: not the batch's)
+                    first = int(layout.first[pos])
+                    w.job.states[w.k] = rows[first : first + lengths[pos]].clone()  # [L_c e d]
+            where = self._where(layout, lengths, done)
         calls: list[HeadCall] = []
-        joined: dict[tuple[int, ...], Encoded] = {}  # texts (positions) -> their hidden states, gathered once
-        for places in buckets.values():
-            for group in self._head_groups([done[pos].encoding.n_tokens for pos, _ in places]):
-                chosen = [places[g] for g in group]
-                key = tuple(pos for pos, _ in chosen)
-                if key not in joined:  # heads asked of the same texts read the same gathered states
-                    with _phase("engine.join"):
-                        joined[key] = self._gather(source, [where[pos] for pos in key],
-                                                   [done[pos].encoding for pos in key])
-                asks = [done[pos].asks[a] for pos, a in chosen]
-                heads = [ask.model or self.default for ask in asks]
-                calls.append((chosen, heads, self._heads(heads, joined[key], [ask.credit for ask in asks])))
+        joined: dict[tuple[int, ...], Encoded] = {}  # texts (positions) -> their hidden states
+        for chosen, key in plan:
+            if key not in joined:  # heads asked of the same texts read the same states
+                with _phase("engine.join"):
+                    encodings = [done[pos].encoding for pos in key]
+                    joined[key] = (self._block(rows, layout.blocks[blocks[key]], lengths[list(key)], encodings)
+                                   if key in blocks else self._gather(rows, [where[pos] for pos in key], encodings))
+            asks = [done[pos].asks[a] for pos, a in chosen]
+            heads = [ask.model or self.default for ask in asks]
+            calls.append((chosen, heads, self._heads(heads, joined[key], [ask.credit for ask in asks])))
         for job in done.values():
             job.states = []  # the hidden states are no longer needed
         live = [c[2].probs.flatten() for c in calls if c[2] is not None]
@@ -391,33 +408,59 @@ class Engine(Planner):
             done[pos] = job
         return Submitted(len(works), done, calls, probs, ready)
 
-    def _sources(self, flat: torch.Tensor, starts: np.ndarray, lengths: np.ndarray, done: dict[int, TextJob]
-                 ) -> tuple[torch.Tensor, dict[int, tuple[int, int] | np.ndarray]]:
-        """Where each completed text's tokens lie: the states to gather from (``flat [T, e, d]``, followed by the
-        earlier batches' chunks of texts that spanned several) and, per text (by its last chunk's position), its
-        tokens there: ``(first, count)`` when they are one run (a text of one chunk), else their indices."""
-        earlier: list[torch.Tensor] = []
-        taken = len(flat)
-        where: dict[int, tuple[int, int] | np.ndarray] = {}
+    def _plan_calls(self, done: dict[int, TextJob]) -> list[tuple[list[tuple[int, int]], tuple[int, ...]]]:
+        """The head calls for the texts completed in a batch (by position): each one's (position, ask) places and its
+        texts' positions; the texts that share a head call (see :meth:`_bucket`) in length groups."""
+        buckets: dict[object, list[tuple[int, int]]] = {}  # texts whose heads run together
         for pos, job in done.items():
-            if len(job.states) == 1:  # one chunk, this batch's: a run of the stream
-                where[pos] = (int(starts[pos]), int(lengths[pos]))
+            for a, ask in enumerate(job.asks):
+                buckets.setdefault(self._bucket(ask.model or self.default), []).append((pos, a))
+        plan = []
+        for places in buckets.values():
+            for group in self._head_groups([done[pos].encoding.n_tokens for pos, _ in places]):
+                chosen = [places[g] for g in group]
+                plan.append((chosen, tuple(pos for pos, _ in chosen)))
+        return plan
+
+    @staticmethod
+    def _where(layout: Layout, lengths: np.ndarray, done: dict[int, TextJob]
+               ) -> dict[int, tuple[int, int] | np.ndarray]:
+        """Where each completed text's tokens lie in the batch's rows (see :meth:`_submit`), by its last chunk's
+        position: ``(first, count)`` when they are one run (a text of one chunk), else their indices (this batch's
+        chunks at their rows; the earlier ones after ``layout.rows``, in the order :meth:`_submit` put them there)."""
+        where: dict[int, tuple[int, int] | np.ndarray] = {}
+        taken = layout.rows
+        for pos, job in done.items():
+            if len(job.states) == 1:
+                where[pos] = (int(layout.first[pos]), int(lengths[pos]))
                 continue
             parts = []
-            for st in job.states:  # this batch's chunks are held by position, earlier ones as their states
+            for st in job.states:
                 if isinstance(st, int):
-                    parts.append(np.arange(starts[st], starts[st] + lengths[st]))
+                    parts.append(np.arange(layout.first[st], layout.first[st] + lengths[st]))
                 else:
                     parts.append(np.arange(taken, taken + len(st)))
-                    earlier.append(st)
                     taken += len(st)
             where[pos] = np.concatenate(parts)
-        return (torch.cat([flat, *earlier]) if earlier else flat), where
+        return where
+
+    @staticmethod
+    def _block(rows: torch.Tensor, block: tuple[int, int, int], n_t: np.ndarray, encodings: list[Encoding]
+               ) -> Encoded:
+        """Texts' hidden states ``[b, N, e, d]`` where the encoder wrote them, padded (a view of ``rows``, no copy):
+        ``block`` is their first row, count and padded length (see :func:`~service.modeling.grouping.lay_out`),
+        ``n_t [b]`` their lengths."""
+        first, b, N = block
+        hidden = rows[first : first + b * N].view(b, N, *rows.shape[1:])  # [b N e d]
+        if bool((n_t == N).all()):
+            return Encoded(hidden, None, encodings)
+        n_d = to_device([n_t], rows.device)  # [b]
+        return Encoded(hidden, torch.arange(N, device=rows.device) >= n_d[:, None], encodings)  # pad [b N]
 
     def _gather(self, source: torch.Tensor, where: list[tuple[int, int] | np.ndarray], encodings: list[Encoding]
                 ) -> Encoded:
         """Texts' hidden states ``[b, n, e, d]`` padded to the longest, in one gather from ``source`` (``where[b]``:
-        text ``b``'s rows of ``source``, see :meth:`_sources`); ``pad`` None when every text has the same length.
+        text ``b``'s rows of ``source``, see :meth:`_where`); ``pad`` None when every text has the same length.
         Padding slots hold a copy of the text's first token (finite; the head masks them as absent)."""
         runs = [w for w in where if isinstance(w, tuple)]
         if len(runs) == len(where):  # every text one run: the index without a loop over texts

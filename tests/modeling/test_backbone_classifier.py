@@ -191,7 +191,7 @@ def test_the_stream_is_batch_invariant_and_cut_within_the_token_budget(tiny_back
     bb = Backbone(str(tiny_backbone_dir), max_length=16, chunk_batch_tokens=budget)
     sizes: list[int] = []
     real = bb.stream.forward
-    bb.stream.forward = lambda p: (sizes.append(len(p.ids)), real(p))[1]
+    bb.stream.forward = lambda p, out=None: (sizes.append(len(p.ids)), real(p, out))[1]
     lengths = np.array([len(c) for c in CHUNKS])
     flat = bb.run_stream(np.concatenate(CHUNKS), lengths)  # [T e d]
     assert flat.shape == (lengths.sum(), 3, 32) and sum(sizes) == lengths.sum()
@@ -204,6 +204,11 @@ def test_the_stream_is_batch_invariant_and_cut_within_the_token_budget(tiny_back
     shared = bb.stream(encoder.pack(np.concatenate(CHUNKS), lengths, bb.device, [[0, 2, 4], [1], [3], [5]], 16))
     one_a_row = bb.stream(encoder.pack(np.concatenate(CHUNKS), lengths, bb.device))
     torch.testing.assert_close(shared, one_a_row, atol=1e-5, rtol=1e-5)
+    # written to rows of another layout as computed: each token's states in its row, the same values
+    dest = np.random.default_rng(0).permutation(int(lengths.sum()) + 5)[: lengths.sum()]  # [T] rows of 5 more
+    rows = bb.run_stream(np.concatenate(CHUNKS), lengths, dest, int(lengths.sum()) + 5)  # [T+5 e d]
+    assert rows.shape == (lengths.sum() + 5, 3, 32)
+    torch.testing.assert_close(rows[torch.from_numpy(dest)], flat, atol=0, rtol=0)
 
 
 def test_an_encoder_the_stream_does_not_know_keeps_the_hugging_face_module(tiny_backbone_dir: Path) -> None:

@@ -1,9 +1,10 @@
 import itertools
 import random
 
+import numpy as np
 import pytest
 
-from service.modeling.grouping import length_groups, pack_rows
+from service.modeling.grouping import lay_out, length_groups, pack_rows
 
 
 def cost(groups: list[list[int]], lengths: list[int], overhead: int) -> int:
@@ -88,3 +89,24 @@ def test_random_tweets_waste_little_when_packed() -> None:
         wasted += len(rows) * L - sum(lengths)
         padded += 16 * max(lengths) - sum(lengths)
     assert wasted < padded / 3
+
+
+def test_lay_out_pads_each_block_in_place_and_packs_the_rest_after_the_blocks() -> None:
+    lengths = np.array([3, 1, 4, 2, 5])
+    layout = lay_out(lengths, [[1, 3], [4]])
+    # block 0: sequences 1 and 3 padded to 2 (rows 0-3); block 1: sequence 4 (rows 4-8); then 0 and 2, back to back
+    assert layout.blocks == [(0, 2, 2), (4, 1, 5)]
+    assert layout.first.tolist() == [9, 0, 12, 2, 4] and layout.rows == 16
+    starts = np.cumsum(lengths) - lengths
+    for s, n in enumerate(lengths):  # every token in its sequence's rows, in order
+        assert layout.dest[starts[s] : starts[s] + n].tolist() == list(range(layout.first[s], layout.first[s] + n))
+    assert layout.pad_rows.tolist() == [1] and layout.pad_from.tolist() == [0]  # sequence 1's second slot
+    assert len(set(layout.dest.tolist()) | set(layout.pad_rows.tolist())) == layout.rows  # every row written once
+    with pytest.raises(AssertionError):
+        lay_out(lengths, [[1, 1]])
+
+
+def test_lay_out_without_blocks_is_the_stream() -> None:
+    lengths = np.array([2, 3])
+    layout = lay_out(lengths, [])
+    assert layout.dest.tolist() == list(range(5)) and layout.rows == 5 and not len(layout.pad_rows)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -29,11 +30,11 @@ def failing(engine: Engine, when: Callable[[np.ndarray, np.ndarray], bool]) -> l
     run_stream = type(engine.backbone).run_stream
     calls: list[int] = []
 
-    def flaky(ids: np.ndarray, lengths: np.ndarray) -> torch.Tensor:
+    def flaky(ids: np.ndarray, lengths: np.ndarray, *where: Any) -> torch.Tensor:
         calls.append(len(lengths))
         if when(ids, lengths):
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
-        return run_stream(engine.backbone, ids, lengths)
+        return run_stream(engine.backbone, ids, lengths, *where)
 
     engine.backbone.run_stream = flaky  # type: ignore[method-assign]
     return calls
