@@ -60,10 +60,10 @@ def metric(text: str, name: str, **labels: str) -> float:
 
 
 def in_flight(server: Server, bodies: list[dict], answer: Callable[[httpx.Response | httpx.TransportError], None],
-              wait_s: float = 60) -> threading.Thread:
+              wait_s: float = 60, already: int = 0) -> threading.Thread:
     """POST every body to /v1/classify at once from a background thread and return when the server
-    holds them all in flight; ``answer`` gets each response (or transport error) as it comes. Join
-    the returned thread to wait for all of them."""
+    holds them all in flight (besides ``already`` requests it held before); ``answer`` gets each response (or
+    transport error) as it comes. Join the returned thread to wait for all of them."""
     sent = threading.Event()
 
     async def load() -> None:
@@ -76,7 +76,8 @@ def in_flight(server: Server, bodies: list[dict], answer: Callable[[httpx.Respon
 
             tasks = [asyncio.create_task(one(b)) for b in bodies]
             for _ in range(int(wait_s / 0.02)):  # until the server holds them all (and this /metrics request)
-                if metric((await client.get("/metrics")).text, "routing_requests_in_flight") >= len(bodies) + 1:
+                page = (await client.get("/metrics")).text
+                if metric(page, "routing_requests_in_flight") >= len(bodies) + already + 1:
                     break
                 await asyncio.sleep(0.02)
             sent.set()

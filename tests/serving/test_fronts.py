@@ -137,11 +137,16 @@ def test_one_queue_for_the_whole_server(tiny_repo: Path, tmp_path: Path) -> None
     try:
         os.kill(next(p for p in descendants(server.proc.pid) if is_backbone_process(p)), signal.SIGSTOP)
         answers: list[httpx.Response | httpx.TransportError] = []
-        held = in_flight(server, [{"inputs": [f"text {k}"]} for k in range(9)], answers.append)  # 1 computing, 8 queued
+        # one text first, for the batcher to take to the (stopped) backbone: sent with the rest, the ninth could come
+        # before the batcher took the first, and find the queue full (seen once)
+        first = in_flight(server, [{"inputs": ["text 0"]}], answers.append)
+        time.sleep(0.5)
+        held = in_flight(server, [{"inputs": [f"text {k}"]} for k in range(1, 9)], answers.append, already=1)  # queued
         refused = [httpx.post(f"{server.url}/v1/classify", json={"inputs": ["one more"]}) for _ in range(4)]
         assert [r.status_code for r in refused] == [503] * 4 and all(r.headers.get("retry-after") for r in refused)
         assert "overloaded" in refused[0].json()["error"]["message"]
         os.kill(next(p for p in descendants(server.proc.pid) if is_backbone_process(p)), signal.SIGCONT)
+        first.join()
         held.join()
         assert [a.status_code for a in answers if isinstance(a, httpx.Response)] == [200] * 9
     finally:
