@@ -8,6 +8,9 @@ several sequences into each row (an encoder that allows it) keeps nearly all of 
 
 from __future__ import annotations
 
+import bisect
+import heapq
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -23,23 +26,42 @@ def length_groups(lengths: Sequence[int], overhead: int, budget: int) -> list[li
 
     Exact by dynamic programming over the length-sorted order (an optimal grouping never interleaves
     lengths): ``best[j]`` is the cheapest cost of the ``j`` shortest, the last group being
-    ``order[i:j]`` padded to ``lengths[order[j - 1]]``.
+    ``order[i:j]`` padded to ``lengths[order[j - 1]]``, over the cuts an optimal grouping needs (see
+    :func:`_run_groups` and :func:`_budget_groups`).
     """
     order = sorted(range(len(lengths)), key=lambda k: lengths[k])
     if order and len(order) * lengths[order[-1]] <= budget:
         return _run_groups(lengths, order, overhead)
-    best = [0] * (len(order) + 1)
-    cut = [0] * (len(order) + 1)
-    for j in range(1, len(order) + 1):
-        longest = lengths[order[j - 1]]
-        best[j], cut[j] = best[j - 1] + overhead + longest, j - 1  # the longest alone
-        for i in range(j - 2, -1, -1):
-            padded = (j - i) * longest
-            if padded > budget:
-                break
-            cost = best[i] + overhead + padded
-            if cost < best[j]:
+    return _budget_groups([lengths[k] for k in order], order, overhead, budget)
+
+
+def _budget_groups(ordered: list[int], order: list[int], overhead: int, budget: int) -> list[list[int]]:
+    """:func:`length_groups` where the budget cuts (``ordered``: the lengths in ``order``). An optimal grouping then
+    cuts inside a run of equal lengths only after a full group (one more sequence of the run would exceed the
+    budget): where the group before such a cut has room, the run's next sequence moved into it costs no more (its
+    row of the same length, against a row of at least that length, or a whole call, in the group after). So the
+    dynamic program's cuts are the runs' ends and, from each cut, the end of the fullest group starting there: a
+    few dozen for a batch of hundreds of tweets, each tried against the runs' ends within the budget."""
+    n = len(ordered)
+    ends = [j for j in range(1, n + 1) if j == n or ordered[j] != ordered[j - 1]]
+    best, cut = {0: 0}, {0: 0}
+    todo, seen = [0], {0}
+    while todo:
+        i = heapq.heappop(todo)  # every cut before it is done: its cost is final
+        if i == n:
+            break
+        lo, hi = i + 1, n  # the fullest group from i ends at the largest j within the budget (at least one sequence)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if (mid - i) * ordered[mid - 1] <= budget else (lo, mid - 1)
+        for j in itertools.chain((e for e in itertools.islice(ends, bisect.bisect_right(ends, i), None) if e < lo),
+                                 (lo,)):
+            cost = best[i] + overhead + (j - i) * ordered[j - 1]
+            if j not in best or cost < best[j]:
                 best[j], cut[j] = cost, i
+            if j not in seen:
+                seen.add(j)
+                heapq.heappush(todo, j)
     return _cut(order, cut)
 
 

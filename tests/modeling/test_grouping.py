@@ -43,6 +43,28 @@ def test_optimal_among_every_grouping_within_the_budget(seed: int) -> None:
     assert cost(groups, lengths, overhead) == brute
 
 
+def every_cut(lengths: list[int], overhead: int, budget: int) -> int:
+    """The cheapest grouping's cost by the dynamic program over every cut of the length-sorted order."""
+    ordered = sorted(lengths)
+    best = [0] * (len(ordered) + 1)
+    for j in range(1, len(ordered) + 1):
+        best[j] = min(best[i] + overhead + (j - i) * ordered[j - 1] for i in range(j)
+                      if i == j - 1 or (j - i) * ordered[j - 1] <= budget)
+    return best[-1]
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_as_cheap_as_trying_every_cut_on_hundreds_of_sequences(seed: int) -> None:
+    """Where the budget cuts, only the runs' ends and the ends of full groups are tried as cuts: as cheap as all."""
+    rng = random.Random(seed)
+    lengths = [rng.choice([rng.randint(1, 70), rng.randint(5, 9), 40]) for _ in range(rng.randint(1, 300))]
+    overhead, budget = rng.choice([0, 8, 128, 2000]), rng.choice([50, 300, 1000, 4096, 16384])
+    groups = length_groups(lengths, overhead, budget)
+    assert sorted(k for g in groups for k in g) == list(range(len(lengths)))
+    assert fits(groups, lengths, budget)
+    assert cost(groups, lengths, overhead) == every_cut(lengths, overhead, budget)
+
+
 def test_the_two_extremes_and_the_budget() -> None:
     lengths = [30, 7, 69, 31, 8, 30]
     # a call costs nothing: every distinct length its own group, no padding at all
