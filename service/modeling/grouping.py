@@ -157,25 +157,31 @@ def lay_out(lengths: np.ndarray, blocks: Sequence[Sequence[int]]) -> Layout:
     block then finds it as ``[b, N]`` rows without a copy (numpy; no loop over sequences or tokens)."""
     lengths = np.asarray(lengths, dtype=np.int64)
     first = np.full(len(lengths), -1, dtype=np.int64)  # [s]
+    sizes = np.fromiter(map(len, blocks), dtype=np.int64, count=len(blocks))  # [k] sequences a block
+    seq = np.fromiter(itertools.chain.from_iterable(blocks), dtype=np.int64, count=int(sizes.sum()))  # [q] in blocks
     spans: list[tuple[int, int, int]] = []
-    pad_rows: list[np.ndarray] = []
+    pad_rows = np.empty(0, dtype=np.int64)  # [P]
     row = 0
-    for block in blocks:
-        seq = np.asarray(block, dtype=np.int64)  # [b]
-        assert (first[seq] < 0).all() and len(np.unique(seq)) == len(seq), "a sequence in two places"
-        n = lengths[seq]  # [b]
-        N = int(n.max())
-        starts = row + N * np.arange(len(seq))  # [b]
+    if len(seq):
+        assert sizes.all(), "an empty block"
+        n = lengths[seq]  # [q]
+        begin = np.cumsum(sizes) - sizes  # [k] each block's first in seq
+        N = np.maximum.reduceat(n, begin)  # [k] each block's longest
+        size = sizes * N  # [k] rows of each block
+        block_first = np.cumsum(size) - size  # [k]
+        which = np.repeat(np.arange(len(sizes)), sizes)  # [q] each one's block
+        starts = block_first[which] + (np.arange(len(seq)) - begin[which]) * N[which]  # [q] each one's first row
+        assert (first[seq] < 0).all(), "a sequence in two places"
         first[seq] = starts
-        empty = np.arange(N) >= n[:, None]  # [b N]
-        if empty.any():
-            pad_rows.append((starts[:, None] + np.arange(N))[empty])
-        spans.append((row, len(seq), N))
-        row += len(seq) * N
+        assert (first[seq] == starts).all(), "a sequence in two places"
+        empty = N[which] - n  # [q] padding rows after each
+        offset = np.arange(int(empty.sum())) - np.repeat(np.cumsum(empty) - empty, empty)  # [P] each within its run
+        pad_rows = np.repeat(starts + n, empty) + offset  # [P]
+        spans = list(zip(block_first.tolist(), sizes.tolist(), N.tolist(), strict=True))
+        row = int(size.sum())
     rest = np.flatnonzero(first < 0)  # [r]
     first[rest] = row + np.cumsum(lengths[rest]) - lengths[rest]
     rows = row + int(lengths[rest].sum())
     T = int(lengths.sum())
     dest = np.repeat(first - (np.cumsum(lengths) - lengths), lengths) + np.arange(T)  # [T]
-    none = np.empty(0, dtype=np.int64)
-    return Layout(rows, dest, first, spans, np.concatenate(pad_rows) if pad_rows else none)
+    return Layout(rows, dest, first, spans, pad_rows)

@@ -132,3 +132,22 @@ def test_lay_out_without_blocks_is_the_stream() -> None:
     lengths = np.array([2, 3])
     layout = lay_out(lengths, [])
     assert layout.dest.tolist() == list(range(5)) and layout.rows == 5 and not len(layout.pad_rows)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_lay_out_of_random_blocks_as_laid_one_by_one(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(1, 70, int(rng.integers(1, 300)))
+    perm = rng.permutation(len(lengths))
+    cuts = np.sort(rng.choice(np.arange(1, len(lengths) + 1), size=min(len(lengths), 8), replace=False))
+    blocks = [perm[a:b].tolist() for a, b in zip(np.r_[0, cuts[:-1]], cuts, strict=True)]
+    layout = lay_out(lengths, blocks)
+    row, pads = 0, []
+    for b in blocks:
+        N = int(lengths[b].max())
+        for r, s in enumerate(b):
+            assert layout.first[s] == row + r * N
+            pads += range(row + r * N + int(lengths[s]), row + (r + 1) * N)
+        row += len(b) * N
+    assert layout.pad_rows.tolist() == pads
+    assert sorted([*layout.dest.tolist(), *pads]) == list(range(layout.rows))  # every row written once
