@@ -55,3 +55,9 @@ def keep_freed_memory() -> bool:
     if _kept:
         log.debug("glibc malloc keeps freed memory for the next batch (mmap_max 0, trim_threshold %d)", KEPT_BYTES)
     return _kept
+
+
+def keep_freed_memory_on(device_type: str) -> bool:
+    """:func:`keep_freed_memory` in a process that computes on the CPU (``device_type``: a torch device's type); on a
+    GPU the tensors are the caching allocator's, and the host's few are small."""
+    return device_type == "cpu" and keep_freed_memory()

@@ -30,7 +30,7 @@ from service.modeling.encoder import to_device
 from service.modeling.encoding import Encoding
 from service.modeling.grouping import Layout, lay_out, length_groups
 from service.modeling.head import StackSpace, head_shape, stack_heads
-from service.modeling.heap import keep_freed_memory
+from service.modeling.heap import keep_freed_memory_on
 from service.modeling.repository import MANIFEST, Manifest, ModelLoadError, load_model, read_manifest
 from service.serving.contract import (
     METHODS,
@@ -177,8 +177,7 @@ class Engine(Planner):
         folders = [folders] if isinstance(folders, Path | str) else list(folders)
         dev = resolve_device(device)
         dt = resolve_dtype(dtype, dev)
-        if dev.type == "cpu":  # batches reuse the pages the one before freed
-            keep_freed_memory()
+        keep_freed_memory_on(dev.type)  # batches reuse the pages the one before freed
         manifests, classifiers = load_backbone(folders, dev, dt, keys)
         engine = cls(manifests, classifiers, dev, dt, 0.0)
         if warmup:
