@@ -34,7 +34,6 @@ from service.files import replace_file
 from service.modeling.backbone import Backbone
 from service.modeling.device import resolve_device, resolve_dtype
 from service.modeling.head import RoutingHead
-from service.modeling.heap import keep_freed_memory_on
 from service.training.config import TrainConfig
 from service.training.data import make_dataset, package_dir, preset_path, read_examples
 from service.training.features import Features, extract
@@ -286,7 +285,6 @@ def run(names: list[str], folds: int | None, cache: Path, out: Path, seed: int =
     pairs = {name: DATASETS[name].pairs() for name in names}  # every dataset read first: a missing one fails now
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
-    keep_freed_memory_on(dev.type)  # as train does
     backbone = Backbone(DEFAULT_BACKBONE, max_length=None, device=dev, dtype=dt)
     echo(f"features and training on {dev} (backbone in {str(dt).removeprefix('torch.')}, heads in float32)", err=True)
     cfg = TrainConfig(seed=seed)  # the default settings (``seed`` aside)

@@ -17,7 +17,6 @@ from tqdm import tqdm
 from service.modeling.backbone import Backbone
 from service.modeling.device import resolve_device, resolve_dtype
 from service.modeling.head import RoutingHead
-from service.modeling.heap import keep_freed_memory_on
 from service.modeling.repository import (
     BackboneSpec,
     HeadSpec,
@@ -107,7 +106,6 @@ def train_model(name: str, data: DataSpec, out_dir: Path, backbone_source: str =
     cfg = cfg or TrainConfig()
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
-    keep_freed_memory_on(dev.type)  # each step's tensors reuse the pages the step before freed
     t_start = time.time()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -221,7 +219,6 @@ def evaluate_model(folder: Path, cache: Path | None = None, max_train: int | Non
     max_train = max_train if max_train is not None else d.get("max_train")
     train_idx = train_sample(ds, max_train, manifest.training.get("seed", 0))
     dev = resolve_device(device)
-    keep_freed_memory_on(dev.type)
     backbone = Backbone(manifest.backbone.source, max_length=manifest.max_length, device=dev,
                         dtype=resolve_dtype(dtype, dev))
     f_train, f_val, f_test = split_features(backbone, manifest.backbone.source, ds, train_idx, cache)
