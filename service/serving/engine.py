@@ -359,7 +359,7 @@ class Engine(Planner):
                 blocks[key] = len(blocks)
                 placed.update(key)
         layout = lay_out(lengths, list(blocks))
-        earlier = [st for job in done.values() if len(job.states) > 1 for st in job.states if not isinstance(st, int)]
+        where, earlier = self._where(layout, lengths, done)
         with _phase("engine.encode"):
             ids = np.fromiter(itertools.chain.from_iterable(w.ids for w in works), dtype=np.int64,
                               count=int(lengths.sum()))  # [T]
@@ -374,7 +374,6 @@ class Engine(Planner):
                 if w.job.left:  # the text goes on in a later batch: its chunk's states kept (a copy: not the batch's)
                     first = int(layout.first[pos])
                     w.job.states[w.k] = rows[first : first + lengths[pos]].clone()  # [L_c e d]
-            where = self._where(layout, lengths, done)
             # every call's states before any head runs: the host's work together, not after each call's (the CPU's
             # caches hold the head's tensors then, and the host's small steps ran several times slower there)
             joined: dict[tuple[int, ...], Encoded] = {}  # texts (positions) -> their hidden states
@@ -423,11 +422,13 @@ class Engine(Planner):
 
     @staticmethod
     def _where(layout: Layout, lengths: np.ndarray, done: dict[int, TextJob]
-               ) -> dict[int, tuple[int, int] | np.ndarray]:
+               ) -> tuple[dict[int, tuple[int, int] | np.ndarray], list[torch.Tensor]]:
         """Where each completed text's tokens lie in the batch's rows (see :meth:`_submit`), by its last chunk's
         position: ``(first, count)`` when they are one run (a text of one chunk), else their indices (this batch's
-        chunks at their rows; the earlier ones after ``layout.rows``, in the order :meth:`_submit` put them there)."""
+        chunks at their rows, earlier batches' after ``layout.rows``); and those earlier chunks' held states, in the
+        order they go there."""
         where: dict[int, tuple[int, int] | np.ndarray] = {}
+        earlier: list[torch.Tensor] = []
         taken = layout.rows
         for pos, job in done.items():
             if len(job.states) == 1:
@@ -439,9 +440,10 @@ class Engine(Planner):
                     parts.append(np.arange(layout.first[st], layout.first[st] + lengths[st]))
                 else:
                     parts.append(np.arange(taken, taken + len(st)))
+                    earlier.append(st)
                     taken += len(st)
             where[pos] = np.concatenate(parts)
-        return where
+        return where, earlier
 
     @staticmethod
     def _block(rows: torch.Tensor, block: tuple[int, int, int], n_t: np.ndarray, encodings: list[Encoding]

@@ -60,7 +60,7 @@ class EngineHost:
             engine = backbone.engine
             folders = {key: str(self.settings.model_repository / model_of(key)) for key in engine.models}
             backbones.append(wire.BackboneInfo(name, folders, {k: engine.describe(k) for k in engine.models},
-                                          str(engine.device), str(engine.dtype).removeprefix("torch.")))
+                                               str(engine.device), str(engine.dtype).removeprefix("torch.")))
         return wire.Models(self.version, backbones, dict(inference.heads), self.state.default_model)
 
     async def broadcast(self) -> None:
