@@ -30,9 +30,16 @@ def length_groups(lengths: Sequence[int], overhead: int, budget: int) -> list[li
     :func:`_run_groups` and :func:`_budget_groups`).
     """
     order = sorted(range(len(lengths)), key=lambda k: lengths[k])
-    if order and len(order) * lengths[order[-1]] <= budget:
-        return _run_groups(lengths, order, overhead)
-    return _budget_groups([lengths[k] for k in order], order, overhead, budget)
+    ordered = [lengths[k] for k in order]
+    if order and len(order) * ordered[-1] <= budget:
+        return _run_groups(ordered, order, overhead)
+    return _budget_groups(ordered, order, overhead, budget)
+
+
+def _run_ends(ordered: list[int]) -> list[int]:
+    """Where each run of equal lengths of the sorted ``ordered`` ends (exclusive)."""
+    n = len(ordered)
+    return [j for j in range(1, n + 1) if j == n or ordered[j] != ordered[j - 1]]
 
 
 def _budget_groups(ordered: list[int], order: list[int], overhead: int, budget: int) -> list[list[int]]:
@@ -43,7 +50,7 @@ def _budget_groups(ordered: list[int], order: list[int], overhead: int, budget: 
     dynamic program's cuts are the runs' ends and, from each cut, the end of the fullest group starting there: a
     few dozen for a batch of hundreds of tweets, each tried against the runs' ends within the budget."""
     n = len(ordered)
-    ends = [j for j in range(1, n + 1) if j == n or ordered[j] != ordered[j - 1]]
+    ends = _run_ends(ordered)
     best, cut = {0: 0}, {0: 0}
     todo, seen = [0], {0}
     while todo:
@@ -65,16 +72,17 @@ def _budget_groups(ordered: list[int], order: list[int], overhead: int, budget: 
     return _cut(order, cut)
 
 
-def _run_groups(lengths: Sequence[int], order: list[int], overhead: int) -> list[list[int]]:
-    """:func:`length_groups` where the budget cannot cut (every sequence fits in one group): then an optimal
+def _run_groups(ordered: list[int], order: list[int], overhead: int) -> list[list[int]]:
+    """:func:`length_groups` where the budget cannot cut (every sequence fits in one group; ``ordered``: the lengths
+    in ``order``): then an optimal
     grouping never cuts inside a run of equal lengths (the later group's sequences of the run moved into the
     earlier one cost no more), so the dynamic program runs over the distinct lengths, not the sequences (a
     batch of 512 tweets has a few dozen)."""
-    ends = [j for j in range(1, len(order) + 1) if j == len(order) or lengths[order[j]] != lengths[order[j - 1]]]
+    ends = _run_ends(ordered)
     best = {0: 0}
     cut = {0: 0}
     for m, j in enumerate(ends):
-        longest = lengths[order[j - 1]]
+        longest = ordered[j - 1]
         best[j], cut[j] = min((best[i] + overhead + (j - i) * longest, -i) for i in [0, *ends[:m]])
         cut[j] = -cut[j]
     return _cut(order, cut)
