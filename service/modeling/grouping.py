@@ -74,10 +74,9 @@ def _budget_groups(ordered: list[int], order: list[int], overhead: int, budget: 
 
 def _run_groups(ordered: list[int], order: list[int], overhead: int) -> list[list[int]]:
     """:func:`length_groups` where the budget cannot cut (every sequence fits in one group; ``ordered``: the lengths
-    in ``order``): then an optimal
-    grouping never cuts inside a run of equal lengths (the later group's sequences of the run moved into the
-    earlier one cost no more), so the dynamic program runs over the distinct lengths, not the sequences (a
-    batch of 512 tweets has a few dozen)."""
+    in ``order``): then an optimal grouping never cuts inside a run of equal lengths (the later group's sequences
+    of the run moved into the earlier one cost no more), so the dynamic program runs over the distinct lengths,
+    not the sequences (a batch of 512 tweets has a few dozen)."""
     ends = _run_ends(ordered)
     best = {0: 0}
     cut = {0: 0}
