@@ -592,6 +592,9 @@ def bench_serve(
                                                        "an earlier commit) to serve beside the peers")] = None,
     workers: Annotated[str, typer.Option(help="Also this service with these numbers of front processes "
                                               "(ROUTING_WORKERS), beside the peers (comma-separated)")] = "",
+    load_processes: Annotated[int, typer.Option(min=1, help="Processes of the load generator (one aiohttp process "
+                                                     "offers about 3,500 requests/s; on a machine of few cores more "
+                                                     "take the server's CPU)")] = 1,
     out: Annotated[Path, typer.Option(help="JSON result file")] = Path("bench-results/serve.json"),
 ) -> None:
     """Served throughput and latency vs. concurrency, batching on vs. off, thread settings, short requests
@@ -636,13 +639,13 @@ def bench_serve(
     if any(n < 2 for n in fronts):
         raise typer.BadParameter("numbers of fronts of at least 2 (one front is this service itself)",
                                  param_hint="--workers")
-    plan = (Plan(names, baseline, peer_levels, open_fractions, peer_rounds, fronts)
+    plan = (Plan(names, baseline, peer_levels, open_fractions, peer_rounds, fronts, load_processes)
             if names or baseline is not None or fronts else None)
     sb.run(model=model, preset=preset or model, levels=levels, duration=duration,
            n_texts=n_texts, repository=model_repository, device=device, max_wait_ms=max_wait_ms,
            max_batch_size=max_batch_size, offline_batch_sizes=sizes,
            url=url, out=out, thread_configs=configs, long_chars=long_chars, model_process=model_process,
-           rounds=rounds, replicas=replicas, other_settings=other_settings, peers=plan)
+           rounds=rounds, replicas=replicas, other_settings=other_settings, peers=plan, load_processes=load_processes)
 
 
 @bench_app.command("explain")

@@ -21,13 +21,10 @@ fails records its error and the run goes on):
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
-import multiprocessing
 import os
 import random
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -172,66 +169,20 @@ def _argmax(p: list[float]) -> int:
     return max(range(len(p)), key=p.__getitem__)
 
 
-async def _clients(url: str, texts: list[str], concurrency: int, per_request: int, seconds: float, offset: int
-                   ) -> tuple[int, int, list[float], float]:
-    """Answered requests, failed ones, latencies (ms) and the seconds until the last answer (requests sent before
-    the end are waited for)."""
-    import aiohttp
-
-    ok = errors = 0
-    latencies: list[float] = []
-    start = time.monotonic()
-    end = start + seconds
-    connector = aiohttp.TCPConnector(limit=concurrency)
-    async with aiohttp.ClientSession(url, connector=connector, timeout=aiohttp.ClientTimeout(total=120)) as client:
-        async def one(w: int) -> None:
-            nonlocal ok, errors
-            k = offset + w * per_request
-            while time.monotonic() < end:
-                body = {"inputs": [texts[(k + i) % len(texts)] for i in range(per_request)]}
-                t0 = time.perf_counter()
-                try:
-                    async with client.post("/v1/classify", json=body) as r:
-                        await r.read()
-                        good = r.status == 200
-                except (aiohttp.ClientError, TimeoutError):
-                    good = False
-                if good:
-                    ok += 1
-                    latencies.append(1000 * (time.perf_counter() - t0))
-                else:
-                    errors += 1
-                k += concurrency * per_request
-
-        await asyncio.gather(*(one(w) for w in range(concurrency)))
-        elapsed = time.monotonic() - start
-    return ok, errors, latencies, elapsed
-
-
-def _load_process(args: tuple[str, list[str], int, int, float, int]) -> tuple[int, int, list[float], float]:
-    from service.bench.serve import run_async
-
-    return run_async(_clients(*args))
-
-
 def closed_loop(url: str, texts: list[str], concurrency: int, per_request: int, seconds: float,
                 processes: int) -> dict[str, Any]:
     """``concurrency`` clients spread over ``processes`` load processes, each sending ``per_request`` texts at a
-    time for ``seconds``: requests and texts per second answered 200, latency percentiles, errors."""
-    processes = max(1, min(processes, concurrency))
-    shares = [concurrency // processes + (p < concurrency % processes) for p in range(processes)]
-    args = [(url, texts, c, per_request, seconds, 7919 * p) for p, c in enumerate(shares)]
-    with multiprocessing.get_context("spawn").Pool(processes) as pool:
-        t0 = time.monotonic()
-        parts = pool.map(_load_process, args)
-        wall = time.monotonic() - t0
-    ok = sum(p[0] for p in parts)
-    elapsed = max(p[3] for p in parts)  # until the last answer of any process: requests in flight at the end count
-    latencies = sorted(x for p in parts for x in p[2])
-    q = statistics.quantiles(latencies, n=100) if len(latencies) > 1 else latencies * 99 or [float("nan")] * 99
-    return {"concurrency": concurrency, "texts_per_request": per_request, "load_processes": processes,
-            "requests_per_s": ok / elapsed, "texts_per_s": ok * per_request / elapsed,
-            "errors": sum(p[1] for p in parts), "p50_ms": q[49], "p99_ms": q[98], "wall_s": wall}
+    time for ``seconds``: requests and texts per second answered 200, latency percentiles (ms), errors."""
+    from service.bench.serve import closed_loop as clients
+    from service.bench.serve import run_async
+
+    t0 = time.monotonic()
+    level = run_async(clients(url, "/v1/classify", texts, concurrency, seconds, processes=processes,
+                              per_request=per_request))
+    row = level.row()
+    return {"concurrency": concurrency, "texts_per_request": per_request, "load_processes": row["load_processes"],
+            "requests_per_s": row["requests_per_s"], "texts_per_s": row["throughput"], "errors": row["errors"],
+            "p50_ms": row["p50_ms"], "p99_ms": row["p99_ms"], "wall_s": time.monotonic() - t0}
 
 
 def served(repository: Path, model: str, device: str, texts: list[str], levels: list[tuple[int, int]],

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import multiprocessing
+import queue
 import random
 import re
 import statistics
@@ -49,6 +51,8 @@ class Level:
     batch_count: float
     compute_s: float  # time the model spent on batches meanwhile
     cpu_s: dict[str, float] | None = None  # CPU seconds meanwhile: the server's parts, the load generator
+    per_request: int = 1  # texts per request
+    processes: int = 1  # processes of the load generator
 
     def row(self) -> dict[str, Any]:
         lat = sorted(self.latencies)
@@ -56,7 +60,9 @@ class Level:
         def q(p: float) -> float:
             return 1000 * lat[min(len(lat) - 1, int(p * len(lat)))] if lat else float("nan")
 
-        return {"concurrency": self.concurrency, "throughput": self.texts / self.seconds, "p50_ms": q(0.5),
+        return {"concurrency": self.concurrency, "throughput": self.texts / self.seconds,
+                "requests_per_s": len(self.latencies) / self.seconds, "texts_per_request": self.per_request,
+                "load_processes": self.processes, "p50_ms": q(0.5),
                 "p95_ms": q(0.95), "p99_ms": q(0.99), "mean_batch": self.batch_sum / max(self.batch_count, 1),
                 "model_busy": self.compute_s / self.seconds,
                 "batch_ms": 1000 * self.compute_s / max(self.batch_count, 1),
@@ -101,95 +107,216 @@ def run_async(main: Coroutine[Any, Any, T]) -> T:
         return runner.run(main)
 
 
-async def _post(client: aiohttp.ClientSession, path: str, text: str, body: dict[str, Any] | None) -> bool:
-    """One request of one text; whether it was answered 200."""
+async def _post(client: aiohttp.ClientSession, path: str, texts: list[str], body: dict[str, Any] | None) -> bool:
+    """One request of ``texts``; whether it was answered 200."""
     try:
-        async with client.post(path, json={"inputs": [text], **(body or {})}) as r:
+        async with client.post(path, json={"inputs": texts, **(body or {})}) as r:
             await r.read()
             return r.status == 200
     except (aiohttp.ClientError, TimeoutError):
         return False
 
 
-async def closed_loop(url: str, path: str | Sequence[str] | Callable[[int], str], texts: list[str], concurrency: int,
-                      seconds: float,
-                      body: dict[str, Any] | None = None,
-                      cpu: Callable[[], dict[str, float] | None] | None = None, stats: Stats | None = None) -> Level:
-    """``concurrency`` clients, each sending one text at a time for ``seconds`` (aiohttp: about a tenth
-    of httpx's CPU per request, measured here: 0.2 vs 2.0 ms); with several ``path`` s, client ``w`` sends
-    to ``path[w % len(path)]``; with a function, request ``k`` goes to ``path(k)``. ``cpu``: CPU seconds used so
-    far by the server's parts (see ``LocalServer.cpu``), to count where the machine's CPU went, the load generator's
-    (this process) included. ``stats``: the server's batch totals (default: this service's metrics)."""
-    stats = stats or metrics_stats(url)
-    cpu0, own0 = (cpu() if cpu else None), time.process_time()
-    s0 = stats()
+Target = str | Sequence[str] | Callable[[int], str]
+"""Where a load generator sends request ``k`` of client ``w``: one path; ``path[w % len(path)]``; or ``path(k)``."""
+
+
+@dataclass
+class Load:
+    """What one load process got: the latencies (s) of the requests answered 200, the failed ones, the seconds from
+    its start until its last answer, and the CPU seconds it used."""
+
+    latencies: list[float]
+    errors: int
+    seconds: float
+    cpu_s: float
+
+
+@dataclass(frozen=True)
+class Clients:
+    """Closed-loop clients ``first .. first + count - 1`` of ``concurrency`` in all, each sending ``per_request``
+    texts at a time for ``seconds``: client ``w`` sends texts ``w * per_request, ...`` then steps by ``concurrency *
+    per_request`` (the same texts, however the clients are spread over processes)."""
+
+    url: str
+    path: Target
+    texts: list[str]
+    concurrency: int
+    seconds: float
+    body: dict[str, Any] | None = None
+    per_request: int = 1
+    first: int = 0
+    count: int | None = None
+
+
+@dataclass(frozen=True)
+class Arrivals:
+    """Open-loop Poisson arrivals at ``rate`` requests per second for ``seconds``, seeded: request ``k`` is text
+    ``k`` (from ``offset``), sent to ``path(k)`` when ``path`` is a function."""
+
+    url: str
+    path: str | Callable[[int], str]
+    texts: list[str]
+    rate: float
+    seconds: float
+    seed: int = 0
+    offset: int = 0
+
+
+async def _closed(c: Clients) -> Load:
+    """Run the clients of ``c`` in this process."""
     latencies: list[float] = []
     errors = 0
-    end = time.monotonic() + seconds
-    connector = aiohttp.TCPConnector(limit=concurrency)
-    timeout = aiohttp.ClientTimeout(total=120)
-    async with aiohttp.ClientSession(url, connector=connector, timeout=timeout) as client:
+    count = c.concurrency if c.count is None else c.count
+    own0 = time.process_time()
+    end = time.monotonic() + c.seconds
+    connector = aiohttp.TCPConnector(limit=count)
+    async with aiohttp.ClientSession(c.url, connector=connector, timeout=aiohttp.ClientTimeout(total=120)) as client:
         async def worker(w: int) -> None:
             nonlocal errors
-            k = w
+            k = w * c.per_request
+            path = c.path
             where = path if isinstance(path, str) or callable(path) else path[w % len(path)]
             while time.monotonic() < end:
                 t0 = time.perf_counter()
-                if await _post(client, where(k) if callable(where) else where, texts[k % len(texts)], body):
+                sent = [c.texts[(k + i) % len(c.texts)] for i in range(c.per_request)]
+                if await _post(client, where(k) if callable(where) else where, sent, c.body):
                     latencies.append(time.perf_counter() - t0)
                 else:
                     errors += 1
-                k += concurrency
+                k += c.concurrency * c.per_request
 
         t_start = time.monotonic()
-        await asyncio.gather(*(worker(w) for w in range(concurrency)))
+        await asyncio.gather(*(worker(w) for w in range(c.first, c.first + count)))
         elapsed = time.monotonic() - t_start
-    return _level(concurrency, elapsed, latencies, errors, s0, stats(), cpu, cpu0, own0)
+    return Load(latencies, errors, elapsed, time.process_time() - own0)
 
 
-async def open_loop(url: str, path: str | Callable[[int], str], texts: list[str], rate: float, seconds: float,
-                    seed: int = 0,
-                    cpu: Callable[[], dict[str, float] | None] | None = None, stats: Stats | None = None) -> Level:
-    """Poisson arrivals at ``rate`` requests per second for ``seconds`` (seeded), each one text, whatever is in
-    flight; every latency counts from the request's scheduled time (a generator that falls behind adds its
-    delay instead of hiding it); request ``k`` goes to ``path(k)`` when ``path`` is a function. Waits for the last
-    answers; the level's concurrency is 0."""
-    stats = stats or metrics_stats(url)
-    rng = random.Random(seed)
-    cpu0, own0 = (cpu() if cpu else None), time.process_time()
-    s0 = stats()
+async def _open(a: Arrivals) -> Load:
+    """Send the arrivals of ``a`` from this process; waits for the last answers."""
+    rng = random.Random(a.seed)
     latencies: list[float] = []
     errors = 0
+    own0 = time.process_time()
     connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(url, connector=connector, timeout=aiohttp.ClientTimeout(total=120)) as client:
+    async with aiohttp.ClientSession(a.url, connector=connector, timeout=aiohttp.ClientTimeout(total=120)) as client:
         async def one(at: float, text: str, where: str) -> None:
             nonlocal errors
-            if await _post(client, where, text, None):
+            if await _post(client, where, [text], None):
                 latencies.append(time.perf_counter() - at)
             else:
                 errors += 1
 
         start = time.perf_counter()
         sent: list[asyncio.Task[None]] = []
-        at, k = start, 0
-        while at - start < seconds:
+        at, k = start, a.offset
+        while at - start < a.seconds:
             await asyncio.sleep(max(0.0, at - time.perf_counter()))
-            sent.append(asyncio.ensure_future(one(at, texts[k % len(texts)], path(k) if callable(path) else path)))
-            at += rng.expovariate(rate)
+            sent.append(asyncio.ensure_future(one(at, a.texts[k % len(a.texts)], a.path(k) if callable(a.path)
+                                                  else a.path)))
+            at += rng.expovariate(a.rate)
             k += 1
         await asyncio.gather(*sent)
         elapsed = time.perf_counter() - start
-    return _level(0, elapsed, latencies, errors, s0, stats(), cpu, cpu0, own0)
+    return Load(latencies, errors, elapsed, time.process_time() - own0)
 
 
-def _level(concurrency: int, elapsed: float, latencies: list[float], errors: int, s0: tuple[float, float, float],
-           s1: tuple[float, float, float], cpu: Callable[[], dict[str, float] | None] | None,
-           cpu0: dict[str, float] | None, own0: float) -> Level:
+def _load_process(part: Clients | Arrivals, start: Any, results: Any) -> None:
+    """A load process: ready (imports done, on the barrier ``start``), then its part of the load, then what it got
+    on ``results``."""
+    start.wait()
+    results.put(run_async(_closed(part) if isinstance(part, Clients) else _open(part)))
+
+
+def in_processes(parts: Sequence[Clients | Arrivals], begin: Callable[[], object] = lambda: None) -> list[Load]:
+    """Each of ``parts`` in a process of its own, all starting together once every process is ready (``begin`` is
+    called just before: e.g. to read the server's totals then); what each got. One process of aiohttp tops out near
+    3,500 requests/s here: a server that answers more needs several."""
+    ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no copy of this one's threads or event loop
+    start, results = ctx.Barrier(len(parts) + 1), ctx.Queue()
+    procs = [ctx.Process(target=_load_process, args=(part, start, results), daemon=True, name=f"load-{p}")
+             for p, part in enumerate(parts)]
+    for proc in procs:
+        proc.start()
+    try:
+        start.wait(timeout=120)
+        begin()
+        loads: list[Load] = []
+        while len(loads) < len(procs):
+            try:
+                loads.append(results.get(timeout=1.0))
+            except queue.Empty:
+                dead = [p for p in procs if p.exitcode not in (None, 0)]
+                if dead:
+                    raise RuntimeError(f"{dead[0].name} of the load generator exited with {dead[0].exitcode}"
+                                       ) from None
+    finally:
+        for proc in procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+    return loads
+
+
+def _spread(n: int, processes: int) -> list[tuple[int, int]]:
+    """``(first, count)`` of ``n`` clients over at most ``processes`` processes, as even as can be."""
+    processes = max(1, min(processes, n))
+    counts = [n // processes + (p < n % processes) for p in range(processes)]
+    return [(sum(counts[:p]), c) for p, c in enumerate(counts)]
+
+
+async def _generate(parts: Sequence[Clients | Arrivals], concurrency: int, per_request: int,
+                    cpu: Callable[[], dict[str, float] | None] | None, stats: Stats) -> Level:
+    """Run the load ``parts`` (in this process if one, else each in a process of its own) and count what the
+    clients got, the server's batches meanwhile and, with ``cpu``, the CPU of the server's parts and of the load
+    generator (this process and its load processes)."""
+    cpu0, own0 = (cpu() if cpu else None), time.process_time()
+    if len(parts) == 1:  # this process's CPU is the load generator's
+        s0 = stats()
+        (part,) = parts
+        loads, others = [await (_closed(part) if isinstance(part, Clients) else _open(part))], 0.0
+    else:
+        at_start: list[tuple[float, float, float]] = []
+        loads = await asyncio.to_thread(in_processes, parts, lambda: at_start.append(stats()))
+        s0, others = at_start[0], sum(load.cpu_s for load in loads)
+    s1 = stats()
     cpu1, own1 = (cpu() if cpu else None), time.process_time()
     used = None if cpu0 is None or cpu1 is None else {
-        **{part: cpu1[part] - cpu0[part] for part in cpu0}, "load_generator": own1 - own0}
-    return Level(concurrency, elapsed, latencies, errors, len(latencies), s1[0] - s0[0], s1[1] - s0[1],
-                 s1[2] - s0[2], used)
+        **{part: cpu1[part] - cpu0[part] for part in cpu0}, "load_generator": own1 - own0 + others}
+    latencies = [x for load in loads for x in load.latencies]
+    return Level(concurrency, max(load.seconds for load in loads), latencies, sum(load.errors for load in loads),
+                 len(latencies) * per_request, s1[0] - s0[0], s1[1] - s0[1], s1[2] - s0[2], used,
+                 per_request=per_request, processes=len(parts))
+
+
+async def closed_loop(url: str, path: Target, texts: list[str], concurrency: int, seconds: float,
+                      body: dict[str, Any] | None = None,
+                      cpu: Callable[[], dict[str, float] | None] | None = None, stats: Stats | None = None,
+                      processes: int = 1, per_request: int = 1) -> Level:
+    """``concurrency`` clients, each sending ``per_request`` texts at a time for ``seconds`` (aiohttp: about a
+    tenth of httpx's CPU per request, measured here: 0.2 vs 2.0 ms), spread over ``processes`` load processes
+    (one: in this process); with several ``path`` s, client ``w`` sends to ``path[w % len(path)]``; with a function,
+    request ``k`` goes to ``path(k)`` (a function that pickles, with several processes). ``cpu``: CPU seconds used
+    so far by the server's parts (see ``LocalServer.cpu``), to count where the machine's CPU went, the load
+    generator's included. ``stats``: the server's batch totals (default: this service's metrics)."""
+    parts = [Clients(url, path, texts, concurrency, seconds, body, per_request, first, count)
+             for first, count in _spread(concurrency, processes)]
+    return await _generate(parts, concurrency, per_request, cpu, stats or metrics_stats(url))
+
+
+async def open_loop(url: str, path: str | Callable[[int], str], texts: list[str], rate: float, seconds: float,
+                    seed: int = 0,
+                    cpu: Callable[[], dict[str, float] | None] | None = None, stats: Stats | None = None,
+                    processes: int = 1) -> Level:
+    """Poisson arrivals at ``rate`` requests per second for ``seconds`` (seeded), each one text, whatever is in
+    flight; every latency counts from the request's scheduled time (a generator that falls behind adds its
+    delay instead of hiding it); request ``k`` goes to ``path(k)`` when ``path`` is a function. With several
+    ``processes``, each sends arrivals at ``rate / processes`` (seeded apart; together Poisson at ``rate``). Waits
+    for the last answers; the level's concurrency is 0."""
+    processes = max(1, processes)
+    parts = [Arrivals(url, path, texts, rate / processes, seconds, seed + 7919 * p, 104729 * p)
+             for p in range(processes)]
+    return await _generate(parts, 0, 1, cpu, stats or metrics_stats(url))
 
 
 class Offline:
@@ -430,10 +557,11 @@ def run(model: str, preset: str, levels: list[int], duration: float, n_texts: in
         max_wait_ms: float, max_batch_size: int, offline_batch_sizes: list[int], url: str | None,
         out: Path, thread_configs: list[tuple[int | None, str | None]], long_chars: int,
         model_process: bool = True, rounds: int = 3, replicas: int = 2, other_settings: bool = True,
-        peers: versus.Plan | None = None) -> dict[str, Any]:
+        peers: versus.Plan | None = None, load_processes: int = 1) -> dict[str, Any]:
     """The whole benchmark: print tables, write JSON, return the summary. ``other_settings``: also the servers
     without batching, with other thread settings, with the other ``model_process`` and with replicas;
-    ``peers``: the comparison with peer frameworks (servers this run starts only)."""
+    ``peers``: the comparison with peer frameworks (servers this run starts only); ``load_processes``: the load
+    generator's processes at every level and in the peer comparison."""
     texts = sample_test_texts(preset, n_texts)
     echo(f"bench serve: model {model}, {len(texts)} test texts (mean {sum(map(len, texts)) / len(texts):.0f}"
          f" chars), levels {levels}, {duration:.0f} s each", err=True)
@@ -471,7 +599,7 @@ def run(model: str, preset: str, levels: list[int], duration: float, n_texts: in
             runs[name] = []
             for c in lv:
                 row = run_async(closed_loop(target, "/v1/classify", texts, c, duration,
-                                            cpu=server.cpu if server else None)).row()
+                                            cpu=server.cpu if server else None, processes=load_processes)).row()
                 runs[name].append(row)
                 echo(f"  {name} c={c}: {row['throughput']:.1f} texts/s, p50 {row['p50_ms']:.0f} ms, "
                      f"p99 {row['p99_ms']:.0f} ms, mean batch {row['mean_batch']:.1f}, errors {row['errors']}",
@@ -504,7 +632,7 @@ def run(model: str, preset: str, levels: list[int], duration: float, n_texts: in
         "model": model, "texts": len(texts), "levels": levels, "duration_s": duration, "device": device,
         "max_wait_ms": max_wait_ms, "max_batch_size": max_batch_size, "url": url, "long_chars": long_chars,
         "thread_configs": thread_configs, "model_process": model_process, "rounds": rounds, "replicas": replicas,
-        "other_settings": other_settings, "peers": None if peers is None else {
+        "other_settings": other_settings, "load_processes": load_processes, "peers": None if peers is None else {
             **vars(peers), "baseline": str(peers.baseline) if peers.baseline else None}})
 
 

@@ -141,22 +141,26 @@ def mean_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def compare(contenders: list[Contender], texts: list[str], levels: list[int], seconds: float, rounds: int,
-            open_fractions: list[float], engine: dict[int, Callable[[], float]] | None = None) -> dict[str, Any]:
+            open_fractions: list[float], engine: dict[int, Callable[[], float]] | None = None,
+            processes: int = 1) -> dict[str, Any]:
     """Closed loops at ``levels``, then open loops at ``open_fractions`` of this service's best closed-loop
-    throughput, each measured in turns; per level, each contender's mean row and its ratio to this service.
+    throughput, each measured in turns, the load from ``processes`` processes; per level, each contender's mean row
+    and its ratio to this service.
     ``engine[level]``: texts/s of the model function alone on the batches a closed loop of ``level`` clients
     forms, measured in that level's turns; each contender's share of it at that level."""
     closed: dict[int, tuple[dict[str, list[dict[str, Any]]], list[float]]] = {}
     for level in levels:
         closed[level] = rows_in_turns(contenders, lambda c, level=level: row(run_async(closed_loop(
-            c.server.url, c.path, texts, level, seconds, cpu=_total_cpu(c), stats=c.stats)), concurrency=level),
+            c.server.url, c.path, texts, level, seconds, cpu=_total_cpu(c), stats=c.stats, processes=processes)),
+            concurrency=level),
             rounds, f"c={level}", texts, engine=(engine or {}).get(level))
     capacity = max(mean_row(per[THIS])["throughput"] for per, _ in closed.values())
     opened: dict[float, dict[str, list[dict[str, Any]]]] = {}
     for fraction in open_fractions:
         rate = fraction * capacity
         opened[fraction], _ = rows_in_turns(contenders, lambda c, rate=rate, fraction=fraction: row(run_async(
-            open_loop(c.server.url, c.path, texts, rate, seconds, cpu=_total_cpu(c), stats=c.stats)),
+            open_loop(c.server.url, c.path, texts, rate, seconds, cpu=_total_cpu(c), stats=c.stats,
+                      processes=processes)),
             fraction=fraction, rate=rate), rounds, f"open loop at {fraction:.0%} of {capacity:.1f} texts/s", texts)
 
     def summary(per: dict[str, list[dict[str, Any]]], alone_rounds: list[float] | None = None) -> dict[str, Any]:
@@ -187,6 +191,8 @@ class Plan:
     rounds: int
     fronts: list[int] = field(default_factory=list)
     """Also this service with each of these numbers of front processes (``ROUTING_WORKERS``)."""
+    load_processes: int = 1
+    """Processes of the load generator (see ``service.bench.serve.closed_loop``)."""
 
 
 def measure(plan: Plan, repository: Path, model: str, device: str, max_batch_size: int, max_wait_ms: float,
@@ -201,7 +207,8 @@ def measure(plan: Plan, repository: Path, model: str, device: str, max_batch_siz
     contenders = start(plan.peers, repository, model, device, max_batch_size, max_wait_ms, logs, plan.baseline,
                        plan.fronts)
     try:
-        result = compare(contenders, texts, plan.levels, seconds, plan.rounds, plan.open_fractions, engine)
+        result = compare(contenders, texts, plan.levels, seconds, plan.rounds, plan.open_fractions, engine,
+                         plan.load_processes)
         result["versions"] = {peer: version(peer) for peer in plan.peers}
         result["pss_mib"] = memory(contenders)
     finally:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import subprocess
 import sys
 import threading
@@ -119,6 +120,29 @@ def test_closed_loop_counts_answers_batches_and_cpu(pair: list[Server]) -> None:
     assert split["server_cpu_ms"] == pytest.approx(1000 * level.cpu_s["server"] / level.texts)
     assert 0 <= split["models_share"] < 1
     assert bad.cpu_s is None and serve.cpu_split(bad.row()) == {}  # not asked for: nothing made up
+
+
+def test_the_load_spreads_over_processes_and_counts_them_all(pair: list[Server]) -> None:
+    srv = pair[0]
+    level = serve.run_async(serve.closed_loop(srv.url, "/v1/classify", ["one text", "another text", "a third"], 5,
+                                              1.0, cpu=srv.cpu, processes=2, per_request=3))
+    row = level.row()
+    assert level.errors == 0 and len(level.latencies) > 2 and level.processes == 2
+    assert level.texts == 3 * len(level.latencies) and row["throughput"] == pytest.approx(3 * row["requests_per_s"])
+    assert level.cpu_s is not None and level.cpu_s["load_generator"] > 0 and level.batch_sum >= level.batch_count >= 1
+    assert serve._spread(5, 2) == [(0, 3), (3, 2)] and serve._spread(2, 4) == [(0, 1), (1, 1)]  # every client once
+
+    # open loop: each process sends its own seeded Poisson arrivals at half the rate, every one of them
+    rate, seconds = 30.0, 1.0
+    opened = serve.run_async(serve.open_loop(srv.url, "/v1/classify", ["one text"], rate, seconds, seed=5,
+                                             processes=2))
+    scheduled = 0
+    for p in range(2):
+        rng, at = random.Random(5 + 7919 * p), 0.0
+        while at < seconds:
+            scheduled += 1
+            at += rng.expovariate(rate / 2)
+    assert opened.errors == 0 and len(opened.latencies) == scheduled and opened.processes == 2
 
 
 def test_cpu_seconds_and_children_read_this_machines_processes() -> None:
