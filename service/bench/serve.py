@@ -221,41 +221,55 @@ async def _open(a: Arrivals) -> Load:
     return Load(latencies, errors, elapsed, time.process_time() - own0)
 
 
-def _load_process(part: Clients | Arrivals, start: Any, results: Any) -> None:
-    """A load process: ready (imports done, on the barrier ``start``), then its part of the load, then what it got
-    on ``results``."""
-    start.wait()
-    results.put(run_async(_closed(part) if isinstance(part, Clients) else _open(part)))
+def _load_process(p: int, part: Clients | Arrivals, go: Any, results: Any) -> None:
+    """Load process ``p``: says it is ready (imports done), waits for ``go``, sends its part of the load, then puts
+    what it got on ``results``."""
+    results.put((p, None))
+    go.wait()
+    results.put((p, run_async(_closed(part) if isinstance(part, Clients) else _open(part))))
 
 
 def in_processes(parts: Sequence[Clients | Arrivals], begin: Callable[[], object] = lambda: None) -> list[Load]:
     """Each of ``parts`` in a process of its own, all starting together once every process is ready (``begin`` is
-    called just before: e.g. to read the server's totals then); what each got. One process of aiohttp tops out near
-    3,500 requests/s here: a server that answers more needs several."""
+    called just before: e.g. to read the server's totals then); what each got. A server that answers more than one
+    process of aiohttp can send (about 3,500 requests/s to this service on a GPU machine's cores; 10,000-11,600 to a
+    bare aiohttp server sharing these 2 cores) needs several.
+
+    Raises:
+        RuntimeError: a load process exited without its answer.
+    """
     ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no copy of this one's threads or event loop
-    start, results = ctx.Barrier(len(parts) + 1), ctx.Queue()
-    procs = [ctx.Process(target=_load_process, args=(part, start, results), daemon=True, name=f"load-{p}")
+    go, results = ctx.Event(), ctx.Queue()
+    procs = [ctx.Process(target=_load_process, args=(p, part, go, results), daemon=True, name=f"load process {p}")
              for p, part in enumerate(parts)]
+
+    def collect() -> dict[int, Load | None]:
+        """One message from every process."""
+        got: dict[int, Load | None] = {}
+        while len(got) < len(procs):
+            try:
+                p, load = results.get(timeout=1.0)
+                got[p] = load
+            except queue.Empty:
+                dead = [p for p, proc in enumerate(procs) if proc.exitcode is not None and p not in got]
+                if dead and results.empty():
+                    raise RuntimeError(f"{procs[dead[0]].name} of the load generator exited with "
+                                       f"{procs[dead[0]].exitcode}") from None
+        return got
+
     for proc in procs:
         proc.start()
     try:
-        start.wait(timeout=120)
+        collect()  # every process ready
         begin()
-        loads: list[Load] = []
-        while len(loads) < len(procs):
-            try:
-                loads.append(results.get(timeout=1.0))
-            except queue.Empty:
-                dead = [p for p in procs if p.exitcode not in (None, 0)]
-                if dead:
-                    raise RuntimeError(f"{dead[0].name} of the load generator exited with {dead[0].exitcode}"
-                                       ) from None
+        go.set()
+        loads = collect()
+        return [load for _, load in sorted(loads.items()) if load is not None]
     finally:
         for proc in procs:
             proc.join(timeout=30)
             if proc.is_alive():
                 proc.kill()
-    return loads
 
 
 def _spread(n: int, processes: int) -> list[tuple[int, int]]:

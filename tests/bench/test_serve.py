@@ -144,6 +144,11 @@ def test_the_load_spreads_over_processes_and_counts_them_all(pair: list[Server])
             at += rng.expovariate(rate / 2)
     assert opened.errors == 0 and len(opened.latencies) == scheduled and opened.processes == 2
 
+    # a load process that fails (no texts to send) is reported, not waited for
+    with pytest.raises(RuntimeError, match="load process 1 of the load generator exited"):
+        serve.in_processes([serve.Clients(srv.url, "/v1/classify", ["a text"], 2, 0.2, count=1),
+                            serve.Clients(srv.url, "/v1/classify", [], 2, 0.2, first=1, count=1)])
+
 
 def test_cpu_seconds_and_children_read_this_machines_processes() -> None:
     child = subprocess.Popen([sys.executable, "-c", "import time; sum(range(10**7)); time.sleep(30)"])
