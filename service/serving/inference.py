@@ -94,8 +94,17 @@ class Inference:
         self.cache: HeadCache | None = None
         """The head cache, when there is one: heads not in memory are brought in as requests name them."""
 
+    def group_name(self, engine: Planner) -> str:
+        """The name a new backbone group ``engine`` goes by here (in logs, metrics and the fronts): its own
+        (``name@revision``), or where another group already goes by that (the same name and revision from another
+        source) that name with its source, so that neither replaces the other."""
+        other = self.backbones.get(engine.name)
+        return engine.name if other is None else f"{engine.name} ({engine.key[0]})"
+
     def add(self, backbone: Backbone) -> None:
-        """A backbone group and every head on it."""
+        """A backbone group and every head on it (under its name: see :meth:`group_name`)."""
+        if backbone.engine.name in self.backbones:
+            raise ValueError(f"a backbone group named {backbone.engine.name} is loaded already")
         self.backbones[backbone.engine.name] = backbone
         for key in backbone.engine.models:
             self.serve(model_of(key), key, backbone)

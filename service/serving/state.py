@@ -191,6 +191,7 @@ class AppState:
         t0 = time.perf_counter()
         log.info("loading models %s on one backbone", [f.name for f in folders])
         engine = await asyncio.get_running_loop().run_in_executor(None, self._load_backbone, folders, keys)
+        engine.name = self.inference.group_name(engine)
         size, tokens = s.batch_limits(str(engine.device))
         limits = BatchLimits(max_batch_size=size, max_batch_tokens=tokens, max_wait_s=s.max_wait_ms / 1000,
                              max_queue=s.max_queue)

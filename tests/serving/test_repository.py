@@ -340,6 +340,28 @@ def test_a_model_of_another_backbone_gets_its_own_process_and_frees_it_on_unload
     assert scores(server, "tiny")
 
 
+def test_a_backbone_of_the_same_name_and_revision_from_another_source_is_a_group_of_its_own(
+        client: triton.InferenceServerClient, server: Server, repo: Path, tiny_backbone_dir: Path,
+        tmp_path: Path) -> None:
+    twin_dir = Path(shutil.copytree(tiny_backbone_dir, tmp_path / "tiny-bert-twin"))  # another source, same weights
+    folder = write_tiny_model(repo, twin_dir, name="tiny-twin", seed=10)  # named tiny-bert@random, as tiny's
+    try:
+        client.load_model("tiny-twin", headers=AS_ADMIN)
+        assert client.is_model_ready("tiny-twin", headers=AS_USER) and client.is_model_ready("tiny", headers=AS_USER)
+        page = httpx.get(f"{server.url}/metrics").text
+        assert 'routing_queue_depth{backbone="tiny-bert@random"}' in page  # tiny's group still there, by its name
+        assert f'routing_queue_depth{{backbone="tiny-bert@random ({twin_dir})"}}' in page
+        assert all(close(g, w) for g, w in zip(scores(server, "tiny-twin"), alone(folder), strict=True))
+        assert all(close(g, w) for g, w in zip(scores(server, "tiny"), alone(repo / "tiny"), strict=True))
+        client.unload_model("tiny-twin", headers=AS_ADMIN)
+        time.sleep(0.5)
+        page = httpx.get(f"{server.url}/metrics").text
+        assert f'routing_queue_depth{{backbone="tiny-bert@random ({twin_dir})"}}' not in page
+        assert 'routing_queue_depth{backbone="tiny-bert@random"}' in page and scores(server, "tiny")
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def test_replicas_load_and_drop_a_head_in_every_process(repo: Path, logs: Path) -> None:
     s = Server(logs, model_repository=repo, models="tiny", default_model="tiny", model_control="explicit",
                admin_keys=ADMIN, model_replicas=2, max_batch_size=1).wait_ready()
