@@ -10,7 +10,8 @@ itself, which serves nothing (it imports neither torch nor the HTTP stack).
           tokenizing and rendering, sending typed messages to the host
 
 It starts the host, waits until its models are loaded, starts the fronts, and starts again a front that exits
-while the server runs (one that cannot serve the host's models stops the server: it would again). On
+while the server runs (after a growing wait when it keeps exiting soon after starting: see :class:`Backoff`; one
+that cannot serve the host's models stops the server: it would again). On
 SIGTERM (or Ctrl-C) every front drains (new requests 503, accepted ones answered) and exits; then the host, which
 has answered them all, exits too.
 """
@@ -27,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 from prometheus_client import multiprocess
@@ -56,6 +58,21 @@ def _child(module: str, args: list[str], settings: Settings, env: dict[str, str]
     proc.stdin.write(settings.model_dump_json(exclude_unset=True).encode())  # what was set stays set (only that)
     proc.stdin.close()
     return proc
+
+
+class Backoff:
+    """When a front that exited starts again: at once after a run of at least ``stable_s``; after a shorter one, in
+    ``first_s``, doubling with every short run in a row up to ``max_s`` (a front that dies as it starts, e.g. killed
+    for memory, is not started again in a busy loop)."""
+
+    def __init__(self, stable_s: float = 30.0, first_s: float = 1.0, max_s: float = 60.0) -> None:
+        self.stable_s, self.first_s, self.max_s = stable_s, first_s, max_s
+        self.delay = 0.0
+
+    def exited(self, ran_s: float) -> float:
+        """Seconds to wait before starting again a front that exited after ``ran_s`` seconds."""
+        self.delay = 0.0 if ran_s >= self.stable_s else min(self.max_s, max(self.first_s, 2 * self.delay))
+        return self.delay
 
 
 def run_supervisor(settings: Settings) -> int:
@@ -105,9 +122,11 @@ def _supervise(settings: Settings, folder: Path) -> int:
         return _child("service.serving.fronts", [str(k), str(path), str(listening.fileno())], settings, env,
                       pass_fds=(listening.fileno(),))
 
-    fronts = {k: front(k) for k in range(settings.workers)}
+    fronts: dict[int, subprocess.Popen[bytes] | None] = {k: front(k) for k in range(settings.workers)}
+    started = dict.fromkeys(fronts, time.monotonic())  # when each front started, or is due to start again
+    backoff = {k: Backoff() for k in fronts}
     log.info("%d fronts (processes %s) over the engine host (process %d) on %s:%d", settings.workers,
-             [p.pid for p in fronts.values()], host.pid, settings.host, settings.port)
+             [p.pid for p in fronts.values() if p], host.pid, settings.host, settings.port)
     code = 0
     while not stop.wait(0.2):
         if host.poll() is not None:
@@ -115,21 +134,29 @@ def _supervise(settings: Settings, folder: Path) -> int:
             code = 1
             break
         for k, proc in fronts.items():
+            now = time.monotonic()
+            if proc is None:  # waiting to start again
+                if now >= started[k]:
+                    fronts[k], started[k] = front(k), now
+                continue
             if proc.poll() is not None:
                 if proc.returncode == 1:  # it cannot serve the host's models: it would not again
                     log.error("front %d exited (code %d): stopping", k, proc.returncode)
                     stop.set()
                     code = proc.returncode
                     break
-                log.error("front %d exited (code %s): starting it again", k, proc.returncode)
                 multiprocess.mark_process_dead(proc.pid, str(folder / "metrics"))  # its gauges go; counters stay
-                fronts[k] = front(k)
+                delay = backoff[k].exited(now - started[k])
+                log.error("front %d exited (code %s) after %.1f s: starting it again%s", k, proc.returncode,
+                          now - started[k], f" in {delay:.0f} s (it exited soon after starting)" if delay else "")
+                fronts[k], started[k] = None, now + delay
     # every front drains (new requests 503, accepted ones answered) and exits; the host answers what they sent, its
     # batches going without waiting to fill, and exits once they are all gone
-    for proc in [*fronts.values(), host]:
+    running = [proc for proc in fronts.values() if proc is not None]
+    for proc in [*running, host]:
         with contextlib.suppress(ProcessLookupError):
             proc.send_signal(signal.SIGTERM)
-    for proc in fronts.values():
+    for proc in running:
         try:
             proc.wait(settings.drain_timeout_s + 10)
         except subprocess.TimeoutExpired:

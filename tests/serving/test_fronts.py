@@ -21,6 +21,7 @@ from pydantic import ValidationError
 
 from service.bench.server import descendants, is_backbone_process
 from service.config import Settings
+from service.serving.supervisor import Backoff
 from tests.conftest import write_tiny_model
 from tests.serving.server import Server, in_flight, metric, side_by_side
 
@@ -301,3 +302,10 @@ def test_devices_are_named_once_per_engine() -> None:
                      ({"devices": "cpu,cpu", "model_replicas": 2}, "name a device once per engine process")):
         with pytest.raises(ValidationError, match=why):
             Settings(**bad)
+
+
+def test_a_front_that_keeps_exiting_soon_after_starting_waits_longer_each_time() -> None:
+    backoff = Backoff(stable_s=30.0, first_s=1.0, max_s=8.0)
+    assert [backoff.exited(2.0) for _ in range(5)] == [1.0, 2.0, 4.0, 8.0, 8.0]  # doubling, then at most max_s
+    assert backoff.exited(45.0) == 0.0  # a front that served a while starts again at once
+    assert backoff.exited(0.5) == 1.0  # and a short run after that starts the doubling again
