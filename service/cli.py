@@ -495,6 +495,13 @@ def bench_gpu(
     concurrency: Annotated[str, typer.Option(help="Served single-text concurrencies (16-text requests: c = 64)")
                            ] = "32,256",
     load_processes: Annotated[int, typer.Option(min=1, help="Processes of the load generator")] = 4,
+    peers: Annotated[str, typer.Option(help="Peer frameworks serving the same engine, single texts at the peer "
+                                            "levels, in turns ('' to skip; those not installed are named and left "
+                                            "out): mosec, litserve")] = "mosec,litserve",
+    workers: Annotated[str, typer.Option(help="This service also with these numbers of front processes "
+                                              "(ROUTING_WORKERS) at the peer levels ('' to skip)")] = "2,4",
+    peer_concurrency: Annotated[str, typer.Option(help="Single-text concurrencies of the peers and fronts")] = (
+        "32,64,256"),
     accuracy_texts: Annotated[int, typer.Option(min=1, help="Labelled test texts for the precisions' accuracy")
                               ] = 1000,
     texts_file: Annotated[Path | None, typer.Option(help="Labelled test texts as JSON {texts, labels} instead of "
@@ -526,6 +533,16 @@ def bench_gpu(
         variants[name] = json.loads(value) if value.lstrip("-").replace(".", "", 1).isdigit() else value
     if baseline is not None and not (baseline / "service").is_dir():
         raise typer.BadParameter(f"{baseline} holds no service package", param_hint="--baseline")
+    from service.bench.server import PEERS
+
+    peer_names = [p for p in peers.split(",") if p]
+    if set(peer_names) - set(PEERS):
+        raise typer.BadParameter(f"unknown {sorted(set(peer_names) - set(PEERS))}; choose from {sorted(PEERS)}",
+                                 param_hint="--peers")
+    fronts = numbers(workers, "--workers", required=False)
+    if any(n < 2 for n in fronts):
+        raise typer.BadParameter("numbers of fronts of at least 2 (one front is this service itself)",
+                                 param_hint="--workers")
     if device.startswith("cuda"):
         import torch
 
@@ -540,7 +557,8 @@ def bench_gpu(
 
         result = gpu.run(device, model, model_repository, n_texts, numbers(budgets, "--budgets"), seconds, rounds,
                          baseline, served_seconds, numbers(concurrency, "--concurrency"), load_processes,
-                         accuracy_texts, out.parent / "logs", texts_file, checkpoint, variants)
+                         accuracy_texts, out.parent / "logs", texts_file, checkpoint, variants, peer_names,
+                         fronts, numbers(peer_concurrency, "--peer-concurrency"))
     summary = result["summary"]
     typer.echo(json.dumps(summary, indent=1))
     path = report.write_json(out, "gpu", result["settings"], result["results"], summary)

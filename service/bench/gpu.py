@@ -16,6 +16,8 @@ fails records its error and the run goes on):
 - ``served``: the server started on the device, driven by clients in several processes (one aiohttp process tops
   out near 3,500 requests/s): single-text requests at the given concurrencies and 16-text requests, requests and
   texts per second, p50 and p99;
+- ``beside``: single-text requests at the peer levels to this service with one front and with more (how many
+  fronts a device needs), and to mosec and LitServe with this version's engine inside, in turns;
 - ``gpu_tests``: the tests marked ``gpu`` (``pytest -m gpu``), skipped without a GPU.
 """
 
@@ -211,6 +213,31 @@ def served(repository: Path, model: str, device: str, texts: list[str], levels: 
         server.stop()
 
 
+def beside(repository: Path, model: str, device: str, texts: list[str], peers: list[str], fronts: list[int],
+           levels: list[int], seconds: float, rounds: int, processes: int, logs: Path) -> dict[str, Any]:
+    """This service (one front, and each number of ``fronts``) and the ``peers`` (mosec, LitServe: this version's
+    engine inside, their own batching at this service's default batch size for the device), single texts at each
+    closed-loop level of ``levels`` from ``processes`` load processes, each measured while the others are paused
+    (see :func:`service.bench.versus.compare`). Peers not installed are left out and named."""
+    from importlib.metadata import version
+    from importlib.util import find_spec
+
+    from service.bench import versus
+    from service.config import Settings
+
+    missing = [p for p in peers if find_spec(p) is None]
+    present = [p for p in peers if p not in missing]
+    max_batch_size, _ = Settings().batch_limits(device)
+    max_wait_ms = Settings.model_fields["max_wait_ms"].default
+    contenders = versus.start(present, repository, model, device, max_batch_size, max_wait_ms, logs, None, fronts)
+    try:
+        out = versus.compare(contenders, texts, levels, seconds, rounds, [], processes=processes)
+    finally:
+        versus.stop(contenders)
+    return {**out, "versions": {p: version(p) for p in present}, "missing_peers": missing,
+            "max_batch_size": max_batch_size, "max_wait_ms": max_wait_ms}
+
+
 def gpu_tests() -> dict[str, Any]:
     """The tests marked ``gpu``, in a process of their own (skipped where there is no GPU)."""
     tests = ROOT / "tests"
@@ -228,9 +255,11 @@ def run(device: str, model: str, repository: Path, n_texts: int, budgets: list[i
         baseline: Path | None, served_seconds: float, concurrencies: list[int], load_processes: int,
         accuracy_texts: int, logs: Path, texts_file: Path | None = None,
         checkpoint: Callable[[dict[str, Any], dict[str, Any]], None] | None = None,
-        variant: dict[str, Any] | None = None) -> dict[str, Any]:
+        variant: dict[str, Any] | None = None, peers: list[str] | None = None, fronts: list[int] | None = None,
+        peer_levels: list[int] | None = None) -> dict[str, Any]:
     """Every section (see the module's docstring); ``results`` and a ``summary`` of the headline numbers.
-    ``checkpoint(settings, results)`` after each section."""
+    ``checkpoint(settings, results)`` after each section. ``peers``, ``fronts``, ``peer_levels``: see :func:`beside`
+    (none of either: no such section)."""
     import torch
 
     from service.config import CPU_BATCH, GPU_BATCH
@@ -261,6 +290,7 @@ def run(device: str, model: str, repository: Path, n_texts: int, budgets: list[i
                 "baseline": str(baseline) if baseline else None, "served_seconds": served_seconds,
                 "concurrencies": concurrencies, "load_processes": load_processes, "accuracy_texts": accuracy_texts,
                 "texts_file": str(given_texts) if given_texts else None, "variant": variant,
+                "peers": peers or [], "fronts": fronts or [], "peer_levels": peer_levels or [],
                 "cuda_device": torch.cuda.get_device_name(0) if cuda and torch.cuda.is_available() else None}
     results: dict[str, Any] = {}
 
@@ -287,6 +317,9 @@ def run(device: str, model: str, repository: Path, n_texts: int, budgets: list[i
     levels = [(c, 1) for c in concurrencies] + [(64, 16)]
     step("served", lambda: served(repository, model, device, texts, levels, served_seconds,
                                               load_processes, logs))
+    if (peers or fronts) and peer_levels:
+        step("beside", lambda: beside(repository, model, device, texts, peers or [], fronts or [], peer_levels,
+                                      served_seconds, 1, load_processes, logs))
     step("gpu_tests", gpu_tests)
     files.cleanup()
     return {"settings": settings, "results": results, "summary": summarize(results, default_budget)}
@@ -344,6 +377,11 @@ def summarize(results: dict[str, Any], budget: int) -> dict[str, Any]:
     multi = next((r for r in levels if r["texts_per_request"] > 1), None)
     offline = cur.get(str(budget))
     out["served_over_offline_multi_text"] = multi["texts_per_s"] / offline if multi and offline else None
+    closed = get("beside", "closed") or {}
+    out["beside"] = {f"c{level}": {name: {"texts_per_s": m["throughput"], "p99_ms": m["p99_ms"],
+                                          "this_over_it": m["this_over_it"], "errors": m["errors"]}
+                                   for name, m in d["summary"].items()}
+                     for level, d in closed.items()} or None
     out["gpu_tests"] = get("gpu_tests", "summary")
     out["failed_sections"] = sorted(k for k, v in results.items() if isinstance(v, dict) and "error" in v)
     return out

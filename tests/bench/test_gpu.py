@@ -21,12 +21,13 @@ def test_every_section_runs_and_every_field_is_written_on_the_cpu(tiny_repo: Pat
         "bench", "gpu", "--device", "cpu", "--model", "tiny", "--model-repository", str(tiny_repo),
         "--texts-file", str(texts), "--texts", "32", "--budgets", "64", "--seconds", "0.05", "--rounds", "2",
         "--baseline", str(ROOT), "--served-seconds", "0.3", "--concurrency", "4", "--load-processes", "2",
-        "--accuracy-texts", "20", "--variant", "head_call_overhead=4096", "--out", str(out)])
+        "--accuracy-texts", "20", "--variant", "head_call_overhead=4096", "--peers", "mosec", "--workers", "2",
+        "--peer-concurrency", "4", "--out", str(out)])
     assert res.exit_code == 0, res.output
     doc = json.loads(out.read_text())
     results, summary = doc["results"], doc["summary"]
     assert summary["failed_sections"] == [], {k: v.get("error") for k, v in results.items() if "error" in v}
-    assert set(results) == {"load", "engine", "profile", "latency", "accuracy", "served", "gpu_tests"}
+    assert set(results) == {"load", "engine", "profile", "latency", "accuracy", "served", "beside", "gpu_tests"}
     empty = {k for k, v in summary.items() if v is None}
     assert all(k.startswith("device_busy_share") for k in empty), empty  # a CPU has no device to be busy
     assert summary["kernels_per_batch"] == 0 and summary["torch_ops_per_batch"] > 0
@@ -40,6 +41,11 @@ def test_every_section_runs_and_every_field_is_written_on_the_cpu(tiny_repo: Pat
     served = summary["served"]
     assert set(served) == {"c4x1", "c64x16"} and all(v["errors"] == 0 and v["texts_per_s"] > 0
                                                       for v in served.values())
+    beside = summary["beside"]["c4"]  # one front, two fronts and mosec, each answering every request
+    assert set(beside) == {"routing-service", "routing-service, 2 fronts", "mosec"}
+    assert all(v["errors"] == 0 and v["texts_per_s"] > 0 for v in beside.values())
+    assert beside["mosec"]["this_over_it"] == beside["routing-service"]["texts_per_s"] / beside["mosec"]["texts_per_s"]
+    assert results["beside"]["max_batch_size"] == 32 and results["beside"]["missing_peers"] == []
     said = summary["gpu_tests"]  # pytest's last line: the GPU tests found and skipped here, none failing
     assert " skipped" in said and "failed" not in said and "error" not in said, said
 
