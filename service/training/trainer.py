@@ -168,13 +168,14 @@ class Training:
         self.history: list[dict[str, float]] = []  # every validation
         self.t0 = time.time()
 
-    def schedule(self, plan: list[list[list[int]]]) -> bool:
+    def schedule(self, plan: list[list[list[int]]], hold: float = 0.0) -> bool:
         """Train through ``plan`` (each epoch's batches) under one one-cycle learning rate, validating every epoch (at
         most every ``eval_every`` steps); True when it stopped early (``patience`` validations without a better
-        checkpoint)."""
+        checkpoint), which it does not in the first ``hold`` share of its steps."""
         cfg = self.cfg
         steps = sum(len(b) for b in plan)
         self.planned += steps
+        held_until = self.step + hold * steps
         sched = torch.optim.lr_scheduler.OneCycleLR(self.opt, max_lr=cfg.max_lr, total_steps=steps + 1,
                                                     pct_start=min(0.3, cfg.warmup_steps / steps))
         for batches in plan:
@@ -182,7 +183,7 @@ class Training:
             self.head.train()
             for part in (batches[k : k + cfg.eval_every] for k in range(0, len(batches), cfg.eval_every)):
                 train_loss = self._steps(part, sched)  # train on a part of the epoch, then validate
-                if self._validate(train_loss):
+                if self._validate(train_loss, may_stop=self.step >= held_until):
                     return True
         return False
 
@@ -210,9 +211,9 @@ class Training:
         self.step += len(part)
         return total.item() / len(part)
 
-    def _validate(self, train_loss: float) -> bool:
+    def _validate(self, train_loss: float, may_stop: bool = True) -> bool:
         """Validate the current weights (or their average), keep them when :func:`improves` says so; True when
-        ``patience`` validations in a row have not improved."""
+        ``patience`` validations in a row have not improved (and ``may_stop``)."""
         cfg = self.cfg
         acc, val_loss = validation_scores(predict_features(self.validated, self.val, device=self.device), self.y_val)
         self.validations += 1
@@ -227,7 +228,7 @@ class Training:
             self.best_state = {k: v.detach().to("cpu", copy=True) for k, v in self.validated.state_dict().items()}
             return False
         self.since_best += 1
-        if cfg.patience and self.since_best >= cfg.patience:
+        if cfg.patience and self.since_best >= cfg.patience and may_stop:
             print(f"early stop: no better validation {cfg.select} for {self.since_best} validations; keeping step "
                   f"{self.best_step}", flush=True)
             return True
@@ -239,6 +240,11 @@ class Training:
         return not stopped and self.best_step == self.step and self.validations - validations_before > 1
 
 
+HOLD = 0.5
+"""The share of a continued schedule's steps in which it does not stop early (see :func:`train_head`): by then its
+learning rate has risen to the peak again and come back to about half of it."""
+
+
 def train_head(head: RoutingHead, train: Features, y_train: list[int], val: Features, y_val: list[int],
                cfg: TrainConfig, device: torch.device | str = "cpu") -> tuple[RoutingHead, dict[str, Any]]:
     """Train ``head`` on ``device`` (features stay on the host; each batch goes over as it is used); return the
@@ -246,8 +252,10 @@ def train_head(head: RoutingHead, train: Features, y_train: list[int], val: Feat
 
     When a step budget (not ``epochs``, a length asked for) ends with validation still improving and ``cfg.extend``,
     training goes on from where it is (the weights, the optimizer's state, the moving average) under a second
-    one-cycle schedule of the same budget, and the best checkpoint of both is kept: no step is thrown away. The
-    summary's ``extended`` records both schedules."""
+    one-cycle schedule of the same budget, and the best checkpoint of both is kept: no step is thrown away. That
+    schedule does not stop early in its first half (:data:`HOLD`): its learning rate rises to the peak again, and
+    validation worsens for a while before it improves on the first schedule's end. The summary's ``extended``
+    records both schedules."""
     device = torch.device(device)
     torch.manual_seed(cfg.seed)
     if cfg.threads:
@@ -260,9 +268,10 @@ def train_head(head: RoutingHead, train: Features, y_train: list[int], val: Feat
     schedules = [_schedule_summary(run, first, still_improving)]
     if still_improving and cfg.extend and not cfg.epochs:  # whole epochs: the length asked for
         print(f"validation {cfg.select} was still improving at the last step ({run.step}): training on from here "
-              f"under another schedule of {first} steps at most; the best checkpoint of both is kept", flush=True)
+              f"under another schedule of {first} steps at most (not stopping early in its first half); the best "
+              "checkpoint of both is kept", flush=True)
         before = run.validations
-        stopped = run.schedule(step_plan(run.lengths, cfg, run.rng))
+        stopped = run.schedule(step_plan(run.lengths, cfg, run.rng), hold=HOLD)
         still_improving = run.still_improving(stopped, before)
         schedules.append(_schedule_summary(run, run.planned - first, still_improving))
     if still_improving:
@@ -284,8 +293,9 @@ def train_head(head: RoutingHead, train: Features, y_train: list[int], val: Feat
     if len(schedules) > 1:
         kept = "continued" if run.best_step > schedules[0]["steps_run"] else "first"
         summary["extended"] = {"rule": "when a budget ends with validation still improving, training goes on from "
-                                       "the current state under a second one-cycle schedule of the same budget; the "
-                                       "best checkpoint of both is kept",
+                                       "the current state under a second one-cycle schedule of the same budget, "
+                                       f"not stopping early in its first {HOLD:.0%}; the best checkpoint of both is "
+                                       "kept",
                                "schedules": schedules, "kept": kept}
         print(f"kept step {run.best_step} ({'of the continued schedule' if kept == 'continued' else 'of the first'}): "
               f"validation loss {run.best[1]:.4f}, accuracy {run.best[0]:.4f}", flush=True)

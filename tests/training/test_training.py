@@ -496,6 +496,31 @@ def test_a_budget_that_ends_improving_goes_on_from_where_it_is_and_keeps_the_bes
                                                                                        abs=1e-5)
 
 
+def test_a_continued_schedule_does_not_stop_early_in_its_first_half(monkeypatch: pytest.MonkeyPatch) -> None:
+    from service.training import trainer
+
+    feats, y = learnable(96, seed=2)
+    train, val = feats.subset(list(range(64))), feats.subset(list(range(64, 96)))
+    cfg = TrainConfig(steps=12, min_epochs=0, batch_size=8, eval_every=4, patience=1, max_lr=3e-2, ema=0)
+    scores = trainer.validation_scores
+    seen: list[int] = []
+
+    def worse_after_the_first_schedule(probs: np.ndarray, y_val: list[int]) -> tuple[float, float]:
+        seen.append(1)
+        acc, loss = scores(probs, y_val)
+        return (acc, loss) if len(seen) <= 3 else (0.0, 10.0)  # validations 4 on: worse than any before
+
+    monkeypatch.setattr(trainer, "validation_scores", worse_after_the_first_schedule)
+    _, summary = train_head(tiny_head(), train, y[:64], val, y[64:], cfg)
+    # patience 1 would stop at the continued schedule's first validation (step 16); it goes on to its half (step 18)
+    # and stops at the first validation from there
+    first, continued = summary["extended"]["schedules"]
+    assert first["still_improving"] and continued["steps"] == 12
+    assert summary["stopped_early"] and summary["steps_run"] == 20
+    assert [h["step"] for h in summary["history"]] == [4, 8, 12, 16, 20] and summary["best_step"] == 12
+    assert trainer.HOLD == 0.5 and "not stopping early in its first 50%" in summary["extended"]["rule"]
+
+
 def test_a_moving_average_of_the_weights_is_what_validates_and_is_kept() -> None:
     from service.modeling.head import RoutingHead
     from service.training.features import Features
