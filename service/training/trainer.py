@@ -254,7 +254,7 @@ def train_head(head: RoutingHead, train: Features, y_train: list[int], val: Feat
     training goes on from where it is (the weights, the optimizer's state, the moving average) under a second
     one-cycle schedule of the same budget, and the best checkpoint of both is kept: no step is thrown away. That
     schedule does not stop early in its first half (:data:`HOLD`): its learning rate rises to the peak again, and
-    validation worsens for a while before it improves on the first schedule's end. The summary's ``extended``
+    validation worsens for a while before it can improve on the first schedule's end. The summary's ``extended``
     records both schedules."""
     device = torch.device(device)
     torch.manual_seed(cfg.seed)
