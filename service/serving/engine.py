@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from torch.profiler import record_function
 
+from service.allocator import keep_freed_memory
 from service.modeling.backbone import Backbone, BackboneError, Encoded
 from service.modeling.classifier import CreditRequest, Explained, Prediction, RoutingClassifier, classify
 from service.modeling.device import resolve_device, resolve_dtype
@@ -30,7 +31,6 @@ from service.modeling.encoder import to_device
 from service.modeling.encoding import Encoding
 from service.modeling.grouping import Layout, lay_out, length_groups
 from service.modeling.head import StackSpace, head_shape, stack_heads
-from service.modeling.heap import keep_freed_memory_on
 from service.modeling.repository import MANIFEST, Manifest, ModelLoadError, load_model, read_manifest
 from service.serving.contract import (
     METHODS,
@@ -177,7 +177,8 @@ class Engine(Planner):
         folders = [folders] if isinstance(folders, Path | str) else list(folders)
         dev = resolve_device(device)
         dt = resolve_dtype(dtype, dev)
-        keep_freed_memory_on(dev.type)  # batches reuse the pages the one before freed
+        if dev.type == "cpu":  # batches reuse the pages the one before freed (on a GPU: the caching allocator's)
+            keep_freed_memory()
         manifests, classifiers = load_backbone(folders, dev, dt, keys)
         engine = cls(manifests, classifiers, dev, dt, 0.0)
         if warmup:
