@@ -221,12 +221,17 @@ async def _open(a: Arrivals) -> Load:
     return Load(latencies, errors, elapsed, time.process_time() - own0)
 
 
+async def _send(part: Clients | Arrivals) -> Load:
+    """The load ``part`` sent from this process."""
+    return await (_closed(part) if isinstance(part, Clients) else _open(part))
+
+
 def _load_process(p: int, part: Clients | Arrivals, go: Any, results: Any) -> None:
     """Load process ``p``: says it is ready (imports done), waits for ``go``, sends its part of the load, then puts
     what it got on ``results``."""
     results.put((p, None))
     go.wait()
-    results.put((p, run_async(_closed(part) if isinstance(part, Clients) else _open(part))))
+    results.put((p, run_async(_send(part))))
 
 
 def in_processes(parts: Sequence[Clients | Arrivals], begin: Callable[[], object] = lambda: None) -> list[Load]:
@@ -288,7 +293,7 @@ async def _generate(parts: Sequence[Clients | Arrivals], concurrency: int, per_r
     if len(parts) == 1:  # this process's CPU is the load generator's
         s0 = stats()
         (part,) = parts
-        loads, others = [await (_closed(part) if isinstance(part, Clients) else _open(part))], 0.0
+        loads, others = [await _send(part)], 0.0
     else:
         at_start: list[tuple[float, float, float]] = []
         loads = await asyncio.to_thread(in_processes, parts, lambda: at_start.append(stats()))
