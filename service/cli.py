@@ -51,6 +51,26 @@ def numbers(value: str, option: str, kind: Callable[[str], N] = int, required: b
     return out
 
 
+def fronts_option(value: str) -> list[int]:
+    """``--workers`` of a bench: the numbers of front processes to measure beside one front (each at least 2)."""
+    fronts = numbers(value, "--workers", required=False)
+    if any(n < 2 for n in fronts):
+        raise typer.BadParameter("numbers of fronts of at least 2 (one front is this service itself)",
+                                 param_hint="--workers")
+    return fronts
+
+
+def peers_option(value: str) -> list[str]:
+    """``--peers`` of a bench: the peer frameworks named (comma-separated), each one the bench knows."""
+    from service.bench.server import PEERS
+
+    names = [p for p in value.split(",") if p]
+    unknown = sorted(set(names) - set(PEERS))
+    if unknown:
+        raise typer.BadParameter(f"unknown {unknown}; choose from {sorted(PEERS)}", param_hint="--peers")
+    return names
+
+
 DeviceOption = Annotated[str, typer.Option(help="Where features are computed and the head trains and runs: auto (the "
                                                "first GPU when there is one) | cpu | cuda[:n]")]
 DTypeOption = Annotated[str, typer.Option(help="The backbone's precision for features: " + " | ".join(("auto", *DTYPES))
@@ -533,16 +553,7 @@ def bench_gpu(
         variants[name] = json.loads(value) if value.lstrip("-").replace(".", "", 1).isdigit() else value
     if baseline is not None and not (baseline / "service").is_dir():
         raise typer.BadParameter(f"{baseline} holds no service package", param_hint="--baseline")
-    from service.bench.server import PEERS
-
-    peer_names = [p for p in peers.split(",") if p]
-    if set(peer_names) - set(PEERS):
-        raise typer.BadParameter(f"unknown {sorted(set(peer_names) - set(PEERS))}; choose from {sorted(PEERS)}",
-                                 param_hint="--peers")
-    fronts = numbers(workers, "--workers", required=False)
-    if any(n < 2 for n in fronts):
-        raise typer.BadParameter("numbers of fronts of at least 2 (one front is this service itself)",
-                                 param_hint="--workers")
+    peer_names, fronts = peers_option(peers), fronts_option(workers)
     if device.startswith("cuda"):
         import torch
 
@@ -637,14 +648,9 @@ def bench_serve(
         raise typer.Exit(2)
     from importlib.util import find_spec
 
-    from service.bench.server import PEERS
     from service.bench.versus import Plan
 
-    names = [p for p in peers.split(",") if p]
-    unknown = sorted(set(names) - set(PEERS))
-    if unknown:
-        typer.echo(f"--peers: unknown {unknown}; choose from {sorted(PEERS)}", err=True)
-        raise typer.Exit(2)
+    names = peers_option(peers)
     missing = [n for n in names if find_spec(n) is None]
     if missing:
         typer.echo(f"--peers {missing}: not installed (they come with the bench extra: pip install -e '.[bench]'), "
@@ -653,10 +659,7 @@ def bench_serve(
     if baseline is not None and not (baseline / "service" / "__init__.py").is_file():
         typer.echo(f"--baseline {baseline}: not a checkout of this repository (no service/ package)", err=True)
         raise typer.Exit(2)
-    fronts = numbers(workers, "--workers", required=False)
-    if any(n < 2 for n in fronts):
-        raise typer.BadParameter("numbers of fronts of at least 2 (one front is this service itself)",
-                                 param_hint="--workers")
+    fronts = fronts_option(workers)
     plan = (Plan(names, baseline, peer_levels, open_fractions, peer_rounds, fronts, load_processes)
             if names or baseline is not None or fronts else None)
     sb.run(model=model, preset=preset or model, levels=levels, duration=duration,
