@@ -196,6 +196,7 @@ def served(repository: Path, model: str, device: str, texts: list[str], levels: 
     command = [sys.executable, "-m", "service", "serve", "--model-repository", str(repository), "--models", model,
                "--device", device, "--port", str(port)]
     env = {**os.environ, "ROUTING_LOG_LEVEL": "warning", "ROUTING_MAX_QUEUE": "100000",
+           "ROUTING_GRPC_PORT": str(free_port()),  # gRPC on a port of its own: the default may be taken
            "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     server = ServerProcess(logs, command, env, "bench-gpu-server", port, cwd=ROOT)
     try:
