@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from service.routing import EfficientVectorRouting, credit
+from service.routing.segments import Segments
 
 NORM_EPS = 1e-5
 """The per-depth layer norm's epsilon."""
@@ -133,6 +134,28 @@ class RoutingHead(nn.Module):
                  credit.Routed(self.route[2], r2["x_out"], r3["phi"], n_hid, r3["x_out_raw"]))
         return HeadOutput(scores=scores, phi=(r1["phi"], r2["phi"], r3["phi"]), absent=absent, stack=stack,
                           normed=normed)
+
+    def scores_packed(self, hidden: torch.Tensor, n_t: torch.Tensor) -> torch.Tensor:
+        """The scores :meth:`forward` gives each text alone, for texts lying back to back without padding: the
+        first routing over every text's inputs in one packed call (:meth:`EfficientVectorRouting.forward_packed`),
+        the other two on the batch. No credit (it reads the padded :class:`HeadOutput`); one head (not stacked).
+
+        Args:
+            hidden: ``[T, d_depth, d_emb]`` every text's hidden states, text after text.
+            n_t: int64 ``[b]`` each text's positions (on ``hidden``'s device; they sum to ``T``).
+
+        Returns:
+            ``[b, n_classes]`` logits.
+
+        Raises:
+            RuntimeError: the grouped product the packed routing needs does not run here.
+        """
+        normed = nn.functional.layer_norm(hidden, (self.d_emb,), eps=NORM_EPS)  # [Ted] each depth normed
+        x = torch.addcmul(self.B, normed, self.W).flatten(0, 1)  # [id] positions x depths, text after text
+        segments = Segments.of(n_t * self.d_depth, x.shape[0], x.dtype)
+        x1 = self.route[0].forward_packed(x, segments)  # [bjh]
+        x2 = self.route[1](x1)["x_out"]  # [bjh]
+        return self.route[2](x2)["x_out"].squeeze(-1)  # [bk]
 
     def contributions(self, out: HeadOutput, targets: torch.Tensor, contrast: bool = True) -> Contribution:
         """Exact value-path credit of ``targets`` over (position, depth), in logit units.

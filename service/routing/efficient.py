@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from service.routing import segments as seg
 from service.routing.masking import Mask, build_mask, check_config, d_step, flat_prior, route, zero_absent
 
 
@@ -160,3 +161,42 @@ class EfficientVectorRouting(nn.Module):
             "a_inp": a_inp, "V": V, "pred_x_inp": pred_x_inp, "S": S, "R": R.expand_as(D_use),
             "D_use": D_use, "D_ign": D_ign, "phi": phi, "x_out_raw": x_out_raw, "x_out": x_out,
         }
+
+    def forward_packed(self, x_inp: torch.Tensor, segments: seg.Segments) -> torch.Tensor:
+        """Route samples of different lengths lying back to back (see :mod:`service.routing.segments`), each as
+        :meth:`forward` routes it alone: the same ``x_out`` up to float rounding, no padding, one call for the batch.
+        Variable ``n`` and one routing's parameters only (not stacked).
+
+        Args:
+            x_inp: ``[I, d_inp]`` every sample's input vectors, sample after sample.
+            segments: where each sample's inputs lie.
+
+        Returns:
+            ``x_out [B, n_out, d_out]``.
+
+        Raises:
+            RuntimeError: the grouped product does not run here (see :func:`service.routing.segments.contract`).
+        """
+        if self.n_inp != -1 or self.W_A.dim() != 2:
+            raise ValueError("a packed routing needs variable n_inp and one routing's parameters")
+        if x_inp.dim() != 2 or x_inp.shape[-1] != self.d_inp:
+            raise ValueError(f"x_inp must be [I, d_inp={self.d_inp}], got {list(x_inp.shape)}")
+        beta_use, beta_ign = self._betas(x_inp)  # [ij], [ij]
+        scale = segments.n.rsqrt()  # [B]
+        a_inp = torch.addcmul(self.B_A, self._activations(x_inp), scale[segments.index])  # [i]
+        f_a = torch.sigmoid(a_inp)[:, None]  # [i1]
+        R = self.CONST_ones_over_n_out  # [j] E-step of iteration 1: flat prior
+        for iteration in range(self.n_iters):
+            D_use, D_ign = d_step(f_a, R, None)  # [ij], [ij]
+            phi = beta_use * D_use - beta_ign * D_ign  # [ij]
+            phi_x = seg.contract(phi, x_inp, segments)  # [Bjd] each sample's inputs contracted
+            x_out = torch.einsum("bjd,jd,dh->bjh", phi_x, self.W_F1, self.W_F2)  # [Bjh]
+            x_out = torch.addcmul(seg.sum_by_sample(phi, segments)[..., None] * self.B_F2, x_out,
+                                  scale[:, None, None])  # [Bjh] scaled, + bias
+            if iteration + 1 < self.n_iters:
+                x_hat = torch.einsum("bjh,hd->bjd", self.N(x_out), self.W_G1)  # [Bjd]
+                pred_x_inp = x_hat * self.W_G2 + self.B_G2  # [Bjd]
+                dots = seg.per_sample(x_inp, pred_x_inp.transpose(-1, -2), segments)  # [ij] against its sample's
+                S = nn.functional.logsigmoid(dots * self.W_S + self.B_S)  # [ij]
+                R = route(S, None)  # [ij]
+        return self.N(x_out) if self.normalize else x_out  # [Bjh]

@@ -1,0 +1,60 @@
+"""Samples of different lengths routed back to back (``forward_packed``): each routed as it is alone."""
+
+import pytest
+import torch
+
+from service.routing import EfficientVectorRouting
+from service.routing.segments import Segments, contract, per_sample, sum_by_sample
+
+LENGTHS = [1, 4, 9, 2, 4]
+
+
+def segments_of(lengths: list[int], dtype: torch.dtype = torch.float32) -> Segments:
+    return Segments.of(torch.tensor(lengths), sum(lengths), dtype)
+
+
+def test_the_segments_of_counts() -> None:
+    s = segments_of([2, 1, 3])
+    assert s.ends.tolist() == [2, 3, 6] and s.ends.dtype == torch.int32
+    assert s.index.tolist() == [0, 0, 1, 2, 2, 2]
+    assert s.n.tolist() == [2.0, 1.0, 3.0] and s.samples == 3
+
+
+def test_the_grouped_products_are_each_samples_own() -> None:
+    gen = torch.Generator().manual_seed(0)
+    s = segments_of(LENGTHS)
+    a, b = torch.randn(sum(LENGTHS), 8, generator=gen), torch.randn(sum(LENGTHS), 4, generator=gen)
+    m = torch.randn(len(LENGTHS), 8, 4, generator=gen)
+    got_contract, got_per_sample, got_sum = contract(a, b, s), per_sample(a, m, s), sum_by_sample(a, s)
+    for k, (a_k, b_k) in enumerate(zip(a.split(LENGTHS), b.split(LENGTHS), strict=True)):
+        torch.testing.assert_close(got_contract[k], a_k.T @ b_k)
+        torch.testing.assert_close(got_per_sample.split(LENGTHS)[k], a_k @ m[k])
+        torch.testing.assert_close(got_sum[k], a_k.sum(dim=0))
+
+
+@pytest.mark.parametrize("n_iters", [1, 2, 3])
+@pytest.mark.parametrize(("d_out", "normalize"), [(5, True), (5, False), (1, True)])
+def test_a_packed_batch_routes_each_sample_as_it_is_alone(n_iters: int, d_out: int, normalize: bool) -> None:
+    torch.manual_seed(0)
+    m = EfficientVectorRouting(-1, 4, 8, d_out, n_iters=n_iters, normalize=normalize)
+    with torch.no_grad():  # non-zero biases so every parameter is exercised
+        for name, prm in m.named_parameters():
+            if "B_" in name or "bias" in name:
+                prm.normal_(std=0.3)
+    x = torch.randn(sum(LENGTHS), 8, generator=torch.Generator().manual_seed(1))  # [I d]
+    packed = m.forward_packed(x, segments_of(LENGTHS))  # [B j h]
+    alone = torch.stack([m(x_b) for x_b in x.split(LENGTHS)])  # [B j h]
+    torch.testing.assert_close(packed, alone, rtol=1e-5, atol=1e-6)
+    # and as the padded, masked batch routes them
+    N = max(LENGTHS)
+    padded = torch.zeros(len(LENGTHS), N, 8)
+    for b, x_b in enumerate(x.split(LENGTHS)):
+        padded[b, : len(x_b)] = x_b
+    absent = torch.arange(N)[None, :] >= torch.tensor(LENGTHS)[:, None]  # [B N]
+    torch.testing.assert_close(packed, m(padded, mask=absent[..., None].expand(-1, -1, 4)), rtol=1e-5, atol=1e-6)
+
+
+def test_a_routing_of_fixed_inputs_is_not_packed() -> None:
+    m = EfficientVectorRouting(3, 4, 8, 5)
+    with pytest.raises(ValueError, match="variable n_inp"):
+        m.forward_packed(torch.randn(6, 8), segments_of([3, 3]))
