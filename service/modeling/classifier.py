@@ -72,13 +72,13 @@ class Prediction:
 
     Attributes:
         probs: ``[b, n_classes]`` class probabilities.
-        encoded: the backbone's output (tokens, offsets, hidden states).
+        encoded: the backbone's output (tokens, offsets, hidden states); None from a packed head call (scores only).
         explained: per text, its :class:`Explained` credit or None when none was asked for.
         phi: the head's three credit matrices (batched, padded), or None.
     """
 
     probs: torch.Tensor
-    encoded: Encoded
+    encoded: Encoded | None
     explained: list[Explained | None]
     phi: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 

@@ -30,7 +30,7 @@ from service.modeling.device import resolve_device, resolve_dtype
 from service.modeling.encoder import to_device
 from service.modeling.encoding import Encoding
 from service.modeling.grouping import Layout, lay_out, length_groups
-from service.modeling.head import StackSpace, head_shape, stack_heads
+from service.modeling.head import RoutingHead, StackSpace, head_shape, stack_heads
 from service.modeling.repository import MANIFEST, Manifest, ModelLoadError, load_model, read_manifest
 from service.serving.contract import (
     METHODS,
@@ -60,6 +60,26 @@ def _phase(name: str) -> contextlib.AbstractContextManager[object]:
 log = logging.getLogger("service.engine")
 
 
+def _packed_agrees(head: RoutingHead, device: torch.device) -> bool:
+    """Whether ``head`` runs packed on ``device`` (the grouped product it needs runs for its dtype and shapes) and
+    gives each of two small random texts the scores it gives the text alone. On a GPU only in bfloat16: torch's
+    grouped kernels are written for it (other dtypes fall back to a product per text, reading the offsets back)."""
+    dtype = next(head.parameters()).dtype
+    if device.type == "cuda" and dtype != torch.bfloat16:
+        return False
+    lengths = [3, 5]
+    hidden = torch.randn(sum(lengths), head.d_depth, head.d_emb, generator=torch.Generator().manual_seed(0))
+    hidden = hidden.to(device=device, dtype=dtype)  # [T e d]
+    try:
+        packed = head.scores_packed(hidden, torch.tensor(lengths, device=device)).float()  # [b k]
+    except RuntimeError as e:
+        log.debug("packed head: %s", e)
+        return False
+    alone = torch.cat([head(h[None]).scores.float() for h in hidden.split(lengths)])  # [b k]
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    return bool(torch.allclose(packed, alone, rtol=tol, atol=tol))
+
+
 def device_memory() -> list[dict[str, float | str]]:
     """Allocated, reserved, peak and total memory of every CUDA device (empty on CPU)."""
     if not torch.cuda.is_available():
@@ -70,6 +90,25 @@ def device_memory() -> list[dict[str, float | str]]:
                     "reserved": torch.cuda.memory_reserved(k), "peak": torch.cuda.max_memory_allocated(k),
                     "total": torch.cuda.get_device_properties(k).total_memory})
     return out
+
+
+@dataclass(frozen=True)
+class PlannedCall:
+    """One head call of a batch as planned: its texts' (position, ask) places, the texts' positions, and whether
+    they go packed (back to back, see :meth:`RoutingHead.scores_packed`) or padded to their longest."""
+
+    chosen: list[tuple[int, int]]
+    key: tuple[int, ...]
+    packed: bool
+
+
+@dataclass(frozen=True)
+class Stream:
+    """Texts' hidden states back to back, unpadded, for a packed head call: ``hidden [T, e, d]`` and ``n_t [b]`` each
+    text's positions (on the device)."""
+
+    hidden: torch.Tensor
+    n_t: torch.Tensor
 
 
 HeadCall = tuple[list[tuple[int, int]], list[str], Prediction | None]
@@ -157,6 +196,12 @@ class Engine(Planner):
         one call per head. Slower on this CPU at every mix (32 texts of 32 heads: 62 ms against 59 ms; of 4 heads:
         60 against 40); ``routing-service bench heads`` measures both."""
         self._stack_space = StackSpace()
+        self.packed_heads = True
+        """Texts that ask for no credit run their head packed, back to back, in one call per head (the first routing's
+        contractions over each text's inputs as grouped matrix products), where that product runs on this device
+        and dtype (:meth:`_packs`); otherwise, and for credit (which reads padded tensors), in padded length groups.
+        """
+        self._packable: dict[tuple[int, ...], bool] = {}  # head shape -> whether the packed head runs and agrees
         self.clock = EngineClock()
         self.head_batch_positions = backbone.chunk_batch_tokens * (1 if device.type == "cpu" else 4)
         """Padded positions (texts x their longest) per head call. On a GPU larger than the encoder's budget: a
@@ -188,14 +233,16 @@ class Engine(Planner):
         return engine
 
     def _warm_up(self, keys: Sequence[str]) -> None:
-        """One batch on each head of ``keys``, with both kinds of credit.
+        """One batch on each head of ``keys``: without credit (the packed head, tried there once per shape), and with
+        both kinds of credit.
 
         Raises:
             NonFiniteScores: a head's scores were not finite.
         """
         full, shares = CreditSpec(detail="full"), CreditSpec(method="shares", detail="full")
         tasks = [Task(text, model=k, credit=c) for k in keys
-                 for text, c in (("warm up the model", full), ("and its routing shares", shares))]
+                 for text, c in (("warm up the model", None), ("and its credit", full),
+                                 ("and its routing shares", shares))]
         failed = [r.error for r in self.run(tasks) if r.error]
         if failed:
             raise NonFiniteScores(f"a model on backbone {self.name} failed its warm-up: {failed[0]}")
@@ -354,8 +401,9 @@ class Engine(Planner):
         # states from where they lie
         blocks: dict[tuple[int, ...], int] = {}  # texts (positions) read in place -> their block
         placed: set[int] = set()
-        for _, key in plan:
-            if (key not in blocks and len(set(key)) == len(key) and placed.isdisjoint(key)
+        for call in plan:
+            key = call.key
+            if (not call.packed and key not in blocks and len(set(key)) == len(key) and placed.isdisjoint(key)
                     and all(len(done[pos].states) == 1 for pos in key)):
                 blocks[key] = len(blocks)
                 placed.update(key)
@@ -377,17 +425,25 @@ class Engine(Planner):
                     w.job.states[w.k] = rows[first : first + lengths[pos]].clone()  # [L_c e d]
             # every call's states before any head runs: the host's work together, not after each call's (the CPU's
             # caches hold the head's tensors then, and the host's small steps ran several times slower there)
-            joined: dict[tuple[int, ...], Encoded] = {}  # texts (positions) -> their hidden states
-            for _, key in plan:
-                if key not in joined:  # heads asked of the same texts read the same states
-                    encodings = [done[pos].encoding for pos in key]
-                    joined[key] = (self._block(rows, layout.blocks[blocks[key]], lengths[list(key)], encodings)
-                                   if key in blocks else self._gather(rows, [where[pos] for pos in key], encodings))
+            joined: dict[tuple[tuple[int, ...], bool], Encoded | Stream] = {}  # texts (positions) -> their states
+            for call in plan:
+                key = call.key
+                if (key, call.packed) in joined:  # heads asked of the same texts read the same states
+                    continue
+                if call.packed:
+                    joined[key, True] = self._stream(rows, [where[pos] for pos in key])
+                    continue
+                encodings = [done[pos].encoding for pos in key]
+                joined[key, False] = (self._block(rows, layout.blocks[blocks[key]], lengths[list(key)], encodings)
+                                      if key in blocks else self._gather(rows, [where[pos] for pos in key], encodings))
         calls: list[HeadCall] = []
-        for chosen, key in plan:
-            asks = [done[pos].asks[a] for pos, a in chosen]
+        for call in plan:
+            asks = [done[pos].asks[a] for pos, a in call.chosen]
             heads = [ask.model or self.default for ask in asks]
-            calls.append((chosen, heads, self._heads(heads, joined[key], [ask.credit for ask in asks])))
+            states = joined[call.key, call.packed]
+            pred = (self._heads_packed(heads[0], states) if isinstance(states, Stream) else
+                    self._heads(heads, states, [ask.credit for ask in asks]))
+            calls.append((call.chosen, heads, pred))
         for job in done.values():
             job.states = []  # the hidden states are no longer needed
         live = [c[2].probs.flatten() for c in calls if c[2] is not None]
@@ -407,19 +463,51 @@ class Engine(Planner):
             done[pos] = job
         return Submitted(len(works), done, calls, probs, ready)
 
-    def _plan_calls(self, done: dict[int, TextJob]) -> list[tuple[list[tuple[int, int]], tuple[int, ...]]]:
-        """The head calls for the texts completed in a batch (by position): each one's (position, ask) places and its
-        texts' positions; the texts that share a head call (see :meth:`_bucket`) in length groups."""
+    def _plan_calls(self, done: dict[int, TextJob]) -> list[PlannedCall]:
+        """The head calls for the texts completed in a batch (by position): the texts that share a head call (see
+        :meth:`_bucket`), those asking for no credit of a head that runs packed in one call (or a few, within
+        ``head_batch_positions`` positions each; where there are two at least), the others in length groups."""
         buckets: dict[object, list[tuple[int, int]]] = {}  # texts whose heads run together
         for pos, job in done.items():
             for a, ask in enumerate(job.asks):
                 buckets.setdefault(self._bucket(ask.model or self.default), []).append((pos, a))
         plan = []
-        for places in buckets.values():
+        for bucket, places in buckets.items():
+            packed: list[tuple[int, int]] = []
+            if isinstance(bucket, str) and self._packs(bucket):
+                packed = [(pos, a) for pos, a in places if done[pos].asks[a].credit is None]
+                if len(packed) < 2:  # one text alone has no padding: the padded head is the same, with less to set up
+                    packed = []
+                places = [(pos, a) for pos, a in places if done[pos].asks[a].credit is not None or not packed]
+            chosen: list[tuple[int, int]] = []
+            taken = 0
+            for place in packed:  # calls within the positions' budget, texts in order
+                n = done[place[0]].encoding.n_tokens
+                if chosen and taken + n > self.head_batch_positions:
+                    plan.append(PlannedCall(chosen, tuple(pos for pos, _ in chosen), packed=True))
+                    chosen, taken = [], 0
+                chosen.append(place)
+                taken += n
+            if chosen:
+                plan.append(PlannedCall(chosen, tuple(pos for pos, _ in chosen), packed=True))
             for group in self._head_groups([done[pos].encoding.n_tokens for pos, _ in places]):
                 chosen = [places[g] for g in group]
-                plan.append((chosen, tuple(pos for pos, _ in chosen)))
+                plan.append(PlannedCall(chosen, tuple(pos for pos, _ in chosen), packed=False))
         return plan
+
+    def _packs(self, key: str) -> bool:
+        """Whether head ``key`` runs packed here (``packed_heads`` on, and the grouped product runs on this device and
+        dtype and agrees with the padded head: tried once per head shape on two small texts)."""
+        clf = self.classifiers.get(key)
+        if not self.packed_heads or clf is None:
+            return False
+        shape = head_shape(clf.head)
+        if shape not in self._packable:
+            self._packable[shape] = _packed_agrees(clf.head, self.device)
+            if not self._packable[shape]:
+                log.info("backbone %s: heads of shape %s run padded (the packed head does not run here)",
+                         self.name, shape)
+        return self._packable[shape]
 
     @staticmethod
     def _where(layout: Layout, lengths: np.ndarray, done: dict[int, TextJob]
@@ -483,6 +571,37 @@ class Engine(Planner):
         even = bool((n_t == N).all())
         pad = None if even else torch.arange(N, device=source.device) >= flat[index.size :, None]  # [b N]
         return Encoded(hidden, pad, encodings)
+
+    @staticmethod
+    def _stream(source: torch.Tensor, where: list[tuple[int, int] | np.ndarray]) -> Stream:
+        """Texts' hidden states back to back from ``source`` (``where[b]``: text ``b``'s rows, see :meth:`_where`): a
+        view where they lie so already (texts of one chunk, in order: the encoder writes them so), else one gather."""
+        n_t = np.array([w[1] if isinstance(w, tuple) else len(w) for w in where], dtype=np.int64)  # [b]
+        T = int(n_t.sum())
+        runs = [w for w in where if isinstance(w, tuple)]
+        if len(runs) == len(where):
+            first = np.array([w[0] for w in runs], dtype=np.int64)  # [b]
+            starts = np.cumsum(n_t) - n_t  # [b] each text's first position in the stream
+            if bool((first - starts == first[0]).all()):  # one run of rows
+                return Stream(source[first[0] : first[0] + T], to_device([n_t], source.device))  # [T e d]
+            index = np.repeat(first - starts, n_t) + np.arange(T)  # [T]
+        else:
+            index = np.concatenate([np.arange(w[0], w[0] + w[1]) if isinstance(w, tuple) else w for w in where])
+        flat = to_device([index, n_t], source.device)  # one copy to the device
+        return Stream(source[flat[:T]], flat[T:])  # [T e d]
+
+    def _heads_packed(self, key: str, stream: Stream) -> Prediction | None:
+        """Head ``key`` on texts back to back (no credit; see :meth:`RoutingHead.scores_packed`), left on the device;
+        None where the head was dropped meanwhile."""
+        clf = self.classifiers.get(key)
+        if key not in self.manifests or clf is None:
+            return None
+        t0 = time.perf_counter()
+        with _phase("engine.heads"):
+            hidden = stream.hidden.to(dtype=next(clf.head.parameters()).dtype)  # [T e d]
+            probs = clf.head.scores_packed(hidden, stream.n_t).float().softmax(dim=-1)  # [b k]
+        self.clock.forward_s += time.perf_counter() - t0
+        return Prediction(probs=probs, encoded=None, explained=[None] * len(stream.n_t))
 
     def _bucket(self, key: str) -> object:
         """What texts asking for head ``key`` share a head call with: the texts of the same head, or with

@@ -49,13 +49,17 @@ def test_a_row_per_batch_size_with_a_whole_batch(tiny_repo: Path) -> None:
 
 
 def test_torch_operators_per_batch_do_not_grow_with_its_texts(tiny_repo: Path) -> None:
-    """Texts of one length are one head call: a batch of 16 calls as many operators as a batch of 2 (the packed
-    stream is one encoder call, their states one gather, their scores one copy)."""
+    """A batch of 16 texts of many lengths calls as many operators as a batch of 2: the packed stream is one encoder
+    call, the head one packed call, their scores one copy."""
     engine = Engine.load(tiny_repo / "tiny", device="cpu")
-    same = [f"text {k:02d} here" for k in range(16)]  # one token count each
-    assert len({e[16].n_tokens for e in engine.encode(same, [engine.default] * 16)}) == 1
-    ops = {n: phases(engine, batches_of(same, n)[:2])["torch_ops_per_batch"] for n in (2, 16)}
+    mixed = [f"text {k:02d} " + "word " * (k % 9) for k in range(16)]
+    assert len({e[16].n_tokens for e in engine.encode(mixed, [engine.default] * 16)}) == 9
+    ops = {n: phases(engine, batches_of(mixed, n)[:2])["torch_ops_per_batch"] for n in (2, 16)}
     assert ops[2] == ops[16], ops
+    # padded and cut into length groups (here one per length: a call costs nothing), a head call each: more
+    engine.packed_heads, engine.head_call_overhead = False, 0
+    padded = phases(engine, batches_of(mixed, 16)[:1])["torch_ops_per_batch"]
+    assert padded > 5 * ops[16], (padded, ops)
 
 
 def test_the_command_writes_a_row_per_batch_size(tiny_repo: Path, tmp_path: Path) -> None:
@@ -67,6 +71,31 @@ def test_the_command_writes_a_row_per_batch_size(tiny_repo: Path, tmp_path: Path
     data = json.loads(out.read_text())
     assert [r["batch_size"] for r in data["results"]] == [1, 4] and data["settings"]["device"] == "cpu"
     assert "encode_process_ms" in res.output
+
+
+def test_a_changed_setting_is_measured_against_the_engine_as_it_is_in_turns(tiny_repo: Path, tmp_path: Path) -> None:
+    out = tmp_path / "engine.json"
+    res = CliRunner().invoke(app, ["bench", "engine", "--model", "tiny", "--preset", "tweet-sentiment",
+                                   "--model-repository", str(tiny_repo), "--batch-sizes", "4", "--texts", "16",
+                                   "--seconds", "0.1", "--variant", "packed_heads=false", "--variant-rounds", "2",
+                                   "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    data = json.loads(out.read_text())
+    cmp = data["results"]["variant"]
+    assert cmp["setting"] == {"packed_heads": False} and cmp["current"] == {"packed_heads": True}
+    row = cmp["by_batch_size"]["4"]
+    assert len(row["current"]) == len(row["changed"]) == 2
+    ratios = [c["ms_per_batch"] / v["ms_per_batch"] for c, v in zip(row["current"], row["changed"], strict=True)]
+    assert row["ratios"] == ratios and min(ratios) <= row["changed_over_current"] <= max(ratios)
+    assert data["summary"]["variant_over_current"] == {"4": row["changed_over_current"]}
+    assert [r["batch_size"] for r in data["results"]["rows"]] == [4]
+
+
+def test_a_setting_the_engine_lacks_exits_2(tiny_repo: Path, tmp_path: Path) -> None:
+    res = CliRunner().invoke(app, ["bench", "engine", "--model", "tiny", "--preset", "tweet-sentiment",
+                                   "--model-repository", str(tiny_repo), "--variant", "no_such=1",
+                                   "--out", str(tmp_path / "e.json")])
+    assert res.exit_code == 2 and "no_such" in res.output and not (tmp_path / "e.json").exists()
 
 
 def test_a_device_that_is_not_there_exits_2(tiny_repo: Path, tmp_path: Path) -> None:
