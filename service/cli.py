@@ -9,7 +9,7 @@ import os
 import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Annotated, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import typer
 
@@ -58,6 +58,18 @@ def fronts_option(value: str) -> list[int]:
         raise typer.BadParameter("numbers of fronts of at least 2 (one front is this service itself)",
                                  param_hint="--workers")
     return fronts
+
+
+def variants_option(values: list[str] | None) -> dict[str, Any]:
+    """``--variant`` of a bench: NAME=VALUE engine settings (a number or true/false is read as one; else a string)."""
+    variants: dict[str, Any] = {}
+    for v in values or []:
+        name, _, value = v.partition("=")
+        if not name.isidentifier() or not value:
+            raise typer.BadParameter(f"expected NAME=VALUE, got {v!r}", param_hint="--variant")
+        plain = value in ("true", "false") or value.lstrip("-").replace(".", "", 1).isdigit()
+        variants[name] = json.loads(value) if plain else value
+    return variants
 
 
 def peers_option(value: str) -> list[str]:
@@ -454,17 +466,23 @@ def bench_engine(
     onnx: Annotated[bool, typer.Option(help="Also the backbone against ONNX Runtime (CPU, float32) on the same "
                                             "batches of 32, in turns (needs onnx and onnxruntime)")] = False,
     onnx_rounds: Annotated[int, typer.Option(min=1, help="Turns of the ONNX Runtime comparison")] = 5,
+    variant: Annotated[list[str] | None, typer.Option(help="NAME=VALUE: also this engine with these settings changed "
+                                                           "(e.g. packed_heads=false), against it as it is, in turns "
+                                                           "at every batch size")] = None,
+    variant_rounds: Annotated[int, typer.Option(min=1, help="Turns of the --variant comparison")] = 3,
     out: Annotated[Path, typer.Option(help="JSON result file")] = Path("bench-results/engine.json"),
 ) -> None:
     """Where a batch's time goes in the engine alone: milliseconds per batch by batch size, the process's time in
     each phase (planning, encoding, joining, heads, results) from a torch profile, and on a GPU the kernels launched
-    per batch and the device's busy time; with --onnx, the backbone against ONNX Runtime in turns."""
+    per batch and the device's busy time; with --onnx, the backbone against ONNX Runtime in turns; with --variant,
+    the engine with some settings changed against it as it is, in turns."""
     from service.bench import engine_phases as bench
     from service.bench import report
     from service.serving.engine import Engine
     from service.training.data import sample_test_texts
 
     sizes = numbers(batch_sizes, "--batch-sizes")
+    setting = variants_option(variant)
     with user_errors():
         texts = sample_test_texts(preset or model, n_texts)
         try:
@@ -475,6 +493,10 @@ def bench_engine(
                f"{sizes}, at least {seconds:g} s each", err=True)
     if onnx and engine.device.type != "cpu":
         raise typer.BadParameter("the ONNX Runtime comparison runs on the CPU", param_hint="--onnx")
+    try:
+        bench.check_setting(engine, setting)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--variant") from None
     rows = bench.run(engine, texts, sizes, seconds, profiled)
     flat = [bench.flat(r) for r in rows]
     typer.echo(report.table(flat, list(flat[0]) if flat else ["batch_size"]))
@@ -491,10 +513,18 @@ def bench_engine(
                    f"{cmp['torch_over_onnxruntime']:.2f}); outputs differ by at most {cmp['max_abs_difference']:.1e}")
         results["onnxruntime"] = cmp
         summary["torch_over_onnxruntime"] = cmp["torch_over_onnxruntime"]
+    if setting:
+        typer.echo(f"{setting} against the engine as it is, {variant_rounds} turns per batch size", err=True)
+        cmp = bench.versus_setting(engine, texts, sizes, seconds, setting, variant_rounds)
+        for size, row in cmp["by_batch_size"].items():
+            typer.echo(f"batch {size}: changed / current texts/s {row['changed_over_current']:.3f} (rounds "
+                       + ", ".join(f"{r:.3f}" for r in row["ratios"]) + ")")
+        results["variant"] = cmp
+        summary["variant_over_current"] = {k: v["changed_over_current"] for k, v in cmp["by_batch_size"].items()}
     path = report.write_json(out, "engine", {"model": model, "preset": preset or model, "texts": len(texts),
                                              "batch_sizes": sizes, "seconds": seconds, "profiled_batches": profiled,
-                                             "device": str(engine.device)},
-                             rows if not onnx else results, summary)
+                                             "device": str(engine.device), "variant": setting},
+                             rows if not (onnx or setting) else results, summary)
     typer.echo(f"wrote {path}")
 
 
@@ -545,12 +575,7 @@ def bench_gpu(
             gpu.write_labelled(model, max(n_texts, accuracy_texts), write_texts_file)
         typer.echo(f"wrote {write_texts_file}")
         return
-    variants = {}
-    for v in variant or []:
-        name, _, value = v.partition("=")
-        if not name.isidentifier() or not value:
-            raise typer.BadParameter(f"expected NAME=VALUE, got {v!r}", param_hint="--variant")
-        variants[name] = json.loads(value) if value.lstrip("-").replace(".", "", 1).isdigit() else value
+    variants = variants_option(variant)
     if baseline is not None and not (baseline / "service").is_dir():
         raise typer.BadParameter(f"{baseline} holds no service package", param_hint="--baseline")
     peer_names, fronts = peers_option(peers), fronts_option(workers)

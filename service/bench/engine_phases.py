@@ -21,6 +21,7 @@ sorted by length) run through :meth:`Engine.run`:
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -119,6 +120,44 @@ def run(engine: Engine, texts: list[str], sizes: list[int], seconds: float, prof
         rows.append({"batch_size": size, "ms_per_batch": wall, "texts_per_s": 1000 * size / wall,
                      "host_us_per_text": host, **phases(engine, batches[:profiled])})
     return rows
+
+
+def check_setting(engine: Engine, setting: dict[str, Any]) -> None:
+    """Raises ValueError naming what of ``setting`` the engine has no attribute for."""
+    unknown = sorted(k for k in setting if not hasattr(engine, k))
+    if unknown:
+        raise ValueError(f"the engine has no setting {unknown}")
+
+
+def versus_setting(engine: Engine, texts: list[str], sizes: list[int], seconds: float, setting: dict[str, Any],
+                   rounds: int) -> dict[str, Any]:
+    """This engine as it is against the same engine with ``setting`` (attribute -> value) changed, in turns (the order
+    alternating by round; the same batches, each at least ``seconds`` a turn): per batch size, milliseconds per batch
+    and host microseconds per text of each in every round, and ``changed_over_current``, the median of the rounds'
+    ratios of texts/s (above 1: the changed setting is faster)."""
+    check_setting(engine, setting)
+    current = {k: getattr(engine, k) for k in setting}
+    out: dict[str, Any] = {"setting": setting, "current": current, "rounds": rounds, "by_batch_size": {}}
+    try:
+        for size in sizes:
+            batches = batches_of(texts, size)
+            if not batches:
+                continue
+            turns: dict[str, list[dict[str, float]]] = {"current": [], "changed": []}
+            for r in range(rounds):
+                for name in ("current", "changed") if r % 2 == 0 else ("changed", "current"):
+                    for k, v in (setting if name == "changed" else current).items():
+                        setattr(engine, k, v)
+                    wall, host = timed(engine, batches, seconds)
+                    turns[name].append({"ms_per_batch": wall, "host_us_per_text": host})
+            ratios = [c["ms_per_batch"] / v["ms_per_batch"] for c, v in zip(turns["current"], turns["changed"],
+                                                                            strict=True)]
+            out["by_batch_size"][str(size)] = {**turns, "changed_over_current": statistics.median(ratios),
+                                               "ratios": ratios}
+    finally:
+        for k, v in current.items():
+            setattr(engine, k, v)
+    return out
 
 
 def flat(row: dict[str, Any]) -> dict[str, Any]:

@@ -22,7 +22,7 @@ def test_every_section_runs_and_every_field_is_written_on_the_cpu(tiny_repo: Pat
         "bench", "gpu", "--device", "cpu", "--model", "tiny", "--model-repository", str(tiny_repo),
         "--texts-file", str(texts), "--texts", "32", "--budgets", "64", "--seconds", "0.05", "--rounds", "2",
         "--baseline", str(ROOT), "--served-seconds", "0.3", "--concurrency", "4", "--load-processes", "2",
-        "--accuracy-texts", "20", "--variant", "head_call_overhead=4096", "--peers", "mosec", "--workers", "2",
+        "--accuracy-texts", "20", "--variant", "packed_heads=false", "--peers", "mosec", "--workers", "2",
         "--peer-concurrency", "4", "--out", str(out)])
     assert res.exit_code == 0, res.output
     doc = json.loads(out.read_text())
@@ -32,7 +32,7 @@ def test_every_section_runs_and_every_field_is_written_on_the_cpu(tiny_repo: Pat
     empty = {k for k, v in summary.items() if v is None}
     assert all(k.startswith("device_busy_share") for k in empty), empty  # a CPU has no device to be busy
     assert summary["kernels_per_batch"] == 0 and summary["torch_ops_per_batch"] > 0
-    assert set(results["engine"]) == {"current", "baseline", "current-head_call_overhead-4096"}
+    assert set(results["engine"]) == {"current", "baseline", "current-packed_heads-False"}  # a truth parsed
     for rows in results["engine"]["current"].values():  # both rounds, sequential and two batches in flight
         assert len(rows) == 2 and all(r["texts_per_s"] > 0 and r["texts_per_s_pipelined"] > 0 for r in rows)
         assert all(r["host_us_per_text"] > 0 for r in rows)
