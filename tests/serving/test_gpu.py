@@ -52,3 +52,18 @@ def test_answers_on_the_gpu_match_the_cpus_and_do_not_depend_on_the_batch(tiny_r
         target = got.credit.targets[0]  # credit complete: the tokens' credit plus the baseline is the logit
         bound = 1e-4 if exact else 5e-2 * (1 + abs(target.logit))
         assert abs(sum(target.tokens) + target.baseline - target.logit) <= bound
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_packed_heads_on_the_gpu_answer_as_the_padded_heads(tiny_repo: Path, dtype: str) -> None:
+    """Texts without credit run their head packed where torch's grouped product serves the dtype (bfloat16 on a GPU:
+    its grouped kernels), padded otherwise; either way each text's answer is the padded head's."""
+    gpu = Engine.load(tiny_repo / "tiny", device="cuda", dtype=dtype)
+    assert gpu._packs("tiny") == (dtype == "bfloat16")
+    tasks = [Task(t) for t in TEXTS * 3]
+    packed = gpu.run(tasks)
+    gpu.packed_heads = False
+    padded = gpu.run(tasks)
+    tol = 1e-5 if dtype == "float32" else 1e-2
+    for got, ref in zip(packed, padded, strict=True):
+        assert max(abs(p - ref.scores[k]) for k, p in got.scores.items()) <= tol
