@@ -72,6 +72,23 @@ def test_packed_answers_equal_the_padded_heads_and_each_text_alone(engine: Engin
     close(packed, [engine.run([t])[0] for t in batch])  # and alone, packed
 
 
+def test_a_long_text_over_several_batches_among_short_ones_gets_its_answer_alone(engine: Engine) -> None:
+    """Packed among other texts in the batch of its last chunk, its earlier chunks' states gathered from where
+    they were kept."""
+    long, short = Task(TEXTS[-1]), [Task(t) for t in TEXTS[:4]]
+    alone = engine.run([long])[0]
+    (plan,) = engine.plan([long])
+    others = [w for p in engine.plan(short) for w in p]
+    assert len(plan) >= 3
+    answers = engine.run_chunks(plan[:1] + others[:2])  # two short texts done here, the long one not yet
+    last = engine.run_chunks(others[2:] + plan[1:])
+    calls = engine._plan_calls({0: plan[-1].job, 1: others[2].job, 2: others[3].job})
+    assert [c.packed for c in calls] == [True]  # how the last batch's head ran
+    assert answers[0] is None and last[-1] is not None
+    close([last[-1][0]], [alone])
+    close([a[0] for a in (*answers[1:], *last[:2])], engine.run(short))
+
+
 def test_the_positions_budget_splits_packed_calls(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
     batch = [Task(t) for t in TEXTS[:5]]
     whole = engine.run(batch)
