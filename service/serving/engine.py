@@ -310,8 +310,8 @@ class Engine(Planner):
     def run_chunks(self, works: list[ChunkWork]) -> Answers:
         """Encode a batch of chunks once, as one packed token stream; run each head on every text completed here
         that asked for it (packed, or in length groups: see :meth:`_plan_calls`) and answer each such text at its
-        last chunk's place. The other
-        places are None. The answers carry the batch's phases (see :class:`Answers`), from the engine's clock.
+        last chunk's place. The other places are None. The answers carry the batch's phases (see :class:`Answers`),
+        from the engine's clock.
 
         A batch the device has no memory for is split in two and each half run in turn (and so on); a chunk that
         does not fit even alone fails its text only, answered ``unavailable`` (the server says 503: retry)."""
