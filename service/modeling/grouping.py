@@ -158,6 +158,12 @@ class Layout:
     pad_rows: np.ndarray
 
 
+def run_rows(first: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """``[T]`` the rows of runs that start at ``first [s]`` and are ``lengths [s]`` long, run after run (``T`` their
+    total; numpy, no loop over runs)."""
+    return np.repeat(first - (np.cumsum(lengths) - lengths), lengths) + np.arange(int(lengths.sum()))  # [T]
+
+
 def lay_out(lengths: np.ndarray, blocks: Sequence[Sequence[int]]) -> Layout:
     """Rows for sequences of ``lengths [s]``: the sequences of each block (indices; no sequence in two) padded to the
     block's longest, one after another, block after block, then every other sequence, back to back. A reader of a
@@ -189,6 +195,4 @@ def lay_out(lengths: np.ndarray, blocks: Sequence[Sequence[int]]) -> Layout:
     rest = np.flatnonzero(first < 0)  # [r]
     first[rest] = row + np.cumsum(lengths[rest]) - lengths[rest]
     rows = row + int(lengths[rest].sum())
-    T = int(lengths.sum())
-    dest = np.repeat(first - (np.cumsum(lengths) - lengths), lengths) + np.arange(T)  # [T]
-    return Layout(rows, dest, first, spans, pad_rows)
+    return Layout(rows, run_rows(first, lengths), first, spans, pad_rows)

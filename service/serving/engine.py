@@ -29,7 +29,7 @@ from service.modeling.classifier import CreditRequest, Explained, Prediction, Ro
 from service.modeling.device import resolve_device, resolve_dtype
 from service.modeling.encoder import to_device
 from service.modeling.encoding import Encoding
-from service.modeling.grouping import Layout, lay_out, length_groups
+from service.modeling.grouping import Layout, lay_out, length_groups, run_rows
 from service.modeling.head import RoutingHead, StackSpace, head_shape, stack_heads
 from service.modeling.repository import MANIFEST, Manifest, ModelLoadError, load_model, read_manifest
 from service.serving.contract import (
@@ -477,10 +477,10 @@ class Engine(Planner):
         for bucket, places in buckets.items():
             packed: list[tuple[int, int]] = []
             if isinstance(bucket, str) and self._packs(bucket):
-                packed = [(pos, a) for pos, a in places if done[pos].asks[a].credit is None]
-                if len(packed) < 2:  # one text alone has no padding: the padded head is the same, with less to set up
-                    packed = []
-                places = [(pos, a) for pos, a in places if done[pos].asks[a].credit is not None or not packed]
+                plain = [(pos, a) for pos, a in places if done[pos].asks[a].credit is None]
+                if len(plain) > 1:  # one text alone has no padding: the padded head is the same, with less to set up
+                    packed = plain
+                    places = [(pos, a) for pos, a in places if done[pos].asks[a].credit is not None]
             chosen: list[tuple[int, int]] = []
             taken = 0
             for place in packed:  # calls within the positions' budget, texts in order
@@ -586,7 +586,7 @@ class Engine(Planner):
             starts = np.cumsum(n_t) - n_t  # [b] each text's first position in the stream
             if bool((first - starts == first[0]).all()):  # one run of rows
                 return Stream(source[first[0] : first[0] + T], to_device([n_t], source.device))  # [T e d]
-            index = np.repeat(first - starts, n_t) + np.arange(T)  # [T]
+            index = run_rows(first, n_t)  # [T]
         else:
             index = np.concatenate([np.arange(w[0], w[0] + w[1]) if isinstance(w, tuple) else w for w in where])
         flat = to_device([index, n_t], source.device)  # one copy to the device
