@@ -373,6 +373,9 @@ def bench_train(
         TrainConfig.seed),
     device: DeviceOption = "auto",
     dtype: DTypeOption = "auto",
+    versus_restart: Annotated[bool, typer.Option(help=(
+        "Where a step budget ends with validation still improving, also train by the earlier rule (again from the "
+        "same initial weights with twice the budget) and report both rules' validation loss and steps"))] = False,
 ) -> None:
     """The routing head with default settings against two linear probes (mean-pooled last layer, every layer) on
     several datasets: accuracy, macro-F1, McNemar's test against the all-layer probe, training time."""
@@ -388,7 +391,7 @@ def bench_train(
     check_device(device, dtype)
     keep_freed_memory()
     with user_errors():
-        bench.run(names, folds, cache, out, seed, device, dtype)
+        bench.run(names, folds, cache, out, seed, device, dtype, versus_restart)
 
 
 @bench_app.command("heads")

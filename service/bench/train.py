@@ -5,7 +5,10 @@ Each dataset is split by the training's sha1 rule (test 10%, validation 10%), or
 cross-validation: fold ``int(sha1(text)) % k`` is the test set in turn, and of the rest the texts with
 ``int(sha1(text)) // k % 9 == 0`` validate; the test predictions of every fold are pooled, so each text is
 tested once. Per dataset: accuracy and macro-F1 of the head and of both probes, McNemar's exact test of the head
-against the all-layer probe, and the seconds spent on features and on training.
+against the all-layer probe, and the seconds spent on features and on training. With ``versus_restart``, each part
+whose step budget ends with validation still improving (so that training goes on from where it is) also trains by the
+rule training had before (e7498ac: again from the same initial weights with twice the budget, the better of both kept),
+and the two rules' validation results and steps are reported side by side.
 
 The datasets come from packages (no download at run time): the two corpora of the ``train`` extra, the bundled
 models' own, two tasks derived from them, and movie reviews, convention speeches and debate turns from the
@@ -23,7 +26,7 @@ import json
 import random
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +41,7 @@ from service.training.config import TrainConfig
 from service.training.data import make_dataset, package_dir, preset_path, read_examples
 from service.training.features import Features, extract
 from service.training.pipeline import DEFAULT_BACKBONE
-from service.training.trainer import SIGNIFICANCE, compare, logistic_probe, predict_features, train_head
+from service.training.trainer import SIGNIFICANCE, compare, improves, logistic_probe, predict_features, train_head
 
 Pairs = list[tuple[str, str]]
 
@@ -175,12 +178,13 @@ def splits(pairs: Pairs, folds: int | None) -> tuple[list[str], list[tuple[list[
 
 
 def part_key(texts: list[str], labels: list[int], part: tuple[list[int], list[int], list[int]], cfg: TrainConfig,
-             source: str, head_kwargs: dict[str, Any] | None, where: str = "cpu") -> str:
+             source: str, head_kwargs: dict[str, Any] | None, where: str = "cpu", versus_restart: bool = False) -> str:
     """What one part's results depend on (its texts and labels in train, validation and test, the training settings,
-    the head's shape, the backbone, ``where`` it ran (device and precision) and torch's version), as one sha1: a
-    finished part is reused only under it."""
+    the head's shape, the backbone, ``where`` it ran (device and precision), torch's version and whether the earlier
+    rule was trained too), as one sha1: a finished part is reused only under it."""
     what = {"part": [[(texts[k], labels[k]) for k in idx] for idx in part], "config": asdict(cfg), "source": source,
-            "head": head_kwargs or {}, "torch": torch.__version__, **({"where": where} if where != "cpu" else {})}
+            "head": head_kwargs or {}, "torch": torch.__version__, **({"where": where} if where != "cpu" else {}),
+            **({"versus_restart": True} if versus_restart else {})}
     return hashlib.sha1(json.dumps(what, sort_keys=True).encode("utf-8")).hexdigest()
 
 
@@ -215,11 +219,11 @@ class FinishedParts:
 
 def measure(pairs: Pairs, folds: int | None, backbone: Backbone, source: str, cfg: TrainConfig, cache: Path | None,
             head_kwargs: dict[str, Any] | None = None, finished: FinishedParts | None = None,
-            device: torch.device | str = "cpu") -> dict[str, Any]:
+            device: torch.device | str = "cpu", versus_restart: bool = False) -> dict[str, Any]:
     """Train and test the head (``head_kwargs``: its shape beyond the defaults) and both probes on each part of the
     dataset (features of ``backbone``, loaded from ``source``, cached in ``cache``; heads trained on ``device``); the
-    pooled comparison. Each part's
-    results go to ``finished`` as it ends, and a part found there is taken from it instead of trained again."""
+    pooled comparison, and with ``versus_restart`` the two extension rules' (:func:`versus_restart_summary`). Each
+    part's results go to ``finished`` as it ends, and a part found there is taken from it instead of trained again."""
     texts, parts, labels, names = splits(pairs, folds)
     finished = finished or FinishedParts(None)
     t0 = time.perf_counter()
@@ -231,10 +235,11 @@ def measure(pairs: Pairs, folds: int | None, backbone: Backbone, source: str, cf
     train_s, stopped = 0.0, []
     for p, (train, val, test) in enumerate(parts):
         where = f"{torch.device(device).type}|{backbone.dtype}" if torch.device(device).type != "cpu" else "cpu"
-        key = part_key(texts, labels, (train, val, test), cfg, source, head_kwargs, where)
+        key = part_key(texts, labels, (train, val, test), cfg, source, head_kwargs, where, versus_restart)
         got = finished.get(key)
         if got is None:
-            got = _part(feats, labels, (train, val, test), cfg, backbone, len(names), head_kwargs, device)
+            got = _part(feats, labels, (train, val, test), cfg, backbone, len(names), head_kwargs, device,
+                        versus_restart)
             finished.keep(key, got)
             how = ""
         else:
@@ -251,14 +256,16 @@ def measure(pairs: Pairs, folds: int | None, backbone: Backbone, source: str, cf
              f"{train_s:.0f} s of training so far", err=True)
     result = compare(y_test, head_pred, probes, len(names))
     return {"texts": len(texts), "labels": names, "folds": folds, "parts": [[len(x) for x in part] for part in parts],
-            "feature_seconds": feature_s, "train_seconds": train_s, "steps": stopped, **result}
+            "feature_seconds": feature_s, "train_seconds": train_s, "steps": stopped, **result,
+            **({"versus_restart": versus_restart_summary(stopped)} if versus_restart else {})}
 
 
 def _part(feats: Features, labels: list[int], part: tuple[list[int], list[int], list[int]], cfg: TrainConfig,
           backbone: Backbone, n_labels: int, head_kwargs: dict[str, Any] | None,
-          device: torch.device | str = "cpu") -> dict[str, Any]:
+          device: torch.device | str = "cpu", versus_restart: bool = False) -> dict[str, Any]:
     """One part: the head trained on its train texts and validated on its validation texts, both probes likewise,
-    and the predictions of all three on its test texts."""
+    and the predictions of all three on its test texts; with ``versus_restart``, where the budget was extended, what
+    the earlier rule (:func:`restart_rule`) reaches on the same part."""
     f_train, f_val, f_test = (feats.subset(idx) for idx in part)
     y_train, y_val, y_test = ([labels[k] for k in idx] for idx in part)
 
@@ -274,14 +281,48 @@ def _part(feats: Features, labels: list[int], part: tuple[list[int], list[int], 
                                      "best_val_loss": summary["best_val_loss"],
                                      "best_val_accuracy": summary["best_val_accuracy"]},
                            "head": predict_features(head, f_test).argmax(1).tolist()}
+    if versus_restart and "extended" in summary:
+        got["steps"]["restart"] = restart_rule(make_head(), f_train, y_train, f_val, y_val, cfg,
+                                               summary["extended"]["schedules"][0], device)
     for layers in ("last", "all"):
         probe = logistic_probe(f_train, y_train, f_val, y_val, f_test, y_test, n_labels, layers)
         got[layers] = {k: probe[k] for k in ("predicted", "C", "method")}
     return got
 
 
+def restart_rule(head: RoutingHead, train: Features, y_train: list[int], val: Features, y_val: list[int],
+                 cfg: TrainConfig, first: dict[str, Any], device: torch.device | str = "cpu") -> dict[str, Any]:
+    """What training's earlier rule (e7498ac's) reached where a budget ended with validation still improving: it
+    trained again from the same initial weights (``head``) with twice the budget, not extended again, and kept the
+    better of that run's checkpoint and the first run's (``first``: the first schedule's summary, which equals that
+    run: the same seeded steps), by :func:`improves`. Its steps count both runs."""
+    _, longer = train_head(head, train, y_train, val, y_val, replace(cfg.scaled(2), extend=False), device)
+    kept_longer = improves(longer["best_val_accuracy"], longer["best_val_loss"],
+                           (first["best_val_accuracy"], first["best_val_loss"]), cfg.select)
+    kept = longer if kept_longer else first
+    return {"steps_run": first["steps_run"] + longer["steps_run"], "kept": "longer" if kept_longer else "first",
+            "best_val_loss": kept["best_val_loss"], "best_val_accuracy": kept["best_val_accuracy"],
+            "train_seconds": longer["train_seconds"]}
+
+
+def versus_restart_summary(steps: list[dict[str, Any]]) -> dict[str, Any]:
+    """Both extension rules on the parts whose budget was extended (each part's ``steps`` from :func:`_part`): the
+    validation losses kept by each, on how many parts going on from where training was kept a loss at most the
+    restart's, the mean difference (going on minus starting again: below 0, going on is lower), and the steps of
+    each (the restart's thrown-away first run included)."""
+    pairs = [(s["best_val_loss"], s["restart"]["best_val_loss"], s["steps_run"], s["restart"]["steps_run"])
+             for s in steps if "restart" in s]
+    return {"rule": "going on from the current state (this version) against starting again from the initial weights "
+                    "with twice the budget (e7498ac), on the parts whose first budget ended still improving",
+            "parts_extended": len(pairs), "val_loss_continued": [p[0] for p in pairs],
+            "val_loss_restart": [p[1] for p in pairs],
+            "continued_at_most_restart": sum(1 for p in pairs if p[0] <= p[1]),
+            "mean_val_loss_difference": sum(p[0] - p[1] for p in pairs) / len(pairs) if pairs else None,
+            "steps_continued": sum(p[2] for p in pairs), "steps_restart": sum(p[3] for p in pairs)}
+
+
 def run(names: list[str], folds: int | None, cache: Path, out: Path, seed: int = TrainConfig.seed,
-        device: str = "auto", dtype: str = "auto") -> dict[str, Any]:
+        device: str = "auto", dtype: str = "auto", versus_restart: bool = False) -> dict[str, Any]:
     pairs = {name: DATASETS[name].pairs() for name in names}  # every dataset read first: a missing one fails now
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
@@ -296,11 +337,12 @@ def run(names: list[str], folds: int | None, cache: Path, out: Path, seed: int =
         echo(f"{name}: {data.description}" + (f"; {k} folds" if k else "; sha1 split"), err=True)
         finished = FinishedParts(parts_file(out, name))
         results[name] = {"description": data.description, **measure(pairs[name], k, backbone, DEFAULT_BACKBONE, cfg,
-                                                                     cache, finished=finished, device=dev)}
+                                                                     cache, finished=finished, device=dev,
+                                                                     versus_restart=versus_restart)}
         kept.append(finished)
     summary = report(results, out, {"datasets": names, "folds": folds, "train_config": asdict(cfg), "device": str(dev),
                                     "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
-                                    "backbone_dtype": str(dt).removeprefix("torch.")})
+                                    "backbone_dtype": str(dt).removeprefix("torch."), "versus_restart": versus_restart})
     for finished in kept:
         finished.done()
     return summary
@@ -331,6 +373,13 @@ def report(results: dict[str, Any], out: Path, settings: dict[str, Any]) -> dict
     summary = {"datasets": len(rows), "head_at_least_all_layer_probe": at_least,
                "significantly_above": significant,
                "goal_met": len(at_least) == len(rows) and 2 * len(significant) >= len(rows)}
+    versus = [{"dataset": name, **{k: v for k, v in r["versus_restart"].items() if k != "rule"}}
+              for name, r in results.items() if "versus_restart" in r]
+    if versus:
+        echo("\nwhere a budget ended improving: going on from there (continued) against starting again with twice the "
+             "budget (restart), validation loss kept:")
+        echo(table(versus, ["dataset", "parts_extended", "continued_at_most_restart", "mean_val_loss_difference",
+                            "steps_continued", "steps_restart"]))
     path = write_json(out, "train", settings, results, summary)
     echo(f"\nsummary: {json.dumps(summary)}\nwrote {path}")
     return summary

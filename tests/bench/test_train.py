@@ -183,8 +183,10 @@ def test_run_trains_with_the_default_settings_or_another_seed_and_drops_its_fini
     monkeypatch.setattr(cli, "keep_freed_memory", lambda: False)  # not in the test's process
     res = CliRunner().invoke(app, ["bench", "train", "--datasets", "toy", "--out", str(out), "--seed", "3",
                                    "--device", "cpu"])
-    assert res.exit_code == 0 and called == [(["toy"], None, Path(".cache/features"), out, 3, "cpu", "auto")], \
+    assert res.exit_code == 0 and called == [(["toy"], None, Path(".cache/features"), out, 3, "cpu", "auto", False)], \
         res.output
+    res = CliRunner().invoke(app, ["bench", "train", "--datasets", "toy", "--out", str(out), "--versus-restart"])
+    assert res.exit_code == 0 and called[1][-1] is True, res.output
 
 
 def test_a_parts_file_that_cannot_be_read_is_trained_again_not_a_crash(tmp_path: Path) -> None:
@@ -196,3 +198,49 @@ def test_a_parts_file_that_cannot_be_read_is_trained_again_not_a_crash(tmp_path:
     assert finished.parts == {}
     finished.keep("k", {"head": [1]})  # and it is replaced by a good one as parts finish
     assert train.FinishedParts(kept).get("k") == {"head": [1]}
+
+
+def test_the_earlier_rule_trains_again_from_the_initial_weights_with_twice_the_budget() -> None:
+    from dataclasses import replace
+
+    from service.training.trainer import train_head
+    from tests.training.test_training import learnable, tiny_head
+
+    feats, y = learnable(96, seed=2)
+    tr, val = feats.subset(list(range(64))), feats.subset(list(range(64, 96)))
+    cfg = TrainConfig(steps=12, min_epochs=0, batch_size=8, eval_every=4, patience=3, max_lr=3e-2, ema=0)
+    _, summary = train_head(tiny_head(), tr, y[:64], val, y[64:], cfg)
+    first = summary["extended"]["schedules"][0]  # the budget ended improving: training went on
+    got = train.restart_rule(tiny_head(), tr, y[:64], val, y[64:], cfg, first)
+    # what e7498ac did: a run of 24 steps from the same initial weights, not extended, the better of both kept
+    _, longer = train_head(tiny_head(), tr, y[:64], val, y[64:], replace(cfg, steps=24, extend=False))
+    assert longer["steps"] == 24 and "extended" not in longer
+    better = longer if longer["best_val_loss"] < first["best_val_loss"] else first
+    assert got["kept"] == ("longer" if better is longer else "first")
+    assert (got["best_val_loss"], got["best_val_accuracy"]) == (better["best_val_loss"], better["best_val_accuracy"])
+    assert got["steps_run"] == 12 + longer["steps_run"]
+    assert longer["history"] != summary["history"][3:]  # not the continued schedule's weights
+
+
+def test_versus_restart_reports_both_rules_on_the_parts_that_extend(tiny_backbone_dir: Path, tmp_path: Path) -> None:
+    backbone = Backbone(str(tiny_backbone_dir), max_length=16)
+    cfg = TrainConfig(steps=6, min_epochs=0, warmup_steps=1, eval_every=2, batch_size=8, max_lr=0.003)
+    got = train.measure(PAIRS, 3, backbone, str(tiny_backbone_dir), cfg, tmp_path / "cache",
+                        head_kwargs={"n_hid": 4, "d_hid": 8}, versus_restart=True)
+    extended = [s for s in got["steps"] if s["extended"]]
+    assert extended and all("restart" in s for s in extended)
+    assert not any("restart" in s for s in got["steps"] if not s["extended"])
+    for s in extended:  # the restart's steps: its first run (6) and one of twice the budget (at most 12)
+        assert 6 < s["restart"]["steps_run"] <= 18 and s["restart"]["kept"] in ("first", "longer")
+    versus = got["versus_restart"]
+    ours, theirs = [s["best_val_loss"] for s in extended], [s["restart"]["best_val_loss"] for s in extended]
+    assert (versus["val_loss_continued"], versus["val_loss_restart"]) == (ours, theirs)
+    assert versus["parts_extended"] == len(extended)
+    assert versus["continued_at_most_restart"] == sum(a <= b for a, b in zip(ours, theirs, strict=True))
+    assert versus["mean_val_loss_difference"] == pytest.approx(sum(ours) / len(ours) - sum(theirs) / len(theirs))
+    assert versus["steps_restart"] == sum(s["restart"]["steps_run"] for s in extended)
+    plain = train.measure(PAIRS, 3, backbone, str(tiny_backbone_dir), cfg, tmp_path / "cache",
+                          head_kwargs={"n_hid": 4, "d_hid": 8})
+    assert "versus_restart" not in plain and plain["head"] == got["head"]  # the heads themselves do not change
+    key = (train.splits(PAIRS, 3)[0], train.splits(PAIRS, 3)[2], train.splits(PAIRS, 3)[1][0], cfg, "s", None)
+    assert train.part_key(*key) != train.part_key(*key, "cpu", True)  # a part kept without the restart is not reused
