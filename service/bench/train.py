@@ -295,7 +295,8 @@ def restart_rule(head: RoutingHead, train: Features, y_train: list[int], val: Fe
     """What training's earlier rule (e7498ac's) reached where a budget ended with validation still improving: it
     trained again from the same initial weights (``head``) with twice the budget, not extended again, and kept the
     better of that run's checkpoint and the first run's (``first``: the first schedule's summary, which equals that
-    run: the same seeded steps), by :func:`improves`. Its steps count both runs."""
+    run: the same seeded steps), by :func:`improves`. Its steps count both runs; its seconds are the second run's
+    (the first is the first schedule of the rule it is compared with, timed there)."""
     _, longer = train_head(head, train, y_train, val, y_val, replace(cfg.scaled(2), extend=False), device)
     kept_longer = improves(longer["best_val_accuracy"], longer["best_val_loss"],
                            (first["best_val_accuracy"], first["best_val_loss"]), cfg.select)
