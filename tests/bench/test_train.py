@@ -242,5 +242,6 @@ def test_versus_restart_reports_both_rules_on_the_parts_that_extend(tiny_backbon
     plain = train.measure(PAIRS, 3, backbone, str(tiny_backbone_dir), cfg, tmp_path / "cache",
                           head_kwargs={"n_hid": 4, "d_hid": 8})
     assert "versus_restart" not in plain and plain["head"] == got["head"]  # the heads themselves do not change
-    key = (train.splits(PAIRS, 3)[0], train.splits(PAIRS, 3)[2], train.splits(PAIRS, 3)[1][0], cfg, "s", None)
+    texts, parts, labels, _ = train.splits(PAIRS, 3)
+    key = (texts, labels, parts[0], cfg, "s", None)
     assert train.part_key(*key) != train.part_key(*key, "cpu", True)  # a part kept without the restart is not reused
