@@ -376,6 +376,10 @@ def bench_train(
     versus_restart: Annotated[bool, typer.Option(help=(
         "Where a step budget ends with validation still improving, also train by the earlier rule (again from the "
         "same initial weights with twice the budget) and report both rules' validation loss and steps"))] = False,
+    only_folds: Annotated[str, typer.Option(help=(
+        "Comma-separated folds (numbered from 1) to train and pool, each as in a run of all folds: a long dataset's "
+        "folds split over several runs; their finished parts are kept for a later run of every fold with the same "
+        "--out (default: every fold)"))] = "",
 ) -> None:
     """The routing head with default settings against two linear probes (mean-pooled last layer, every layer) on
     several datasets: accuracy, macro-F1, McNemar's test against the all-layer probe, training time."""
@@ -391,7 +395,8 @@ def bench_train(
     check_device(device, dtype)
     keep_freed_memory()
     with user_errors():
-        bench.run(names, folds, cache, out, seed, device, dtype, versus_restart)
+        bench.run(names, folds, cache, out, seed, device, dtype, versus_restart,
+                  numbers(only_folds, "--only-folds", required=False) or None)
 
 
 @bench_app.command("heads")

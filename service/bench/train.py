@@ -38,7 +38,7 @@ from service.modeling.backbone import Backbone
 from service.modeling.device import resolve_device, resolve_dtype
 from service.modeling.head import RoutingHead
 from service.training.config import TrainConfig
-from service.training.data import make_dataset, package_dir, preset_path, read_examples
+from service.training.data import DatasetError, make_dataset, package_dir, preset_path, read_examples
 from service.training.features import Features, extract
 from service.training.pipeline import DEFAULT_BACKBONE
 from service.training.trainer import SIGNIFICANCE, compare, improves, logistic_probe, predict_features, train_head
@@ -219,12 +219,19 @@ class FinishedParts:
 
 def measure(pairs: Pairs, folds: int | None, backbone: Backbone, source: str, cfg: TrainConfig, cache: Path | None,
             head_kwargs: dict[str, Any] | None = None, finished: FinishedParts | None = None,
-            device: torch.device | str = "cpu", versus_restart: bool = False) -> dict[str, Any]:
+            device: torch.device | str = "cpu", versus_restart: bool = False,
+            only_folds: list[int] | None = None) -> dict[str, Any]:
     """Train and test the head (``head_kwargs``: its shape beyond the defaults) and both probes on each part of the
     dataset (features of ``backbone``, loaded from ``source``, cached in ``cache``; heads trained on ``device``); the
     pooled comparison, and with ``versus_restart`` the two extension rules' (:func:`versus_restart_summary`). Each
-    part's results go to ``finished`` as it ends, and a part found there is taken from it instead of trained again."""
+    part's results go to ``finished`` as it ends, and a part found there is taken from it instead of trained again.
+    ``only_folds`` (numbered from 1): only those folds are trained and pooled, each exactly as in a run of all of them
+    (one fold of a long dataset takes most of an hour on a CPU: its folds can be split over several runs)."""
     texts, parts, labels, names = splits(pairs, folds)
+    if only_folds:
+        only_folds = sorted(set(only_folds))
+        check_only_folds(only_folds, folds)
+        parts = [part for f, part in enumerate(parts, 1) if f in only_folds]
     finished = finished or FinishedParts(None)
     t0 = time.perf_counter()
     feats = extract(backbone, texts, cache_dir=cache, source=source, desc="features")
@@ -252,12 +259,22 @@ def measure(pairs: Pairs, folds: int | None, backbone: Backbone, source: str, cf
             probes[layers].setdefault("C", []).append(got[layers]["C"])
             probes[layers]["method"] = got[layers]["method"]
         y_test += [labels[k] for k in test]
-        echo(f"  part {p + 1}/{len(parts)}{how}: train {len(train)}, validation {len(val)}, test {len(test)}; "
+        fold = f"fold {only_folds[p]} of {folds}" if only_folds else f"part {p + 1}/{len(parts)}"
+        echo(f"  {fold}{how}: train {len(train)}, validation {len(val)}, test {len(test)}; "
              f"{train_s:.0f} s of training so far", err=True)
     result = compare(y_test, head_pred, probes, len(names))
-    return {"texts": len(texts), "labels": names, "folds": folds, "parts": [[len(x) for x in part] for part in parts],
+    return {"texts": len(texts), "labels": names, "folds": folds, **({"only_folds": only_folds} if only_folds else {}),
+            "parts": [[len(x) for x in part] for part in parts],
             "feature_seconds": feature_s, "train_seconds": train_s, "steps": stopped, **result,
             **({"versus_restart": versus_restart_summary(stopped)} if versus_restart else {})}
+
+
+def check_only_folds(only_folds: list[int], folds: int | None) -> None:
+    """``only_folds`` names folds of a k-fold split (numbered 1 to k), or a :class:`DatasetError` says why not."""
+    if not folds:
+        raise DatasetError(f"--only-folds {only_folds} needs folds, and this dataset is split by sha1 (give --folds)")
+    if not all(1 <= f <= folds for f in only_folds):
+        raise DatasetError(f"--only-folds {only_folds}: the folds are numbered 1 to {folds}")
 
 
 def _part(feats: Features, labels: list[int], part: tuple[list[int], list[int], list[int]], cfg: TrainConfig,
@@ -323,8 +340,12 @@ def versus_restart_summary(steps: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def run(names: list[str], folds: int | None, cache: Path, out: Path, seed: int = TrainConfig.seed,
-        device: str = "auto", dtype: str = "auto", versus_restart: bool = False) -> dict[str, Any]:
+        device: str = "auto", dtype: str = "auto", versus_restart: bool = False,
+        only_folds: list[int] | None = None) -> dict[str, Any]:
+    """``bench train`` on the datasets ``names`` (see :func:`measure`): its table printed, its JSON in ``out``."""
     pairs = {name: DATASETS[name].pairs() for name in names}  # every dataset read first: a missing one fails now
+    for name in names if only_folds else []:  # and folds that are not there, before any feature is extracted
+        check_only_folds(only_folds or [], folds if folds is not None else DATASETS[name].folds)
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     backbone = Backbone(DEFAULT_BACKBONE, max_length=None, device=dev, dtype=dt)
@@ -339,12 +360,14 @@ def run(names: list[str], folds: int | None, cache: Path, out: Path, seed: int =
         finished = FinishedParts(parts_file(out, name))
         results[name] = {"description": data.description, **measure(pairs[name], k, backbone, DEFAULT_BACKBONE, cfg,
                                                                      cache, finished=finished, device=dev,
-                                                                     versus_restart=versus_restart)}
+                                                                     versus_restart=versus_restart,
+                                                                     only_folds=only_folds)}
         kept.append(finished)
     summary = report(results, out, {"datasets": names, "folds": folds, "train_config": asdict(cfg), "device": str(dev),
                                     "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
-                                    "backbone_dtype": str(dt).removeprefix("torch."), "versus_restart": versus_restart})
-    for finished in kept:
+                                    "backbone_dtype": str(dt).removeprefix("torch."), "versus_restart": versus_restart,
+                                    **({"only_folds": only_folds} if only_folds else {})})
+    for finished in kept if not only_folds else []:  # some folds: the parts stay for a run of all of them
         finished.done()
     return summary
 

@@ -178,15 +178,18 @@ def test_run_trains_with_the_default_settings_or_another_seed_and_drops_its_fini
     assert (reported[0]["device"], reported[0]["backbone_dtype"]) == ("cpu", "float32")  # auto, on this CPU
     train.run(["toy"], None, tmp_path / "cache", out, seed=3)  # another seed: only the seed differs, and is reported
     assert configs[1] == TrainConfig(seed=3) and reported[1]["train_config"]["seed"] == 3
+    train.run(["toy"], None, tmp_path / "cache", out, only_folds=[2])  # some folds: their parts stay for all folds'
+    assert reported[2]["only_folds"] == [2] and train.parts_file(out, "toy").exists()
     called: list[tuple] = []
     monkeypatch.setattr(train, "run", lambda *args: called.append(args))
     monkeypatch.setattr(cli, "keep_freed_memory", lambda: False)  # not in the test's process
     res = CliRunner().invoke(app, ["bench", "train", "--datasets", "toy", "--out", str(out), "--seed", "3",
                                    "--device", "cpu"])
-    assert res.exit_code == 0 and called == [(["toy"], None, Path(".cache/features"), out, 3, "cpu", "auto", False)], \
-        res.output
-    res = CliRunner().invoke(app, ["bench", "train", "--datasets", "toy", "--out", str(out), "--versus-restart"])
-    assert res.exit_code == 0 and called[1][-1] is True, res.output
+    assert res.exit_code == 0, res.output
+    assert called == [(["toy"], None, Path(".cache/features"), out, 3, "cpu", "auto", False, None)]
+    res = CliRunner().invoke(app, ["bench", "train", "--datasets", "toy", "--out", str(out), "--versus-restart",
+                                   "--only-folds", "3,1"])
+    assert res.exit_code == 0 and called[1][-2:] == (True, [3, 1]), res.output
 
 
 def test_a_parts_file_that_cannot_be_read_is_trained_again_not_a_crash(tmp_path: Path) -> None:
@@ -245,3 +248,45 @@ def test_versus_restart_reports_both_rules_on_the_parts_that_extend(tiny_backbon
     texts, parts, labels, _ = train.splits(PAIRS, 3)
     key = (texts, labels, parts[0], cfg, "s", None)
     assert train.part_key(*key) != train.part_key(*key, "cpu", True)  # a part kept without the restart is not reused
+
+
+def test_only_some_folds_train_each_as_in_a_run_of_all_and_a_later_run_reuses_them(
+        tiny_backbone_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    backbone = Backbone(str(tiny_backbone_dir), max_length=16)
+    cfg = TrainConfig(steps=20, eval_every=10, batch_size=8)
+    run = (PAIRS, 3, backbone, str(tiny_backbone_dir), cfg, tmp_path / "cache")
+    kept = tmp_path / "train.toy.parts.json"
+    some = train.measure(*run, head_kwargs={"n_hid": 4, "d_hid": 8}, finished=train.FinishedParts(kept),
+                         only_folds=[3, 1, 3])
+    whole = train.measure(*run, head_kwargs={"n_hid": 4, "d_hid": 8})
+    parts = train.splits(PAIRS, 3)[1]
+    assert some["only_folds"] == [1, 3] and "only_folds" not in whole
+    assert some["parts"] == [[len(x) for x in parts[0]], [len(x) for x in parts[2]]]
+    assert some["steps"] == [whole["steps"][0], whole["steps"][2]]  # each fold exactly as in the whole run
+    assert some["head"]["n"] == len(parts[0][2]) + len(parts[2][2]) < whole["head"]["n"] == 80  # only theirs pooled
+    trained: list[int] = []
+    part = train._part
+    monkeypatch.setattr(train, "_part", lambda *a, **k: trained.append(1) or part(*a, **k))
+    again = train.measure(*run, head_kwargs={"n_hid": 4, "d_hid": 8}, finished=train.FinishedParts(kept))
+    assert len(trained) == 1 and again["steps"] == whole["steps"]  # folds 1 and 3 read back, fold 2 trained
+
+
+def test_only_folds_that_are_not_there_fail_before_any_training(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(train.DatasetError, match="numbered 1 to 3"):
+        train.check_only_folds([4], 3)
+    with pytest.raises(train.DatasetError, match="split by sha1"):
+        train.check_only_folds([1], None)
+    monkeypatch.setitem(train.DATASETS, "toy", train.BenchData("toy", lambda: PAIRS, folds=3))
+
+    def loads(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("the backbone loads")
+
+    monkeypatch.setattr(train, "Backbone", loads)
+    monkeypatch.setattr(cli, "keep_freed_memory", lambda: False)  # not in the test's process
+    for given, told in ((["--only-folds", "2,4"], "numbered 1 to 3"), (["--only-folds", "0"], "got '0'"),
+                        (["--only-folds", "4", "--folds", "5"], "the backbone loads")):  # fold 4 of 5: there
+        res = CliRunner().invoke(app, ["bench", "train", "--datasets", "toy", "--out", str(tmp_path / "t.json"),
+                                       "--device", "cpu", *given])
+        assert told in (res.output if res.exit_code == 2 else str(res.exception)), res.output
+    assert not (tmp_path / "t.json").exists()
