@@ -229,8 +229,7 @@ def measure(pairs: Pairs, folds: int | None, backbone: Backbone, source: str, cf
     (one fold of a long dataset takes most of an hour on a CPU: its folds can be split over several runs)."""
     texts, parts, labels, names = splits(pairs, folds)
     if only_folds:
-        only_folds = sorted(set(only_folds))
-        check_only_folds(only_folds, folds)
+        only_folds = check_only_folds(only_folds, folds)
         parts = [part for f, part in enumerate(parts, 1) if f in only_folds]
     finished = finished or FinishedParts(None)
     t0 = time.perf_counter()
@@ -269,12 +268,14 @@ def measure(pairs: Pairs, folds: int | None, backbone: Backbone, source: str, cf
             **({"versus_restart": versus_restart_summary(stopped)} if versus_restart else {})}
 
 
-def check_only_folds(only_folds: list[int], folds: int | None) -> None:
-    """``only_folds`` names folds of a k-fold split (numbered 1 to k), or a :class:`DatasetError` says why not."""
+def check_only_folds(only_folds: list[int], folds: int | None) -> list[int]:
+    """``only_folds`` sorted, each once, where they name folds of a k-fold split (numbered 1 to k); a
+    :class:`DatasetError` says why not otherwise."""
     if not folds:
         raise DatasetError(f"--only-folds {only_folds} needs folds, and this dataset is split by sha1 (give --folds)")
     if not all(1 <= f <= folds for f in only_folds):
         raise DatasetError(f"--only-folds {only_folds}: the folds are numbered 1 to {folds}")
+    return sorted(set(only_folds))
 
 
 def _part(feats: Features, labels: list[int], part: tuple[list[int], list[int], list[int]], cfg: TrainConfig,
@@ -344,8 +345,9 @@ def run(names: list[str], folds: int | None, cache: Path, out: Path, seed: int =
         only_folds: list[int] | None = None) -> dict[str, Any]:
     """``bench train`` on the datasets ``names`` (see :func:`measure`): its table printed, its JSON in ``out``."""
     pairs = {name: DATASETS[name].pairs() for name in names}  # every dataset read first: a missing one fails now
-    for name in names if only_folds else []:  # and folds that are not there, before any feature is extracted
-        check_only_folds(only_folds or [], folds if folds is not None else DATASETS[name].folds)
+    if only_folds:  # and folds that are not there, before any feature is extracted
+        for name in names:
+            only_folds = check_only_folds(only_folds, folds if folds is not None else DATASETS[name].folds)
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     backbone = Backbone(DEFAULT_BACKBONE, max_length=None, device=dev, dtype=dt)
@@ -367,8 +369,9 @@ def run(names: list[str], folds: int | None, cache: Path, out: Path, seed: int =
                                     "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
                                     "backbone_dtype": str(dt).removeprefix("torch."), "versus_restart": versus_restart,
                                     **({"only_folds": only_folds} if only_folds else {})})
-    for finished in kept if not only_folds else []:  # some folds: the parts stay for a run of all of them
-        finished.done()
+    if not only_folds:  # with some folds, the parts stay for a run of all of them
+        for finished in kept:
+            finished.done()
     return summary
 
 

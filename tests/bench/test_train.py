@@ -178,8 +178,8 @@ def test_run_trains_with_the_default_settings_or_another_seed_and_drops_its_fini
     assert (reported[0]["device"], reported[0]["backbone_dtype"]) == ("cpu", "float32")  # auto, on this CPU
     train.run(["toy"], None, tmp_path / "cache", out, seed=3)  # another seed: only the seed differs, and is reported
     assert configs[1] == TrainConfig(seed=3) and reported[1]["train_config"]["seed"] == 3
-    train.run(["toy"], None, tmp_path / "cache", out, only_folds=[2])  # some folds: their parts stay for all folds'
-    assert reported[2]["only_folds"] == [2] and train.parts_file(out, "toy").exists()
+    train.run(["toy"], None, tmp_path / "cache", out, only_folds=[3, 2, 3])  # their parts stay for all folds'
+    assert reported[2]["only_folds"] == [2, 3] and train.parts_file(out, "toy").exists()
     called: list[tuple] = []
     monkeypatch.setattr(train, "run", lambda *args: called.append(args))
     monkeypatch.setattr(cli, "keep_freed_memory", lambda: False)  # not in the test's process
