@@ -486,7 +486,7 @@ def bench_engine(
     the engine with some settings changed against it as it is, in turns."""
     from service.bench import engine_phases as bench
     from service.bench import report
-    from service.serving.engine import Engine
+    from service.serving.engine.engine import Engine
     from service.training.data import sample_test_texts
 
     sizes = numbers(batch_sizes, "--batch-sizes")

@@ -24,8 +24,8 @@ from service.bench.report import echo, in_worker_thread
 from service.modeling import decompose
 from service.modeling.decompose import KINDS
 from service.modeling.encoder import PackedEncoder, Packing
-from service.serving.contract import CreditSpec
-from service.serving.engine import Engine, Task
+from service.serving.core.work import CreditSpec, Task
+from service.serving.engine.engine import Engine
 
 VARIANTS = {"held": frozenset(KINDS), **{f"{k} free": frozenset(KINDS) - {k} for k in KINDS}}
 """Each variant's held coefficients: all (the service's split, computed by autograd here too), or all but one."""

@@ -30,7 +30,7 @@ from service.bench.engine_worker import outermost
 from service.bench.report import whole_passes
 
 if TYPE_CHECKING:
-    from service.serving.engine import Engine
+    from service.serving.engine.engine import Engine
 
 PHASES = ("engine.plan", "engine.encode", "engine.join", "engine.heads", "engine.results")
 
@@ -49,7 +49,7 @@ def _sync(engine: Engine) -> Callable[[], None]:
 def timed(engine: Engine, batches: list[list[str]], seconds: float) -> tuple[float, float]:
     """Wall milliseconds per batch and the engine's host microseconds per text, over whole passes of ``batches``
     lasting at least ``seconds`` (the texts tokenized once, before: that is the fronts' work)."""
-    from service.serving.engine import Task
+    from service.serving.core.work import Task
 
     sync = _sync(engine)
     model = engine.default
@@ -79,7 +79,7 @@ def phases(engine: Engine, batches: list[list[str]]) -> dict[str, Any]:
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    from service.serving.engine import Task
+    from service.serving.core.work import Task
 
     cuda = engine.device.type == "cuda"
     sync = _sync(engine)

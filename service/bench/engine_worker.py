@@ -3,8 +3,9 @@
 The same source runs against this tree's engine and against an older version's (``bench gpu --baseline``), so
 that the two are measured alike, in turns, each computing on its process's main thread as the server's model
 process does. It therefore imports nothing of this package beyond the engine API every version since the shared
-backbone has (``Engine.load``, ``Engine.encode``, ``Engine.max_length``, ``Engine.run``, ``Task``) and is passed
-to ``python -c`` as text, so that the other version's ``service`` package is the one imported.
+backbone has (``Engine.load``, ``Engine.encode``, ``Engine.max_length``, ``Engine.run``, ``Task``), from where
+each version keeps them, and is passed to ``python -c`` as text, so that the other version's ``service`` package is
+the one imported.
 
 Protocol: the first line of stdin is the settings (JSON: repository, model, device, dtype, texts_file); each
 further line a command (``{"op": ...}``); every answer is one line of stdout starting with ``@@ `` (JSON).
@@ -38,7 +39,11 @@ def main() -> None:
     cfg = json.loads(sys.stdin.readline())
     import torch
 
-    from service.serving.engine import Engine, Task
+    try:  # the package in layers (2026-11-28 on)
+        from service.serving.core.work import Task
+        from service.serving.engine.engine import Engine
+    except ImportError:  # an earlier version's flat package
+        from service.serving.engine import Engine, Task  # type: ignore[no-redef]
 
     t0 = time.perf_counter()
     engine = Engine.load(Path(cfg["repository"]) / cfg["model"], device=cfg["device"], dtype=cfg["dtype"])

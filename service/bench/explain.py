@@ -32,10 +32,11 @@ import torch
 
 from service.bench import report
 from service.bench.report import echo, in_worker_thread
-from service.serving import render
-from service.serving.contract import CreditSpec
-from service.serving.engine import Engine, Result, Task
-from service.serving.schemas import PredictedExplanation, TokenCredit
+from service.serving.api.schemas import PredictedExplanation, TokenCredit
+from service.serving.core.results import Result
+from service.serving.core.work import CreditSpec, Task
+from service.serving.engine.engine import Engine
+from service.serving.pipeline import render
 
 FRACTIONS = (0.01, 0.05, 0.10, 0.20)
 CURVE = tuple(k / 10 for k in range(11))  # deletion curve: 0%, 10%, ..., 100% of the tokens deleted

@@ -175,8 +175,8 @@ def closed_loop(url: str, texts: list[str], concurrency: int, per_request: int, 
                 processes: int) -> dict[str, Any]:
     """``concurrency`` clients spread over ``processes`` load processes, each sending ``per_request`` texts at a
     time for ``seconds``: requests and texts per second answered 200, latency percentiles (ms), errors."""
-    from service.bench.serve import closed_loop as clients
-    from service.bench.serve import run_async
+    from service.bench.load import closed_loop as clients
+    from service.bench.load import run_async
 
     t0 = time.monotonic()
     level = run_async(clients(url, "/v1/classify", texts, concurrency, seconds, processes=processes,

@@ -32,9 +32,10 @@ from typing import Any
 import aiohttp
 import httpx
 
+from service.bench.load import Level, closed_loop, open_loop, run_async
 from service.bench.report import echo, median_ms, table, write_json
 from service.bench.repository import MIB, copy_model
-from service.bench.serve import Level, closed_loop, in_turns, open_loop, run_async
+from service.bench.serve import in_turns
 from service.bench.server import LocalServer
 from service.training.data import sample_test_texts
 
@@ -56,7 +57,8 @@ def head_step(repo: Path, model: str, names: list[str], texts: list[str], batch:
               ) -> dict[str, Any]:
     """One batch's backbone alone and its whole step on one head (``model``), on a head per text (by head,
     gathered)."""
-    from service.serving.engine import Engine, Task
+    from service.serving.core.work import Task
+    from service.serving.engine.engine import Engine
 
     engine = Engine.load([repo / model] + [repo / n for n in names[:batch]], device="cpu")
     rng = random.Random(0)

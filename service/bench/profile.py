@@ -29,15 +29,16 @@ from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from service.bench.load import closed_loop, run_async
 from service.bench.report import echo, median_ms, table, write_json
-from service.bench.serve import closed_loop, run_async
 from service.bench.server import LocalServer, children
 from service.config import CPU_BATCH
-from service.serving.contract import Computed, RunBatch
+from service.serving.core.work import RunBatch
+from service.serving.engine.pipe import Computed
 from service.training.data import sample_test_texts
 
 if TYPE_CHECKING:
-    from service.serving.engine import Engine
+    from service.serving.engine.engine import Engine
 
 STARTUP = ("_find_and_load", "Engine.load", "lifespan", "load_backbone", "_load_head", "tune_garbage_collector")
 """Frames of the server's start: a sample with one of them on its stack is left out."""
@@ -45,16 +46,20 @@ STARTUP = ("_find_and_load", "Engine.load", "lifespan", "load_backbone", "_load_
 PARTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("tokenize", ("service/modeling/tokenizer.py", "tokenizers/")),
     ("pipe and pickling", ("multiprocessing/connection.py", "pickle", "copyreg.py")),
-    ("request parsing", ("model_validate_json", "request_body_to_args", "service/serving/schemas.py")),
-    ("response building", ("service/serving/render.py", "service/modeling/views.py", "serialize_response",
-                           "serialize_json", "starlette/responses.py")),
-    ("model compute", ("service/serving/engine.py", "torch/", "transformers/", "service/modeling/backbone.py",
+    ("request parsing", ("model_validate_json", "request_body_to_args", "service/serving/api/schemas.py")),
+    ("response building", ("service/serving/pipeline/render.py", "service/serving/api/responses.py",
+                           "service/modeling/views.py", "serialize_response", "serialize_json",
+                           "starlette/responses.py")),
+    ("model compute", ("service/serving/engine/engine.py", "service/serving/engine/gather.py",
+                       "service/serving/engine/readout.py", "torch/", "transformers/", "service/modeling/backbone.py",
                        "service/modeling/head.py", "service/modeling/classifier.py", "service/routing/")),
-    ("batcher", ("service/serving/batcher.py",)),
-    ("inference layer", ("service/serving/inference.py", "service/serving/planner.py", "service/serving/routes/")),
-    ("middleware and metrics", ("service/serving/middleware.py", "service/serving/metrics.py", "prometheus_client/",
-                                "logging/")),
-    ("HTTP stack", ("uvicorn/", "starlette/", "fastapi/", "service/serving/protocol.py", "h11/")),
+    ("batcher", ("service/serving/engine/batcher.py",)),
+    ("inference layer", ("service/serving/pipeline/inference.py", "service/serving/engine/planner.py",
+                         "service/serving/engine/group.py", "service/serving/models/registry.py",
+                         "service/serving/api/routes/")),
+    ("middleware and metrics", ("service/serving/api/middleware.py", "service/serving/observe/metrics.py",
+                                "prometheus_client/", "logging/")),
+    ("HTTP stack", ("uvicorn/", "starlette/", "fastapi/", "service/serving/api/http11.py", "h11/")),
     ("event loop and threads", ("asyncio/", "uvloop/", "concurrent/futures/", "threading.py")),
 )
 """Each part of the serving path and the frames (substrings of py-spy's ``function (file:line)``) that are it."""
@@ -93,7 +98,7 @@ def split(lines: Iterable[str]) -> tuple[dict[str, collections.Counter[str]], di
         part = part_of(code)
         if part is None:
             continue
-        proc = MODEL if "service.serving.worker" in processes[-1] else SERVER
+        proc = MODEL if "service.serving.engine.process" in processes[-1] else SERVER
         out[proc][part] += int(count)
         if part == OTHER:
             other[proc][code[-1] if code else "(no Python frame)"] += int(count)
@@ -150,7 +155,7 @@ def _reply(conn: Connection, answer: bytes) -> None:
 
 def _batch_pipe_cost(engine: Engine, size: int, texts: list[str], repeats: int) -> dict[str, float]:
     """:func:`pipe_cost` for one batch of ``size`` texts."""
-    from service.serving.engine import Task
+    from service.serving.core.work import Task
 
     # a batch computes its texts' jobs once: every run gets them planned anew (the first plan is the message sent)
     plans = [[w for plan in engine.plan([Task(t) for t in texts[:size]]) for w in plan] for _ in range(7)]
@@ -190,7 +195,7 @@ def pipe_cost(folder: Path, sizes: list[int], texts: list[str], repeats: int = 2
     unpickled; and their bytes sent through a pipe to a process that answers with the answers' bytes (the pipe and
     the two wake-ups); against the batch's compute in this process (the engine alone, the model of ``folder``).
     Medians of ``repeats``."""
-    from service.serving.engine import Engine
+    from service.serving.engine.engine import Engine
 
     engine = Engine.load(folder)
     try:

@@ -26,8 +26,8 @@ import aiohttp
 import httpx
 from safetensors.torch import load_file, save_file
 
+from service.bench.load import run_async
 from service.bench.report import echo, table, write_json
-from service.bench.serve import run_async
 from service.bench.server import LocalServer
 from service.training.data import sample_test_texts
 

@@ -235,10 +235,16 @@ class LocalServer(ServerProcess):
         return {"server": server, "backbones": backbones}
 
 
+BACKBONE_PROCESSES = (b"service.serving.engine.process", b"service.serving.worker")
+"""The module a backbone's process runs, by version (``service.serving.worker`` before the package's layers): a
+baseline checkout's servers are measured too."""
+
+
 def is_backbone_process(pid: int) -> bool:
-    """Whether process ``pid`` computes a backbone (``service.serving.worker``'s main)."""
+    """Whether process ``pid`` computes a backbone (the main of a module of :data:`BACKBONE_PROCESSES`)."""
     try:
-        return b"service.serving.worker" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        return any(module in cmdline for module in BACKBONE_PROCESSES)
     except OSError:
         return False
 

@@ -24,8 +24,9 @@ from typing import Any
 
 import aiohttp
 
+from service.bench.load import closed_loop, run_async
 from service.bench.report import echo, table, write_json
-from service.bench.serve import closed_loop, in_turns, run_async
+from service.bench.serve import in_turns
 from service.bench.server import LocalServer
 from service.training.data import sample_test_texts
 

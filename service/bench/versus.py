@@ -17,8 +17,8 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
+from service.bench.load import Level, Stats, closed_loop, metrics_stats, open_loop, run_async
 from service.bench.report import echo
-from service.bench.serve import Level, Stats, closed_loop, metrics_stats, open_loop, run_async
 from service.bench.server import LocalServer, PeerServer, ServerProcess, ready_together
 
 THIS = "routing-service"
@@ -192,7 +192,7 @@ class Plan:
     fronts: list[int] = field(default_factory=list)
     """Also this service with each of these numbers of front processes (``ROUTING_WORKERS``)."""
     load_processes: int = 1
-    """Processes of the load generator (see ``service.bench.serve.closed_loop``)."""
+    """Processes of the load generator (see :func:`service.bench.load.closed_loop`)."""
 
 
 def measure(plan: Plan, repository: Path, model: str, device: str, max_batch_size: int, max_wait_ms: float,

@@ -67,7 +67,7 @@ class Explained:
 
 
 @dataclass
-class Prediction:
+class Classified:
     """One batch's results.
 
     Attributes:
@@ -114,7 +114,7 @@ class RoutingClassifier(torch.nn.Module):
 
     @torch.inference_mode()
     def predict(self, texts: list[str] | list[Encoding], explain: Sequence[CreditRequest | None] | None = None,
-                return_phi: bool = False) -> Prediction:
+                return_phi: bool = False) -> Classified:
         """Classify ``texts`` (or texts already tokenized by ``backbone.encode``); ``explain[b]`` says what
         credit text ``b`` needs (None: none).
 
@@ -124,14 +124,14 @@ class RoutingClassifier(torch.nn.Module):
 
     @torch.inference_mode()
     def classify(self, enc: Encoded, explain: Sequence[CreditRequest | None] | None = None,
-                 return_phi: bool = False) -> Prediction:
+                 return_phi: bool = False) -> Classified:
         """The head's part of :meth:`predict`, on hidden states the backbone has computed already."""
         return classify(self.head, enc, explain, return_phi, self.backbone.stream)
 
 
 @torch.inference_mode()
 def classify(head: RoutingHead, enc: Encoded, explain: Sequence[CreditRequest | None] | None = None,
-             return_phi: bool = False, encoder: PackedEncoder | None = None) -> Prediction:
+             return_phi: bool = False, encoder: PackedEncoder | None = None) -> Classified:
     """Scores and the credit ``explain[b]`` asks of each text ``b`` (None: none) from ``head`` (a stacked head: row
     ``b`` on its head ``b``) on hidden states ``enc`` the backbone has computed (with ``encoder``, which end-to-end
     credit needs). Credit is computed only for the texts that ask for it, one batched pass per method."""
@@ -179,7 +179,7 @@ def classify(head: RoutingHead, enc: Encoded, explain: Sequence[CreditRequest | 
             t = len(w)
             explained[b] = Explained(w, values[r, :t, : lengths[r]].permute(1, 2, 0), baseline[r, :t],
                                      logit[r, :t])  # [n e t], [t], [t]
-    return Prediction(probs=probs, encoded=enc, explained=explained, phi=out.phi if return_phi else None)
+    return Classified(probs=probs, encoded=enc, explained=explained, phi=out.phi if return_phi else None)
 
 
 def _end_to_end(encoder: PackedEncoder, encodings: list[Encoding], hidden: torch.Tensor, grad: torch.Tensor,

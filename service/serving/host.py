@@ -1,14 +1,14 @@
 """The engine host: the server's models, their batchers and their backbones' processes, without HTTP, serving the
 front processes (``ROUTING_WORKERS`` > 1) over a Unix socket.
 
-Every front tokenizes its requests' texts and sends them here as :class:`~service.serving.wire.Run` messages; each
-backbone's one batcher forms its batches from every front's texts (so batches do not shrink as fronts are added),
+Every front tokenizes its requests' texts and sends them here as :class:`~service.serving.remote.wire.Run` messages;
+each backbone's one batcher forms its batches from every front's texts (so batches do not shrink as fronts are added),
 and its queue limit, the requests' deadlines and the drain hold for the server as a whole. A front whose client
-has gone sends :class:`~service.serving.wire.Cancel`, and what is still queued of that request is dropped, as a
+has gone sends :class:`~service.serving.remote.wire.Cancel`, and what is still queued of that request is dropped, as a
 client that leaves a one-process server. The backbones compute where the settings say (``ROUTING_MODEL_PROCESS``:
 in processes of their own, as in a one-front server).
 
-Started by the supervisor (:mod:`service.serving.fronts`) as ``python -m service.serving.host SOCKET``, with the
+Started by the supervisor (:mod:`service.serving.supervisor`) as ``python -m service.serving.host SOCKET``, with the
 server's settings as JSON on standard input; it writes one line to standard output once the models are loaded
 (``ready``) or could not be (``failed: why``), and drains on SIGTERM: it answers every request already accepted,
 then exits once every front has gone (or the drain timeout has passed).
@@ -25,26 +25,30 @@ import time
 from pathlib import Path
 
 from service.config import Settings
-from service.serving import wire
-from service.serving.batcher import DeadlineExceeded, Draining, Overloaded
-from service.serving.contract import TextJob, answers_of
-from service.serving.errors import APIError
-from service.serving.logs import setup_logging
-from service.serving.metrics import Metrics
-from service.serving.planner import model_of
-from service.serving.state import AppState
+from service.serving.core.errors import APIError
+from service.serving.core.keys import model_of
+from service.serving.core.lifecycle import Lifecycle
+from service.serving.core.work import TextJob
+from service.serving.engine.batcher import DeadlineExceeded, Draining, Overloaded
+from service.serving.models.loader import default_model_at_start
+from service.serving.models.local import LocalEngine
+from service.serving.models.registry import Registry
+from service.serving.observe.logs import setup_logging
+from service.serving.observe.metrics import Metrics
+from service.serving.remote import wire
 
 log = logging.getLogger("service.host")
 
 
 class EngineHost:
-    """The models of ``settings`` (an :class:`AppState` that serves no HTTP), answering fronts on ``path``."""
+    """The models of ``settings`` (served through a :class:`LocalEngine`, no HTTP), answering fronts on ``path``."""
 
     def __init__(self, settings: Settings, path: Path) -> None:
         self.settings, self.path = settings, path
-        metrics = Metrics(lambda: self.state.device_memory(), lambda: self.state.backbone_processes())
-        self.state = AppState(settings=settings, metrics=metrics)
-        self.state.announce = self.broadcast
+        self.metrics = Metrics(lambda: self.engine.device_memory(), lambda: self.engine.backbone_processes())
+        self.lifecycle = Lifecycle()
+        self.registry = Registry(default_model_at_start(settings))
+        self.engine = LocalEngine(settings, self.registry, self.metrics, self.lifecycle, announce=self.broadcast)
         self.fronts: dict[asyncio.StreamWriter, int] = {}  # each front's connection -> the Models version it serves
         self.version = 0
         self._applied = asyncio.Condition()
@@ -55,13 +59,13 @@ class EngineHost:
         """What the fronts serve: every backbone group, its heads and their folders, the head each name serves
         from."""
         backbones = []
-        inference = self.state.inference
-        for name, backbone in inference.backbones.items():
-            engine = backbone.engine
+        registry = self.registry
+        for name, group in registry.groups.items():
+            engine = group.planner
             folders = {key: str(self.settings.model_repository / model_of(key)) for key in engine.models}
-            backbones.append(wire.BackboneInfo(name, folders, {k: engine.describe(k) for k in engine.models},
-                                               str(engine.device), str(engine.dtype).removeprefix("torch.")))
-        return wire.Models(self.version, backbones, dict(inference.heads), self.state.default_model)
+            backbones.append(wire.BackboneInfo(name, folders, {k: group.describe(k) for k in engine.models},
+                                               group.device, group.dtype))
+        return wire.Models(self.version, backbones, dict(registry.heads), registry.default_model)
 
     async def broadcast(self) -> None:
         """Tell every front what the host serves now, and wait until each serves it (at most ``drain_timeout_s``: a
@@ -84,30 +88,32 @@ class EngineHost:
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, self._stop)
         loop.add_signal_handler(signal.SIGINT, lambda: None)  # the supervisor decides
-        await self.state.load()
-        if self.state.launches.stopped:
+        await self.engine.start()
+        if self.engine.loading_stopped:
             return True
-        if self.state.lifecycle.failed:
-            print(f"failed: {self.state.lifecycle.error}", flush=True)
+        if self.lifecycle.failed:
+            print(f"failed: {self.lifecycle.error}", flush=True)
             return False
         server = await asyncio.start_unix_server(self.front, path=str(self.path))
         print("ready", flush=True)
         async with server:
             await self._stopping.wait()
             log.info("draining: answering what the fronts sent (at most %.0f s)", self.settings.drain_timeout_s)
-            self.state.start_draining()  # batches go without waiting to fill
+            self.lifecycle.drain()
+            self.registry.flush()  # batches go without waiting to fill
             end = time.monotonic() + self.settings.drain_timeout_s
-            while (self.fronts or not self.state.idle) and time.monotonic() < end:
+            while (self.fronts or not self.registry.idle) and time.monotonic() < end:
                 await asyncio.sleep(0.02)
             server.close()
-        await self.state.close(timeout_s=1.0)
+        await self.engine.close(timeout_s=1.0)
+        self.lifecycle.stop()
         return True
 
     def _stop(self) -> None:
         """SIGTERM: drain once loaded; while loading, stop the backbones' processes loading."""
         self._stopping.set()
-        if self.state.lifecycle.loading:
-            self.state.launches.stop()
+        if self.lifecycle.loading:
+            self.engine.stop_loading()
 
     async def front(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """One front's connection: its requests, each answered on its own task, until it closes."""
@@ -131,7 +137,7 @@ class EngineHost:
                         self.fronts[writer] = max(self.fronts.get(writer, 0), msg.version)
                         self._applied.notify_all()
                 elif isinstance(msg, wire.Scrape):
-                    writer.write(wire.frame(wire.Scraped(msg.id, self.state.metrics.reading())))
+                    writer.write(wire.frame(wire.Scraped(msg.id, self.metrics.reading())))
                 elif isinstance(msg, wire.Control):
                     self._controls.add(task := asyncio.create_task(self._control(msg, writer)))
                     task.add_done_callback(self._controls.discard)
@@ -149,13 +155,13 @@ class EngineHost:
     async def _control(self, msg: wire.Control, writer: asyncio.StreamWriter) -> None:
         """A repository request, carried out by the host's model control (every front serves a change before it is
         answered: see :meth:`broadcast`)."""
-        control = self.state.control
+        control = self.engine.control
         reply = wire.Controlled(msg.id, 200)
         try:
             if msg.op == "index":
                 reply.entries = await control.entries(ready_only=msg.ready_only)
             elif msg.op == "stats":
-                reply.stats = self.state.metrics.stats.json(msg.names)
+                reply.stats = self.metrics.stats.json(msg.names)
             elif msg.op == "load":
                 await control.load(msg.name)
             else:
@@ -169,20 +175,17 @@ class EngineHost:
 
     async def _run(self, msg: wire.Run, writer: asyncio.StreamWriter) -> None:
         """A front's request on its backbone's batcher, answered with the texts' answers or why there are none."""
-        backbone = self.state.inference.backbones.get(msg.backbone)
+        group = self.registry.groups.get(msg.backbone)
         reply: wire.Answered | wire.Refused
-        if backbone is None:
+        if group is None:
             reply = wire.Refused(msg.id, "failed", f"no backbone {msg.backbone!r} here")
         else:
             jobs = [TextJob.of(job.encoding, job.asks) for job in msg.jobs]
-            chunks = [w for job in jobs for w in job.chunks()]
-            keys = list({ask.model or backbone.engine.default for job in jobs for ask in job.asks})
+            keys = list({ask.model or group.planner.default for job in jobs for ask in job.asks})
             started = time.perf_counter()
             try:
-                with self.state.inference.holding(keys):  # a retired head answers what it took before it goes
-                    got = await backbone.batcher.submit(chunks, [w.cost for w in chunks], msg.deadline,
-                                                        groups=[w.job for w in chunks])
-                reply = wire.Answered(msg.id, answers_of(chunks, got))
+                with self.registry.holding(keys):  # a retired head answers what it took before it goes
+                    reply = wire.Answered(msg.id, await group.submit(jobs, msg.deadline))
             except Overloaded as e:
                 reply = wire.Refused(msg.id, "overloaded", str(e))
             except Draining as e:
@@ -192,9 +195,9 @@ class EngineHost:
             except Exception as e:  # the batch failed: the front answers 500 with why
                 reply = wire.Refused(msg.id, "failed", f"{type(e).__name__}: {e}")
             # every front's requests in one place (/v2/models/stats); their time here: queued and computed
-            self.state.metrics.stats.answered(sorted({model_of(k) for k in keys}), time.perf_counter() - started,
-                                              ok=isinstance(reply, wire.Answered) and all(
-                                                  not r.error for answer in reply.answers for r in answer))
+            self.metrics.stats.answered(sorted({model_of(k) for k in keys}), time.perf_counter() - started,
+                                        ok=isinstance(reply, wire.Answered) and all(
+                                            not r.error for answer in reply.answers for r in answer))
         with contextlib.suppress(ConnectionError):
             writer.write(wire.frame(reply))
 

@@ -16,11 +16,11 @@ import uvicorn
 from fastapi import FastAPI
 
 from service.config import Settings
-from service.serving.app import create_app
+from service.serving.api.app import create_app
+from service.serving.api.http11 import HttpLimits, guarded_protocol
 from service.serving.listen import check_ports
-from service.serving.logs import setup_logging
-from service.serving.metrics import freeze_garbage_collection
-from service.serving.protocol import HttpLimits, guarded_protocol
+from service.serving.observe.logs import setup_logging
+from service.serving.observe.metrics import freeze_garbage_collection
 from service.serving.state import AppState
 
 log = logging.getLogger("service.http")

@@ -5,7 +5,7 @@ itself, which serves nothing (it imports neither torch nor the HTTP stack).
 
     supervisor (routing-service serve)
       ├── engine host (service.serving.host): the models, one batcher per backbone, the backbones' processes
-      └── front 0 .. N-1 (service.serving.fronts): HTTP accepted from one listening socket the supervisor opens
+      └── front 0 .. N-1 (service.serving.front): HTTP accepted from one listening socket the supervisor opens
           (a front that dies takes no queued connection with it), gRPC on one port (SO_REUSEPORT); each validating,
           tokenizing and rendering, sending typed messages to the host
 
@@ -35,7 +35,7 @@ from prometheus_client import multiprocess
 
 from service.config import Settings
 from service.serving.listen import CANNOT_LISTEN, check_ports, shared_socket
-from service.serving.logs import setup_logging
+from service.serving.observe.logs import setup_logging
 
 log = logging.getLogger("service.supervisor")
 PR_SET_PDEATHSIG = 1
@@ -119,7 +119,7 @@ def _supervise(settings: Settings, folder: Path) -> int:
         return CANNOT_LISTEN
 
     def front(k: int) -> subprocess.Popen[bytes]:
-        return _child("service.serving.fronts", [str(k), str(path), str(listening.fileno())], settings, env,
+        return _child("service.serving.front", [str(k), str(path), str(listening.fileno())], settings, env,
                       pass_fds=(listening.fileno(),))
 
     fronts: dict[int, subprocess.Popen[bytes] | None] = {k: front(k) for k in range(settings.workers)}

@@ -8,7 +8,7 @@ from typer.testing import CliRunner
 
 from service.bench.engine_phases import PHASES, batches_of, phases, run
 from service.cli import app
-from service.serving.engine import Engine, _phase
+from service.serving.engine.engine import Engine, _phase
 
 TEXTS = [f"text number {k} " + "word " * (k % 7) for k in range(24)]
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from service.bench.explain import delete_tokens, explained_tokens, faithfulness, ranking, spearman
-from service.serving.contract import CreditSpec
-from service.serving.engine import Engine, Task
+from service.serving.core.work import CreditSpec, Task
+from service.serving.engine.engine import Engine
 
 TEXTS = ["the first text is here", "a second, somewhat longer text. It has two sentences!",
          "short but sweet words"]

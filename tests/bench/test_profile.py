@@ -13,20 +13,20 @@ from service.bench.profile import MODEL, OTHER, SERVER, part_of, split
 from service.cli import app
 
 SERVER_PROC = 'process 101:"/venv/bin/python3 -m service serve"'
-MODEL_PROC = 'process 102:"/venv/bin/python3 -m service.serving.worker 7"'
-ROUTE = "classify_default (service/serving/routes/inference.py:83)"
+MODEL_PROC = 'process 102:"/venv/bin/python3 -m service.serving.engine.process 7"'
+ROUTE = "classify_default (service/serving/api/routes/inference.py:83)"
 HTTP = "RequestResponseCycle.run_asgi (uvicorn/protocols/http/httptools_impl.py:416)"
 
 
 def test_the_deepest_frame_of_a_part_decides() -> None:
-    tokenizing = [HTTP, ROUTE, "Planner.encode (service/serving/planner.py:108)",
+    tokenizing = [HTTP, ROUTE, "Planner.encode (service/serving/engine/planner.py:108)",
                   "ChunkTokenizer.encode_lengths (service/modeling/tokenizer.py:91)"]
     assert part_of(tokenizing) == "tokenize"
     assert part_of(tokenizing[:3]) == "inference layer"
-    assert part_of([HTTP, "Observe.__call__ (service/serving/middleware.py:99)",
+    assert part_of([HTTP, "Observe.__call__ (service/serving/api/middleware.py:99)",
                     "Logger.info (logging/__init__.py:1489)"]) == "middleware and metrics"
     assert part_of([HTTP, "serialize_response (fastapi/routing.py:358)"]) == "response building"
-    assert part_of([ROUTE, "explain_result (service/serving/render.py:60)",
+    assert part_of([ROUTE, "explain_result (service/serving/pipeline/render.py:60)",
                     "words (service/modeling/views.py:40)"]) == "response building"  # not the model's code
     assert part_of(["_recv_bytes (multiprocessing/connection.py:430)"]) == "pipe and pickling"
     assert part_of(["Runner.run (asyncio/runners.py:118)"]) == "event loop and threads"
@@ -40,10 +40,11 @@ def test_samples_split_by_process_and_part() -> None:
     lines = [
         f"{SERVER_PROC};{HTTP};{ROUTE} 7",
         f"{SERVER_PROC};{HTTP};serialize_response (fastapi/routing.py:358) 2",
-        f"{SERVER_PROC};{MODEL_PROC};_serve (service/serving/worker.py:131);run (service/serving/engine.py:200);"
-        "forward (torch/nn/modules/linear.py:125) 40",
-        f"{SERVER_PROC};{MODEL_PROC};_serve (service/serving/worker.py:130);recv (multiprocessing/connection.py:250) 3",
-        f"{SERVER_PROC};{MODEL_PROC};Engine.load (service/serving/engine.py:90) 500",
+        f"{SERVER_PROC};{MODEL_PROC};_serve (service/serving/engine/process.py:131);"
+        "run (service/serving/engine/engine.py:200);forward (torch/nn/modules/linear.py:125) 40",
+        f"{SERVER_PROC};{MODEL_PROC};_serve (service/serving/engine/process.py:130);"
+        "recv (multiprocessing/connection.py:250) 3",
+        f"{SERVER_PROC};{MODEL_PROC};Engine.load (service/serving/engine/engine.py:90) 500",
         f"{SERVER_PROC};<lambda> (odd.py:3) 1",
         "not a sample line",
     ]

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from service.bench import serve
+from service.bench import load, serve
 from service.bench.server import children, cpu_seconds
 from service.modeling.backbone import Backbone
 from tests.serving.server import Server
@@ -31,7 +31,7 @@ def test_long_text_has_one_token_per_character(tiny_backbone_dir: Path) -> None:
 
 
 def test_offline_limit_runs_the_engine_on_the_main_thread(tiny_repo: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from service.serving.engine import Engine
+    from service.serving.engine.engine import Engine
 
     calls: list[tuple[str, int]] = []
     run = Engine.run
@@ -106,9 +106,9 @@ def test_alongside_measures_the_other_settings_in_turns_and_stops_them(tiny_repo
 
 def test_closed_loop_counts_answers_batches_and_cpu(pair: list[Server]) -> None:
     srv = pair[0]  # the tiny model's server, the model in its own process
-    level = serve.run_async(serve.closed_loop(srv.url, "/v1/classify", ["one text", "another text"], 4, 1.0,
+    level = load.run_async(load.closed_loop(srv.url, "/v1/classify", ["one text", "another text"], 4, 1.0,
                                               cpu=srv.cpu))
-    bad = serve.run_async(serve.closed_loop(srv.url, "/v1/classify", [""], 2, 0.3))  # empty text: 422
+    bad = load.run_async(load.closed_loop(srv.url, "/v1/classify", [""], 2, 0.3))  # empty text: 422
     model_pids = children(srv.proc.pid)
     assert level.errors == 0 and level.texts == len(level.latencies) > 4
     assert level.batch_count >= 1 and level.batch_sum >= level.batch_count  # read from the server's /metrics
@@ -124,17 +124,17 @@ def test_closed_loop_counts_answers_batches_and_cpu(pair: list[Server]) -> None:
 
 def test_the_load_spreads_over_processes_and_counts_them_all(pair: list[Server]) -> None:
     srv = pair[0]
-    level = serve.run_async(serve.closed_loop(srv.url, "/v1/classify", ["one text", "another text", "a third"], 5,
+    level = load.run_async(load.closed_loop(srv.url, "/v1/classify", ["one text", "another text", "a third"], 5,
                                               1.0, cpu=srv.cpu, processes=2, per_request=3))
     row = level.row()
     assert level.errors == 0 and len(level.latencies) > 2 and level.processes == 2
     assert level.texts == 3 * len(level.latencies) and row["throughput"] == pytest.approx(3 * row["requests_per_s"])
     assert level.cpu_s is not None and level.cpu_s["load_generator"] > 0 and level.batch_sum >= level.batch_count >= 1
-    assert serve._spread(5, 2) == [(0, 3), (3, 2)] and serve._spread(2, 4) == [(0, 1), (1, 1)]  # every client once
+    assert load._spread(5, 2) == [(0, 3), (3, 2)] and load._spread(2, 4) == [(0, 1), (1, 1)]  # every client once
 
     # open loop: each process sends its own seeded Poisson arrivals at half the rate, every one of them
     rate, seconds = 30.0, 1.0
-    opened = serve.run_async(serve.open_loop(srv.url, "/v1/classify", ["one text"], rate, seconds, seed=5,
+    opened = load.run_async(load.open_loop(srv.url, "/v1/classify", ["one text"], rate, seconds, seed=5,
                                              processes=2))
     scheduled = 0
     for p in range(2):
@@ -146,8 +146,8 @@ def test_the_load_spreads_over_processes_and_counts_them_all(pair: list[Server])
 
     # a load process that fails (no texts to send) is reported, not waited for
     with pytest.raises(RuntimeError, match="load process 1 of the load generator exited"):
-        serve.in_processes([serve.Clients(srv.url, "/v1/classify", ["a text"], 2, 0.2, count=1),
-                            serve.Clients(srv.url, "/v1/classify", [], 2, 0.2, first=1, count=1)])
+        load.in_processes([load.Clients(srv.url, "/v1/classify", ["a text"], 2, 0.2, count=1),
+                           load.Clients(srv.url, "/v1/classify", [], 2, 0.2, first=1, count=1)])
 
 
 def test_cpu_seconds_and_children_read_this_machines_processes() -> None:

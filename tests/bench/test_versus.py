@@ -16,7 +16,8 @@ import httpx
 import pytest
 
 from service.bench import serve, versus
-from service.bench.serve import Offline, metrics_stats
+from service.bench.load import metrics_stats
+from service.bench.serve import Offline
 from service.bench.server import ServerProcess, children, free_port, ready_together
 from service.bench.server import process_state as state
 from tests.serving.server import Server
@@ -93,7 +94,7 @@ def test_each_contender_is_measured_while_the_others_are_paused(pair: list[Serve
 
 def test_the_engine_alone_computes_the_clients_batches_and_each_server_gets_its_share(
         tiny_repo: Path, pair: list[Server], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from service.serving.engine import Engine
+    from service.serving.engine.engine import Engine
 
     texts = [f"text number {k}" + " more" * (k % 5) for k in range(12)]
     offline = Offline(tiny_repo, "tiny", texts, "cpu")

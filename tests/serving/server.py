@@ -15,7 +15,7 @@ import httpx
 from service.bench.server import LocalServer as Server
 from service.bench.server import free_port, ready_together
 from service.config import Settings
-from service.serving.metrics import Metrics
+from service.serving.observe.metrics import Metrics
 from service.serving.state import AppState
 
 __all__ = ["Server", "free_port", "in_flight", "loaded", "metric", "running", "side_by_side"]

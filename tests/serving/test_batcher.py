@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import pytest
 
-from service.serving.batcher import Batcher, BatchLimits, DeadlineExceeded, Draining, Overloaded
+from service.serving.engine.batcher import Batcher, BatchLimits, DeadlineExceeded, Draining, Overloaded
 
 
 class Recorder:

@@ -13,8 +13,9 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from service.serving.contract import ChunkWork, CreditSpec, Result
-from service.serving.engine import Engine, Task
+from service.serving.core.results import Result
+from service.serving.core.work import ChunkWork, CreditSpec, Task
+from service.serving.engine.engine import Engine
 from tests.serving.test_tokenize_once import started
 
 LONG = " ".join(f"word{k} is here, and then." for k in range(60))  # many chunks of the tiny model's 16 tokens

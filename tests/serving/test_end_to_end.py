@@ -14,7 +14,7 @@ import torch
 from fastapi.testclient import TestClient
 
 from service.config import Settings
-from service.serving.app import create_app
+from service.serving.api.app import create_app
 from tests.conftest import TINY, write_tiny_model
 from tests.serving.server import Server
 from tests.serving.test_api import assert_error, post

@@ -45,7 +45,7 @@ def fronts(server: Server) -> list[int]:
             return Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:  # it exited meanwhile
             return b""
-    return [p for p in descendants(server.proc.pid) if b"service.serving.fronts" in command(p)]
+    return [p for p in descendants(server.proc.pid) if b"service.serving.front" in command(p)]
 
 
 def close(a: object, b: object, path: str = "") -> None:

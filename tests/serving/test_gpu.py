@@ -12,8 +12,8 @@ import torch
 
 from service.modeling.backbone import Backbone
 from service.modeling.encoder import pack
-from service.serving.contract import CreditSpec
-from service.serving.engine import Engine, Task
+from service.serving.core.work import CreditSpec, Task
+from service.serving.engine.engine import Engine
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (bench gpu runs it)")]

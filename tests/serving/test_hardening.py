@@ -237,6 +237,6 @@ def test_json_logs_hold_json_lines_only(tiny_repo: Path, logs: Path) -> None:
     for server in running(logs, model_repository=tiny_repo, default_model="tiny", log_json=True):
         assert httpx.post(f"{server.url}/v1/classify", json={"inputs": ["a text"]}).status_code == 200
         lines = server.full_log().splitlines()
-    assert any(json.loads(line)["logger"] == "service.worker" for line in lines if line.startswith("{"))
+    assert any(json.loads(line)["logger"] == "service.process" for line in lines if line.startswith("{"))
     assert [line for line in lines if not line.startswith("{")] == []
     assert all(json.loads(line)["message"] for line in lines)

@@ -17,10 +17,10 @@ from prometheus_client import generate_latest
 
 from service.config import Settings
 from service.modeling.manifest import WEIGHTS
-from service.serving.app import create_app
-from service.serving.contract import CreditSpec, Task
-from service.serving.engine import Engine
-from service.serving.errors import APIError
+from service.serving.api.app import create_app
+from service.serving.core.errors import APIError
+from service.serving.core.work import CreditSpec, Task
+from service.serving.engine.engine import Engine
 from service.serving.state import AppState
 from tests.conftest import write_tiny_model
 from tests.serving.server import loaded, metric

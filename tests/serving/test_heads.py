@@ -15,10 +15,11 @@ import torch
 from prometheus_client import generate_latest
 
 from service.config import Settings
-from service.serving.app import create_app
-from service.serving.contract import Ask, ChunkWork, CreditSpec, Result, Task, TextJob
-from service.serving.engine import Engine
-from service.serving.errors import APIError
+from service.serving.api.app import create_app
+from service.serving.core.errors import APIError
+from service.serving.core.results import Result
+from service.serving.core.work import Ask, ChunkWork, CreditSpec, Task, TextJob
+from service.serving.engine.engine import Engine
 from service.serving.state import AppState
 from tests.conftest import write_tiny_model
 from tests.serving.server import loaded, metric
@@ -130,7 +131,7 @@ async def state(heads_repo: Path) -> AsyncIterator[AppState]:
 
 async def test_the_pipeline_serves_several_models_as_each_alone(state: AppState) -> None:
     inf = state.inference
-    assert list(inf.backbones) == ["tiny-bert@random"] and list(inf.models) == list(HEADS)
+    assert list(state.registry.groups) == ["tiny-bert@random"] and list(inf.models) == list(HEADS)
     names = ["tiny-b", "tiny"]
     together = await inf.classify(names, TEXTS, explain=True)
     for m, per in zip(names, together, strict=True):
@@ -187,10 +188,10 @@ async def test_a_client_that_leaves_is_dropped_and_answered_499(state: AppState)
         await inf.classify(["tiny"], TEXTS * 8, gone=gone)
     assert e.value.status == 499
     for _ in range(200):  # what was queued is dropped; a batch already computing finishes
-        if all(b.batcher.idle for b in inf.backbones.values()):
+        if all(b.batcher.idle for b in state.registry.groups.values()):
             break
         await asyncio.sleep(0.01)
-    assert all(b.batcher.idle for b in inf.backbones.values())
+    assert all(b.batcher.idle for b in state.registry.groups.values())
 
 
 # --- the HTTP layer's record of a client that left ---

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from service.config import Settings
 from service.serving.host import EngineHost
-from service.serving.wire import Applied, Control, Controlled, Hello, Models, frame, read_to_front
+from service.serving.remote.wire import Applied, Control, Controlled, Hello, Models, frame, read_to_front
 
 
 async def _connect(path: Path, front: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, Models]:

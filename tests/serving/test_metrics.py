@@ -16,8 +16,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from service.bench.server import children, process_state
 from service.modeling.encoding import Encoding
-from service.serving.contract import Ask, TextJob
-from service.serving.metrics import Metrics, freeze_garbage_collection
+from service.serving.core.work import Ask, TextJob
+from service.serving.observe.metrics import Metrics, freeze_garbage_collection
 from tests.serving.server import Server, metric
 
 EXPECTED = {  # name: (type, labels)

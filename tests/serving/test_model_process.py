@@ -17,9 +17,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from service.serving.contract import CreditSpec, Task, answers_of
-from service.serving.engine import Engine
-from service.serving.worker import BackboneProcess, ModelProcessError
+from service.serving.core.results import answers_of
+from service.serving.core.work import CreditSpec, Task
+from service.serving.engine.engine import Engine
+from service.serving.engine.process import BackboneProcess, ModelProcessError
 from tests.serving.server import Server
 
 TEXTS = ["a short text", "Long one. " * 30, "and a third, somewhat longer text than the first"]
@@ -151,8 +152,8 @@ def test_no_model_process_outlives_a_killed_server(tiny_repo: Path, tmp_path: Pa
 
 def test_cuda_memory_of_the_model_processes_is_summed_per_device() -> None:
     from service.config import Settings
-    from service.serving.inference import Backbone
-    from service.serving.metrics import Metrics
+    from service.serving.engine.group import LocalGroup
+    from service.serving.observe.metrics import Metrics
     from service.serving.state import AppState
 
     state = AppState(settings=Settings(), metrics=Metrics())
@@ -161,7 +162,7 @@ def test_cuda_memory_of_the_model_processes_is_summed_per_device() -> None:
         mp.name, mp.manifests = f"b{k}", {}
         mp._memory = [{"device": "cuda:0", "allocated": allocated, "reserved": 2 * allocated, "peak": 3 * allocated,
                        "total": 80.0}]
-        state.inference.add(Backbone(mp, batcher=None))  # type: ignore[arg-type]
+        state.registry.add(LocalGroup(mp, batcher=None))  # type: ignore[arg-type]
     assert state.device_memory() == [{"device": "cuda:0", "allocated": 3.0, "reserved": 6.0, "peak": 9.0,
                                       "total": 80.0}]
 

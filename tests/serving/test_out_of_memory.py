@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from service.serving.contract import CreditSpec
-from service.serving.engine import Engine, Task
+from service.serving.core.work import CreditSpec, Task
+from service.serving.engine.engine import Engine
 from tests.serving.test_chunks import LONG
 from tests.serving.test_tokenize_once import started
 

@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from service.serving.contract import CreditSpec, Result
-from service.serving.engine import Engine, Task
+from service.serving.core.results import Result
+from service.serving.core.work import CreditSpec, Task
+from service.serving.engine.engine import Engine
 from tests.conftest import write_tiny_model
 
 TEXTS = ["a", "a short text", "another one, a little longer than that!", "mid length here", "x y",

@@ -10,21 +10,23 @@ import msgspec
 import pytest
 from pydantic import BaseModel
 
-from service.serving import render
-from service.serving.contract import Credit, Result, TargetCredit, Token
-from service.serving.schemas import ClassifyResponse, ExplainResponse, ExplainResult, PredictedExplanation
+from service.serving.api.responses import JSONBody
+from service.serving.api.schemas import ClassifyResponse, ExplainResponse, ExplainResult, PredictedExplanation
+from service.serving.core.results import Credit, LabelCredit, Result, TokenSpan
+from service.serving.pipeline import render
 
 TEXT = "Good day. Bad night"
-TOKENS = [Token("[CLS]", 0, 0, True), Token("good", 0, 4, False), Token("day", 5, 8, False), Token(".", 8, 9, False),
-          Token("bad", 10, 13, False), Token("night", 14, 19, False), Token("[SEP]", 0, 0, True)]
+TOKENS = [TokenSpan("[CLS]", 0, 0, True), TokenSpan("good", 0, 4, False), TokenSpan("day", 5, 8, False),
+          TokenSpan(".", 8, 9, False), TokenSpan("bad", 10, 13, False), TokenSpan("night", 14, 19, False),
+          TokenSpan("[SEP]", 0, 0, True)]
 WORD_IDS = [-1, 0, 1, 2, 3, 4, -1]
 LABELS = ["negative", "positive"]
 
 
-def target(label: str, k: int, shares: bool = False) -> TargetCredit:
+def target(label: str, k: int, shares: bool = False) -> LabelCredit:
     tokens = [0.5 * k - 0.125 * p + 1e-7 for p in range(len(TOKENS))]  # a tiny part: an exponent in the JSON
     depth = [[c / 3] * 3 for c in tokens]
-    return TargetCredit(label, tokens, depth, None if shares else 2.5e-05 + k, None if shares else -0.25)
+    return LabelCredit(label, tokens, depth, None if shares else 2.5e-05 + k, None if shares else -0.25)
 
 
 def result(method: str = "contribution", targets: tuple[int, ...] = (1,), matrix: bool = False,
@@ -42,8 +44,8 @@ def exact(model: type[BaseModel], body: Any) -> None:
     values: the same text from the standard library's encoder), and msgspec's bytes decode to those values."""
     dumped = model.model_validate(body).model_dump(mode="json")
     assert json.dumps(body) == json.dumps(dumped)
-    assert json.loads(render.JSONBody(body).body) == dumped
-    assert msgspec.json.decode(render.JSONBody(body).body) == json.loads(json.dumps(dumped))
+    assert json.loads(JSONBody(body).body) == dumped
+    assert msgspec.json.decode(JSONBody(body).body) == json.loads(json.dumps(dumped))
 
 
 @pytest.mark.parametrize("method", ["contribution", "end_to_end", "shares"])
@@ -71,7 +73,7 @@ def test_explain_bodies_are_the_response_models_dumps(targets: tuple[int, ...], 
 
 def test_json_body_writes_the_same_numbers_and_text() -> None:
     body = {"s": "é — \u2028 \"q\"", "x": [1e-7, 2.5e-05, 0.1 + 0.2, 1e22, -0.0, 5e-324], "n": None, "k": 3}
-    got = render.JSONBody(body)
+    got = JSONBody(body)
     assert got.media_type == "application/json"
     assert json.loads(got.body) == body
     assert [repr(v) for v in json.loads(got.body)["x"]] == [repr(v) for v in body["x"]]  # every float round-trips

@@ -21,8 +21,9 @@ from tritonclient.utils import InferenceServerException
 
 from service.bench.server import children
 from service.config import Settings
-from service.serving.contract import Result, Task
-from service.serving.engine import Engine
+from service.serving.core.results import Result
+from service.serving.core.work import Task
+from service.serving.engine.engine import Engine
 from tests.conftest import edit_manifest, write_tiny_model
 from tests.serving.server import Server, metric
 

@@ -121,7 +121,7 @@ def test_unloadable_repository_exits_with_a_clear_message(tmp_path: Path, logs: 
 async def test_a_default_model_named_but_not_served_fails_the_start_and_one_not_named_is_the_first_served(
         tiny_repo: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from service.config import Settings
-    from service.serving.metrics import Metrics
+    from service.serving.observe.metrics import Metrics
     from service.serving.state import AppState
 
     state = AppState(settings=Settings(model_repository=tiny_repo, default_model="tweet-sentiment"), metrics=Metrics())
@@ -144,8 +144,8 @@ async def test_a_default_model_named_but_not_served_fails_the_start_and_one_not_
 async def test_an_empty_repository_starts_a_server_only_where_models_can_come_later_and_the_first_is_the_default(
         tmp_path: Path, tiny_backbone_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from service.config import Settings
-    from service.serving.errors import APIError
-    from service.serving.metrics import Metrics
+    from service.serving.core.errors import APIError
+    from service.serving.observe.metrics import Metrics
     from service.serving.state import AppState
     from tests.conftest import write_tiny_model
 

@@ -16,7 +16,7 @@ from fastapi.testclient import TestClient
 
 from service.config import Settings
 from service.modeling.backbone import ChunkTokenizer
-from service.serving.app import create_app
+from service.serving.api.app import create_app
 
 TEXTS = ["the first text", "a second, somewhat longer text. It has two sentences!", "Long one. " * 40]
 V2 = {"inputs": [{"name": "text", "datatype": "BYTES", "shape": [3], "data": TEXTS}], "parameters": {"explain": True}}

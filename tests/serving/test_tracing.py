@@ -20,7 +20,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 )
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
-from service.serving import tracing
+from service.serving.observe import tracing
 from tests.serving.server import running
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"

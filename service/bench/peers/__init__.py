@@ -23,14 +23,14 @@ class Model:
     """The model function every peer calls: texts in, one ``{"label", "scores"}`` per text out."""
 
     def __init__(self) -> None:
-        from service.serving.engine import Engine
+        from service.serving.engine.engine import Engine
 
         self.engine = Engine.load(Path(os.environ["PEER_MODEL"]), device=os.environ.get("PEER_DEVICE", "cpu"))
         log = os.environ.get("PEER_BATCH_LOG")
         self._log = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT) if log else None
 
     def __call__(self, texts: list[str]) -> list[dict[str, Any]]:
-        from service.serving.contract import Task
+        from service.serving.core.work import Task
 
         results = self.engine.run([Task(t) for t in texts])
         if self._log is not None:

@@ -1,0 +1,89 @@
+"""One JSON error shape for every 4xx/5xx of the HTTP API: ``{"error": {"code", "message", "details"?}}``, and under
+``/v2`` the Open Inference Protocol's own, ``{"error": "message"}`` (same status codes); the handlers that give every
+error (ours, the framework's, an unexpected one) that shape and count it."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from service.serving.core.errors import ERROR_CODES, REASONS, APIError
+
+log = logging.getLogger("service.errors")
+
+
+def is_v2(path: str) -> bool:
+    """Whether ``path`` belongs to the Open Inference Protocol v2 routes."""
+    return path == "/v2" or path.startswith("/v2/")
+
+
+def error_response(status: int, message: str, code: str | None = None, headers: dict[str, str] | None = None,
+                   details: list[dict[str, Any]] | None = None, path: str = "") -> JSONResponse:
+    """The error answer for a request to ``path``."""
+    if is_v2(path):
+        return JSONResponse({"error": message}, status_code=status, headers=headers)
+    body: dict[str, Any] = {"code": code or ERROR_CODES.get(status, "error"), "message": message}
+    if details is not None:
+        body["details"] = details
+    return JSONResponse({"error": body}, status_code=status, headers=headers)
+
+
+def _count(request: Request, reason: str | None) -> None:
+    metrics = getattr(request.app.state, "metrics", None)
+    if reason and metrics is not None:
+        metrics.failures.labels(reason).inc()
+
+
+def _field(loc: tuple[Any, ...]) -> str:
+    parts = [str(p) for p in loc if p != "body"]
+    return ".".join(parts) or "body"
+
+
+def install(app: FastAPI) -> None:
+    """Register the handlers that give every error the one JSON shape."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        _count(request, exc.reason)
+        if exc.reason == "internal":
+            log.error("%s %s: %s", request.method, request.url.path, exc.message)
+        return error_response(exc.status, exc.message, exc.code, exc.headers, exc.details, request.url.path)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        _count(request, "validation")
+        details = [{"field": _field(tuple(e.get("loc", ()))), "message": e.get("msg", ""), "type": e.get("type", "")}
+                   for e in exc.errors()]
+        message = "; ".join(f"{d['field']}: {d['message']}" for d in details) or "invalid request"
+        return error_response(422, message, details=details, path=request.url.path)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+        if exc.status_code == 400:  # an unparseable body (e.g. not UTF-8) is an invalid body like any other
+            _count(request, "validation")
+            return error_response(422, f"body: {message}", path=request.url.path)
+        _count(request, REASONS.get(exc.status_code))
+        if exc.status_code == 404 and message == "Not Found":
+            message = f"no route {request.method} {request.url.path}"
+        headers = exc.headers  # Starlette's HTTPException always has them (None when it sets none)
+        if exc.status_code == 405 and headers and "Allow" in headers:
+            message = not_allowed(request, headers["Allow"])
+        return error_response(exc.status_code, message, headers=headers, path=request.url.path)
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception) -> JSONResponse:
+        _count(request, "internal")
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return error_response(500, "internal error; the request id identifies it in the server log",
+                              path=request.url.path)
+
+
+def not_allowed(request: Request, allow: str) -> str:
+    """A 405's message: the request's method, its path and the methods the route takes (its Allow header)."""
+    return f"{request.method} is not allowed on {request.url.path}; use {allow}"

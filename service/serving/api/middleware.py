@@ -1,0 +1,157 @@
+"""Middleware: every request observed (request id, metrics, log line, 503 while draining), and request
+bodies guarded (the size limit and the read timeout).
+
+The whole body is read here, before the framework parses it, so that a body over the limit gets 413
+whether it declares its length or streams it in chunks (a limit raised while the framework parses
+would surface as a parse error), and a client that trickles its body gets 408 instead of holding a
+connection and a worker forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+import uuid
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from service.serving.api import errors
+from service.serving.core.errors import SHUTTING_DOWN, retry_after
+from service.serving.observe import tracing
+from service.serving.observe.metrics import Metrics
+from service.serving.state import AppState
+
+log = logging.getLogger("service.http")
+CLIENT_CLOSED = 499  # what a request whose client left before any response is recorded as
+_ID_PREFIX = uuid.uuid4().hex[:20]  # a request id: 80 random bits per process, then a 48-bit count (32 hex digits;
+_ID_COUNT = itertools.count()  # a uuid4 per request read the OS's random source, 27 us a request here)
+
+
+def new_request_id() -> str:
+    return f"{_ID_PREFIX}{next(_ID_COUNT) % (1 << 48):012x}"
+
+
+MAX_REQUEST_ID = 200  # characters of a client's X-Request-ID kept (echoed, and logged with the request's errors)
+_UNPRINTABLE = bytes(c for c in range(256) if not 0x21 <= c <= 0x7E)  # left out of a client's X-Request-ID
+
+
+def request_id_of(headers: list[tuple[bytes, bytes]]) -> str:
+    """The client's ``X-Request-ID`` (printable ASCII, at most ``MAX_REQUEST_ID`` characters; anything else
+    is left out), or a new one when it sends none that is usable."""
+    given = next((v for k, v in headers if k == b"x-request-id"), b"")
+    kept = given[:MAX_REQUEST_ID].translate(None, _UNPRINTABLE).decode("ascii")
+    return kept or new_request_id()
+
+
+class Observe:
+    """Every HTTP request: a request id (``X-Request-ID``, the client's or a new one), the in-flight count,
+    request metrics and one log line; new inference requests get 503 once the server drains.
+    Plain ASGI (no per-request task or stream, unlike ``BaseHTTPMiddleware``): it runs on every request."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        m = self.metrics
+        request_id = request_id_of(scope["headers"])
+        state: AppState = scope["app"].state.app_state
+        path, method = scope["path"], scope["method"]
+        status: int | None = None  # until the app starts a response
+        t0 = time.perf_counter()
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                message.setdefault("headers", [])
+                message["headers"] = [*message["headers"], (b"x-request-id", request_id.encode("ascii"))]
+            await send(message)
+
+        life = state.lifecycle
+        life.in_flight += 1
+        m.in_flight.inc()
+        traced = tracing.start_request(scope["headers"], method, path, request_id)  # None: tracing is off
+        try:
+            if life.draining and (path.startswith("/v1/") or errors.is_v2(path)):
+                # requests that arrived before the drain began finish; new ones are turned away
+                m.failures.labels("draining").inc()
+                response = errors.error_response(503, SHUTTING_DOWN, headers=retry_after("draining"),
+                                                 path=path)
+                await response(scope, receive, send_with_id)
+            else:
+                await self.app(scope, receive, send_with_id)
+        except Exception:
+            if status is None:  # the app failed before answering: the server's error handler answers 500
+                status = 500
+            raise
+        finally:
+            life.in_flight -= 1
+            m.in_flight.dec()
+            if status is None:  # no response was started: the client went away first (nginx's 499), no 500
+                status = CLIENT_CLOSED
+                m.failures.labels("disconnected").inc()
+            endpoint = getattr(scope.get("route"), "path", "unmatched")
+            tracing.end_request(traced, endpoint if endpoint != "unmatched" else None, status)
+            elapsed = time.perf_counter() - t0
+            m.requests.labels(endpoint, str(status)).inc()
+            m.request_duration.labels(endpoint).observe(elapsed)
+            if endpoint not in ("/metrics", "/healthz", "/readyz") or status >= 400:
+                log.info("%s %s %d %.1f ms", method, path, status, 1000 * elapsed,
+                         extra={"fields": {"request_id": request_id, "method": method, "path": path,
+                                           "status": status, "duration_ms": round(1000 * elapsed, 2)}})
+
+
+class BodyGuard:
+    """413 for bodies over ``max_bytes`` (declared or streamed), 408 for bodies not received within
+    ``timeout_s``; the app then gets the body as one message, and later ``receive`` calls (disconnect
+    detection) go to the client as before."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float) -> None:
+        self.app, self.max_bytes, self.timeout_s = app, max_bytes, timeout_s
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
+            return await self.app(scope, receive, send)
+        length = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"content-length"), None)
+        if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
+            return await self._reject(scope, receive, send, 413, f"body larger than {self.max_bytes} bytes")
+        chunks: list[bytes] = []
+        seen = 0
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                while True:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        return  # the client went away: nobody to answer
+                    seen += len(message.get("body", b""))
+                    if seen > self.max_bytes:
+                        return await self._reject(scope, receive, send, 413,
+                                                  f"body larger than {self.max_bytes} bytes")
+                    chunks.append(message.get("body", b""))
+                    if not message.get("more_body", False):
+                        break
+        except TimeoutError:
+            return await self._reject(scope, receive, send, 408, f"body not received within {self.timeout_s:g} s",
+                                      headers={"Connection": "close"})
+        body = b"".join(chunks)
+        delivered = False
+
+        async def replay() -> Message:
+            nonlocal delivered
+            if not delivered:
+                delivered = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _reject(self, scope: Scope, receive: Receive, send: Send, status: int, message: str,
+                      headers: dict[str, str] | None = None) -> None:
+        metrics: Metrics | None = getattr(scope["app"].state, "metrics", None) if "app" in scope else None
+        if metrics is not None:
+            metrics.failures.labels("validation").inc()
+        await errors.error_response(status, message, headers=headers, path=scope["path"])(scope, receive, send)

@@ -1,0 +1,85 @@
+"""KServe V1 protocol: ``POST /v1/models/{model}:predict`` and ``:explain``, translated into this
+service's own classify and explain requests (same batcher, limits, auth, metrics and answers)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Request
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat
+
+from service.serving.api.errors import not_allowed
+from service.serving.api.responses import JSONBody
+from service.serving.api.routes import inference
+from service.serving.api.routes.deps import State, require_json, require_key
+from service.serving.api.schemas import ClassifyRequest, CreditOptions, ExplainRequest, ExplainResult, Labels, NonBlank
+from service.serving.core.errors import APIError
+
+router = APIRouter(prefix="/v1", tags=["kserve v1"], dependencies=[Depends(require_key), Depends(require_json)],
+                   responses=inference.ERRORS)
+verbs = APIRouter(prefix="/v1", dependencies=[Depends(require_key)], include_in_schema=False)  # after ``router``
+VERBS = ("predict", "explain")
+
+
+class TextInstance(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    text: NonBlank
+
+
+Instance = Annotated[NonBlank | TextInstance, Field(description='A text, or {"text": "..."}')]
+
+
+class PredictRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    instances: list[Instance] = Field(min_length=1, examples=[["I love this!", {"text": "That was terrible."}]])
+    timeout_s: StrictFloat | None = Field(None, ge=0.1, le=3600, description="Deadline in seconds (capped)")
+
+    def texts(self) -> list[str]:
+        return [i if isinstance(i, str) else i.text for i in self.instances]
+
+
+class ExplainInstancesRequest(CreditOptions, PredictRequest):
+    target: Labels = Field(
+        None, description='Label(s) to explain: a label, a list of labels, or "all" (default: the predicted one)')
+
+
+class Prediction(BaseModel):
+    label: str
+    score: float
+    scores: dict[str, float]
+
+
+class PredictResponse(BaseModel):
+    predictions: list[Prediction]
+
+
+class ExplainInstancesResponse(BaseModel):
+    explanations: list[ExplainResult]
+
+
+@router.post("/models/{model}:predict", response_model=PredictResponse, summary="KServe V1 predict")
+async def predict(request: Request, state: State, model: str, body: PredictRequest) -> JSONBody:
+    """The same as `/v1/models/{model}/classify` (without credit), in KServe V1's envelope."""
+    (res,) = await inference.classify(request, state, [model], ClassifyRequest(inputs=body.texts(),
+                                                                              timeout_s=body.timeout_s))
+    return JSONBody({"predictions": [{"label": r["label"], "score": r["score"], "scores": r["scores"]}
+                                     for r in res["results"]]})
+
+
+@router.post("/models/{model}:explain", response_model=ExplainInstancesResponse, summary="KServe V1 explain")
+async def explain(request: Request, state: State, model: str, body: ExplainInstancesRequest) -> JSONBody:
+    """The same as `/v1/models/{model}/explain`, in KServe V1's envelope."""
+    req = ExplainRequest(inputs=body.texts(), timeout_s=body.timeout_s, target=body.target, method=body.method,
+                         contrast=body.contrast)
+    (res,) = await inference.explain(request, state, [model], req)
+    return JSONBody({"explanations": res["results"]})
+
+
+@verbs.api_route("/models/{model}:{verb}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
+async def other_verb(request: Request, model: str, verb: str) -> None:
+    """What no route above takes on a verb's path (no model name has a colon): another verb than KServe V1's is
+    404, and one of them with another method than POST 405 (else GET /v1/models/{model} would take the path for a
+    model's name, and POST on it would be told to use GET)."""
+    if verb in VERBS:
+        raise APIError(405, not_allowed(request, "POST"), headers={"Allow": "POST"})
+    raise APIError(404, f"no KServe V1 verb ':{verb}'; POST /v1/models/{model}:predict or /v1/models/{model}:explain")

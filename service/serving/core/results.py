@@ -1,0 +1,90 @@
+"""What the engine answers, as plain values (no torch, no HTTP): each text's :class:`Result` per head asked of it
+(label, probabilities and, when asked for, its :class:`Credit`), and where a response shows each token
+(:class:`TokenSpan`, built by the front from the encoding it holds: results carry numbers only)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from service.serving.core.work import ChunkWork, Method
+
+
+@dataclass(frozen=True)
+class TokenSpan:
+    """A token position as a response shows it: the token, its character span in the text ((0, 0) for
+    special tokens), whether it is special."""
+
+    token: str
+    start: int
+    end: int
+    special: bool
+
+
+@dataclass
+class LabelCredit:
+    """Credit of one target class.
+
+    Attributes:
+        label: the class's label.
+        tokens: per token position, summed over depth.
+        depth: ``[n_tokens][d_depth]`` per (position, depth); None unless ``detail="full"``.
+        logit, baseline: the explained read-out and its value at zero hidden states
+            (``sum(tokens) + baseline == logit``); None for routing shares.
+    """
+
+    label: str
+    tokens: list[float]
+    depth: list[list[float]] | None
+    logit: float | None
+    baseline: float | None
+
+
+@dataclass
+class Credit:
+    """One text's credit on one head: each target's numbers; ``matrix`` (``[n][d_depth][n_classes]``) and
+    ``phi`` (the three routings') when asked for."""
+
+    method: Method
+    contrast: bool
+    targets: list[LabelCredit]
+    matrix: list[list[list[float]]] | None = None
+    phi: list[Any] | None = None
+
+
+@dataclass
+class Result:
+    """One text's answer from one head; ``error`` (the scores were not finite, or the device could not compute it)
+    replaces everything else; ``unavailable``: the error is the device's state, not the text's (out of memory even
+    alone): the client may retry."""
+
+    label: str
+    scores: dict[str, float]
+    credit: Credit | None = None
+    error: str | None = None
+    unavailable: bool = False
+
+
+Answer = list[Result]
+"""A text's answers, one per :class:`Ask` of its job, in order."""
+
+
+class Answers(list):  # type: ignore[type-arg]  # list[Answer | None]
+    """A batch's answers, as a runner gives them (each text's at its last chunk's place, None elsewhere), with where
+    the engine's time on the batch went: ``phases``, seconds by phase (``encode``: the encoder's forward calls;
+    ``heads``: the heads' and their credit's, and on a GPU the wait for the device; ``host``: the engine's own work),
+    which the batch's trace reads. A plain list that pickles with its phases (a backbone's process sends it)."""
+
+    phases: dict[str, float]
+
+    def __init__(self, answers: Iterable[Answer | None] = (), phases: dict[str, float] | None = None) -> None:
+        super().__init__(answers)
+        self.phases = phases or {}
+
+
+def answers_of(chunks: Sequence[ChunkWork], answers: Sequence[Answer | None]) -> list[Answer]:
+    """Each text's answer (given at the place of the chunk whose batch completed it), in the order of the
+    texts' first chunks."""
+    by_text = {id(w.job): a for w, a in zip(chunks, answers, strict=True) if a is not None}
+    return [by_text[id(w.job)] for w in chunks if w.k == 0]

@@ -1,0 +1,123 @@
+"""The work a request hands the engine, as plain values (no torch, no HTTP): what to compute for a text.
+
+A text is tokenized once and asked of one or more heads on one backbone (:class:`Ask`, each with its
+:class:`CreditSpec`). The planner (:mod:`service.serving.engine.planner`) makes it a :class:`TextJob` and cuts
+it into :class:`ChunkWork`, one per chunk of the heads' ``max_length`` tokens, for the batcher; the batch that
+encodes the text's last chunk runs every head asked of it and answers with the plain numbers of
+:mod:`service.serving.core.results`.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, get_args
+
+from service.modeling.encoding import Encoding
+
+Method = Literal["contribution", "end_to_end", "shares"]
+"""``"contribution"``: the value path's exact split of a logit over (token, depth) hidden states; ``"end_to_end"``:
+its exact split over the input tokens, through the encoder; ``"shares"``: the paper's eq. 15 shares."""
+METHODS: tuple[Method, ...] = get_args(Method)
+SPLITS: tuple[Method, ...] = ("contribution", "end_to_end")
+"""The methods that split a logit exactly: a logit and a baseline come with their credit."""
+Detail = Literal["tokens", "full"]
+"""``"tokens"``: credit per token of the targets; ``"full"``: also per (token, depth), for the explain views."""
+
+
+@dataclass(frozen=True)
+class CreditSpec:
+    """What credit to compute for a text on one head, travelling from the request to the head and back.
+
+    Attributes:
+        method: see :data:`Method`.
+        contrast: explain ``logit_k - mean(logits)`` instead of ``logit_k`` (the splits only: for
+            shares it is always False).
+        targets: class indices to explain; None: the predicted class.
+        detail: see :data:`Detail`.
+        matrix: also every class's ``[n, d_depth]`` credit (the full matrix).
+        phi: also the three routings' ``phi``.
+    """
+
+    method: Method = "contribution"
+    contrast: bool = True
+    targets: tuple[int, ...] | None = None
+    detail: Detail = "tokens"
+    matrix: bool = False
+    phi: bool = False
+
+    def __post_init__(self) -> None:
+        if self.method == "shares" and self.contrast:  # the one place the contrast rule lives
+            object.__setattr__(self, "contrast", False)
+
+
+@dataclass(frozen=True)
+class Ask:
+    """One head asked of a text: the head's key (see :func:`~service.serving.core.keys.head_key`; None: the
+    engine's only or first head) and its credit (None: scores only)."""
+
+    model: str | None = None
+    credit: CreditSpec | None = None
+
+
+@dataclass(frozen=True)
+class Task:
+    """One text asked of one head: what :meth:`~service.serving.engine.engine.Engine.run` takes. ``encoding``: the
+    text tokenized once for that head's chunk length (the planner tokenizes it only when it is absent)."""
+
+    text: str
+    encoding: Encoding | None = None
+    model: str | None = None
+    credit: CreditSpec | None = None
+
+
+_JOB_KEYS = itertools.count()
+
+
+@dataclass(eq=False)
+class TextJob:
+    """A text on its way through the backbone: its encoding, the heads asked of it, and each chunk's hidden
+    states as the batches compute them. ``key`` names it across processes (a model process keeps the
+    states of texts it has not finished)."""
+
+    encoding: Encoding
+    asks: tuple[Ask, ...]
+    states: list[Any]
+    left: int
+    key: int = field(default_factory=lambda: next(_JOB_KEYS))
+    failed: str | None = None
+    """Why a chunk of the text could not be computed (the device ran out of memory for it alone): the text is
+    answered with this error, unavailable, once its last chunk comes."""
+
+    @classmethod
+    def of(cls, encoding: Encoding, asks: Sequence[Ask]) -> TextJob:
+        if not asks:
+            raise ValueError("a text needs at least one head to ask")
+        return cls(encoding, tuple(asks), [None] * len(encoding.chunks), len(encoding.chunks))
+
+    def chunks(self) -> list[ChunkWork]:
+        """The batcher's units of work for this text, one per chunk."""
+        return [ChunkWork(self, k, ids) for k, ids in enumerate(self.encoding.chunks)]
+
+
+@dataclass(frozen=True, eq=False)
+class ChunkWork:
+    """The batcher's unit: chunk ``k`` of a text. Its cost is its token count; the text is its group."""
+
+    job: TextJob
+    k: int
+    ids: tuple[int, ...] = field(repr=False)
+
+    @property
+    def cost(self) -> int:
+        return len(self.ids)
+
+
+@dataclass(frozen=True)
+class RunBatch:
+    """A batch of chunks to compute, as the server sends it to a backbone's own process; first forget the texts in
+    ``forget`` (given up by the server)."""
+
+    works: list[ChunkWork]
+    forget: list[int]

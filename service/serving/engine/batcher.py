@@ -1,0 +1,419 @@
+"""A dynamic batcher: asyncio only, no torch and no HTTP.
+
+Callers ``submit`` a request's items (each with a cost, e.g. its token count, and a group, e.g. the
+text it is a part of) and await their results. One worker task forms batches under
+``max_batch_size`` items and ``max_batch_tokens`` of cost in all (items of similar cost together),
+and runs each batch through a synchronous ``run_batch`` callable in a worker thread, so the event
+loop keeps answering (health checks, metrics) while the model computes.
+
+A free runner lets its next batch fill while items keep arriving, at most ``max_wait_s`` apart,
+counted from the first to arrive after it became free: the answers of the batch it just computed are
+on their way to their clients, whose next requests follow (a batch that went as soon as the runner was
+free would hold only what arrived while the last one computed: in a closed loop of c clients, about
+c/2). The fill is capped at a tenth of the last batch's compute time (or ``max_wait_s``), and a batch
+goes at once when it is full, or as large as the largest of the last few batches with an item that
+arrived after the runner became free: one request at a time is never held back, nor are clients that
+all came back. Where items do not follow answers (over the last few batches, requests came no faster
+in the cap after a batch's end than while it computed: independent arrivals), the wait counts from the
+oldest item's arrival instead, and what queued while the model computed goes as soon as it is free.
+
+Several runners (e.g. replicas of a model, each in a process of its own) may be given instead of one
+``run_batch``: each computes one batch at a time, and a batch goes to whichever is free. A group whose
+items span several batches stays on the runner that took its first ones (a runner may keep state per
+group, such as a long text's encoded chunks).
+
+Groups share the worker fairly: each batch is built around the oldest item of the group that has
+waited longest since its last batch finished, so a group of many items (a long text's chunks) is
+spread over several batches and a group that arrives meanwhile goes in the next one. ``run_batch``
+may answer an item with None when it is part of a group answered through another of its items;
+the observer gets each batch's payloads, results (None for a failed batch) and cost in all, and reads what it
+counts from them.
+
+Every accepted item gets exactly one answer: its result, the batch's exception, or
+:class:`DeadlineExceeded`. Items whose caller went away (cancelled future) or whose deadline
+passed while queued are dropped before compute, and reported through ``on_drop``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable, Hashable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+from service.serving.observe.observer import BatchObserver, NullObserver
+
+P = TypeVar("P")
+R = TypeVar("R")
+log = logging.getLogger(__name__)
+SIMILAR = 4  # an item joins a batch only if it costs at most this many times the batch's anchor
+FILL_SHARE = 0.1  # a free runner waits at most this share of its last batch's compute time for a batch to fill
+RECENT = 4  # batches whose sizes tell how many items a batch may expect
+BURST = 4  # requests follow answers when they come this many times faster after a batch's end than during it
+
+
+class Overloaded(Exception):
+    """The queue cannot take the request now; retry later."""
+
+
+class Draining(Exception):
+    """The batcher is shutting down and accepts nothing new."""
+
+
+class DeadlineExceeded(Exception):
+    """The request's deadline passed before its result was ready."""
+
+
+@dataclass(eq=False)
+class _Item(Generic[P]):
+    payload: P
+    cost: int
+    deadline: float
+    future: asyncio.Future[Any]
+    group: Hashable
+    enqueued: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class _Pace:
+    """Requests that arrived while one batch computed, and in the fill's cap after it ended."""
+
+    during: int
+    during_s: float
+    after_s: float
+    after: int = 0
+
+
+@dataclass(frozen=True)
+class BatchLimits:
+    """Items per batch, their cost in all per batch, wait for a batch to fill, and groups queued (no defaults
+    here: the service's come from its settings)."""
+
+    max_batch_size: int
+    max_batch_tokens: int
+    max_wait_s: float
+    max_queue: int
+
+
+class Batcher(Generic[P, R]):
+    """Dynamic batching in front of ``run_batch(payloads) -> results`` (same length, same order)."""
+
+    def __init__(self, run_batch: Callable[[list[P]], list[R]] | Sequence[Callable[[list[P]], list[R]]],
+                 limits: BatchLimits, observer: BatchObserver[P, R] | None = None, name: str = "batcher") -> None:
+        self.runners: list[Callable[[list[P]], list[R]]] = (
+            [run_batch] if callable(run_batch) else list(run_batch))
+        if not self.runners:
+            raise ValueError("a batcher needs at least one runner")
+        self.limits, self.name = limits, name
+        self.observer: BatchObserver[P, R] = observer or NullObserver()
+        self._pending: list[_Item[P]] = []
+        self._queued: Counter[Hashable] = Counter()  # group -> items in _pending (kept with every change)
+        self._wakeup = asyncio.Event()
+        self._executor = ThreadPoolExecutor(max_workers=len(self.runners), thread_name_prefix=f"batch-{name}")
+        self._worker: asyncio.Task[None] | None = None
+        self._batches: set[asyncio.Task[None]] = set()  # batches computing, one per busy runner
+        self._accepting = True
+        self._flush = False  # run batches without waiting for them to fill (shutting down)
+        self._computing: dict[int, list[_Item[P]]] = {}  # busy runner -> its items, not yet answered
+        self._pinned: dict[Hashable, int] = {}  # group with items queued -> the runner that took its first ones
+        self._served: dict[Hashable, float] = {}  # group -> when its last batch finished (groups still queued)
+        self._freed = 0.0  # when a runner last became free (monotonic)
+        self._arrived = 0.0  # when the last item was queued
+        self._last_seconds = 0.0  # compute time of the last batch
+        self._recent: collections.deque[int] = collections.deque(maxlen=RECENT)
+        self._requests = 0  # requests submitted so far
+        self._paces: collections.deque[_Pace] = collections.deque(maxlen=2 * RECENT)  # see _answer_driven
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._pending)
+
+    @property
+    def idle(self) -> bool:
+        return not self._pending and not self._computing
+
+    @property
+    def queued_groups(self) -> int:
+        """Groups with items waiting (what ``max_queue`` limits: a text, however many chunks it has)."""
+        return len(self._queued)
+
+    def check_room(self, n: int) -> None:
+        """Raise what :meth:`submit` would for ``n`` new groups (call it before any work on them).
+
+        Raises:
+            Draining: the batcher is stopping.
+            Overloaded: the queue has no room for ``n`` more groups.
+        """
+        if not self._accepting:
+            raise Draining(f"{self.name} is draining")
+        queued = self.queued_groups
+        if queued + n > self.limits.max_queue:
+            raise Overloaded(f"{self.name}: {queued} texts queued, limit {self.limits.max_queue}")
+
+    def start(self) -> None:
+        if self._worker is None:
+            self._worker = asyncio.get_running_loop().create_task(self._loop(), name=f"batcher-{self.name}")
+
+    async def submit(self, payloads: Sequence[P], costs: Sequence[int], deadline: float,
+                     groups: Sequence[Hashable] | None = None) -> list[R]:
+        """Queue one request's items and wait for all their results (``deadline`` is monotonic time).
+        ``groups[k]``: the group of item k (default: each item its own group).
+
+        Raises:
+            Overloaded: the queue has no room for all items (nothing is queued then).
+            Draining: the batcher is stopping.
+            DeadlineExceeded: the deadline passed first.
+        """
+        keys: Sequence[Hashable] = groups if groups is not None else [object() for _ in payloads]
+        self.check_room(len(set(keys)))
+        loop = asyncio.get_running_loop()
+        items = [_Item(p, max(1, int(c)), deadline, loop.create_future(), g)
+                 for p, c, g in zip(payloads, costs, keys, strict=True)]
+        self._pending.extend(items)
+        now = time.monotonic()
+        self._requests += 1
+        if self._paces and self._freed < now <= self._freed + self._paces[-1].after_s:
+            self._paces[-1].after += 1
+        self._arrived = now
+        self._queued.update(it.group for it in items)
+        self.observer.on_queue_depth(len(self._pending))
+        self._wakeup.set()
+        futures = [it.future for it in items]
+        try:
+            timeout = max(0.0, deadline - time.monotonic())
+            done, pending = await asyncio.wait(futures, timeout=timeout, return_when=asyncio.FIRST_EXCEPTION)
+            failed = next((f for f in done if f.exception() is not None), None)
+            if failed is not None:
+                raise failed.exception()  # type: ignore[misc]
+            if pending:
+                for f in pending:
+                    _fail(f, DeadlineExceeded("deadline passed before this text was computed"))
+                raise DeadlineExceeded(f"deadline passed after {timeout:.3f} s")
+            return [f.result() for f in futures]
+        finally:  # on any early exit (cancellation: the caller went away) release the rest
+            for f in futures:
+                if not f.done():
+                    f.cancel()
+
+    async def stop(self, drain_timeout: float) -> None:
+        """Stop accepting, answer what is queued (up to ``drain_timeout``), then stop the worker."""
+        self._accepting = False
+        self.flush()
+        end = time.monotonic() + drain_timeout
+        while not self.idle and time.monotonic() < end:
+            await asyncio.sleep(0.01)
+        self.abort("stopped before this text was computed")  # what is left, queued or computing
+        for task in [*([self._worker] if self._worker is not None else []), *self._batches]:
+            task.cancel()  # a batch's thread computes on, unanswered: its items were answered above
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def abort(self, reason: str) -> int:
+        """Stop accepting and answer every queued or computing item with :class:`Draining` now (a batch
+        already computing finishes in its thread, unanswered). Returns how many items were answered."""
+        self._accepting = False
+        answered = 0
+        for it in [*self._pending, *(it for batch in self._computing.values() for it in batch)]:
+            if not it.future.done():
+                _fail(it.future, Draining(f"{self.name}: {reason}"))
+                answered += 1
+        self._set_pending([])
+        self.observer.on_queue_depth(0)
+        return answered
+
+    def flush(self) -> None:
+        """Stop waiting for batches to fill: the server is draining and few new texts will come."""
+        self._flush = True
+        self._wakeup.set()
+
+    def _drop_stale(self) -> None:
+        """Drop items nobody waits for any more, and answer those past their deadline."""
+        now = time.monotonic()
+        keep: list[_Item[P]] = []
+        gone: list[P] = []
+        late: list[P] = []
+        for it in self._pending:
+            if it.future.cancelled():  # the caller went away
+                gone.append(it.payload)
+            elif it.future.done():  # already answered: its caller's deadline passed
+                late.append(it.payload)
+            elif it.deadline <= now:
+                _fail(it.future, DeadlineExceeded("deadline passed while queued"))
+                late.append(it.payload)
+            else:
+                keep.append(it)
+        if gone:
+            self.observer.on_drop("disconnected", gone)
+        if late:
+            self.observer.on_drop("deadline", late)
+        if gone or late:
+            self._set_pending(keep)
+            self.observer.on_queue_depth(len(keep))
+
+    def _take_batch(self, free: list[int]) -> tuple[int, list[_Item[P]]]:
+        """A batch for one of the ``free`` runners: the anchor (the oldest item of the group that has
+        waited longest since its last batch finished, among the items those runners may take) plus the
+        queued items closest to it in cost and at most ``SIMILAR`` times its cost, within both limits:
+        a short text's batch never waits for a long text's chunks. Empty when every queued item's group
+        stays on a busy runner."""
+        lim = self.limits
+        eligible = [it for it in self._pending if self._pinned.get(it.group, free[0]) in free]
+        if not eligible:
+            return free[0], []
+        first = min(eligible, key=lambda it: (self._served.get(it.group, it.enqueued), it.enqueued))
+        runner = self._pinned.get(first.group, free[0])
+        rest = sorted((it for it in eligible if it is not first and self._pinned.get(it.group, runner) == runner),
+                      key=lambda it: abs(it.cost - first.cost))
+        batch, total = [first], first.cost
+        for it in rest:
+            if len(batch) >= lim.max_batch_size:
+                break
+            if it.cost > SIMILAR * first.cost:  # much costlier than the anchor: would slow its batch down
+                continue
+            if total + it.cost > lim.max_batch_tokens:
+                continue
+            batch.append(it)
+            total += it.cost
+        chosen = set(map(id, batch))
+        self._set_pending([it for it in self._pending if id(it) not in chosen])
+        if len(self.runners) > 1:  # what is left of a group follows its first items
+            self._pinned.update((it.group, runner) for it in batch if it.group in self._queued)
+        return runner, batch
+
+    def _set_pending(self, items: list[_Item[P]]) -> None:
+        self._pending = items
+        self._queued = Counter(it.group for it in items)
+        self._pinned = {g: r for g, r in self._pinned.items() if g in self._queued}
+
+    def _fill_cap(self) -> float:
+        """The longest a free runner waits for a batch to fill: a tenth of its last batch's compute time, or
+        ``max_wait_s`` if longer."""
+        return max(self.limits.max_wait_s, FILL_SHARE * self._last_seconds)
+
+    def _answer_driven(self) -> bool:
+        """Whether new requests follow answers: over the last few batches, requests arrived at least ``BURST``
+        times faster within :meth:`_fill_cap` of a batch's end than while it computed (one more counted during,
+        so that a few stray arrivals decide nothing). Clients that send their next request when answered do (a
+        closed loop: they wait while the batch computes); independent arrivals come at the same rate either way,
+        and a batch that waited for them would only idle the model and add to their latency."""
+        after = sum(p.after for p in self._paces)
+        after_s = sum(p.after_s for p in self._paces)
+        during = sum(p.during for p in self._paces)
+        during_s = sum(p.during_s for p in self._paces)
+        return after * during_s >= BURST * (during + 1) * after_s
+
+    def _ready(self) -> bool:
+        """Whether the batch may go before its wait is over: it holds as many items as the largest of the last
+        few batches (what traffic has been bringing per batch), and one has arrived since a runner became free
+        (when the previous batch's answers went out, their clients' next requests are on their way)."""
+        return bool(self._recent) and len(self._pending) >= max(self._recent) and self._arrived > self._freed
+
+    def _fill_until(self) -> float:
+        """When the batch goes if it neither fills nor is :meth:`_ready`. Where items follow answers
+        (:meth:`_answer_driven`): once no item has arrived for ``max_wait_s`` since the last arrival after a
+        runner became free, and at most :meth:`_fill_cap` after the later of that and the oldest item's
+        arrival. Items queued while the last batch computed wait for the first of its returning clients (whose
+        answers are still being written), up to the cap: counted from the runner becoming free, the wait
+        would send them on their own before any came back. Otherwise ``max_wait_s`` after the oldest item's
+        arrival."""
+        w = self.limits.max_wait_s
+        if not self._answer_driven():
+            return self._pending[0].enqueued + w
+        start = max(self._pending[0].enqueued, self._freed)
+        if self._arrived <= self._freed:  # nothing new since the runner became free
+            return start + self._fill_cap()
+        return min(self._arrived + w, start + self._fill_cap())
+
+    def _free_runners(self) -> list[int]:
+        return [r for r in range(len(self.runners)) if r not in self._computing]
+
+    def _full(self) -> bool:
+        lim = self.limits
+        if len(self._pending) >= lim.max_batch_size:
+            return True
+        return sum(it.cost for it in self._pending) >= lim.max_batch_tokens
+
+    async def _loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                if not self._pending or not self._free_runners():  # wait for work and a free runner
+                    self._wakeup.clear()
+                    await self._wakeup.wait()
+                    continue
+                # let the batch fill until it is full, ready or its wait is over (see _ready, _fill_until; when
+                # flushing for shutdown, little more will come: run at once)
+                while self._pending and not self._flush and not self._full() and not self._ready():
+                    remaining = self._fill_until() - time.monotonic()
+                    if remaining <= 0:
+                        break
+                    self._wakeup.clear()
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(remaining):
+                            await self._wakeup.wait()
+                self._drop_stale()
+                if not self._pending:
+                    continue
+                runner, batch = self._take_batch(self._free_runners())
+                if not batch:  # what is queued follows groups computing on busy runners
+                    self._wakeup.clear()
+                    await self._wakeup.wait()
+                    continue
+                self.observer.on_queue_depth(len(self._pending))
+                log.debug("fill %s: %d items, %.1f ms after the runner was free", self.name, len(batch),
+                          1000 * (time.monotonic() - self._freed))
+                self._computing[runner] = batch
+                task = loop.create_task(self._run(loop, runner, batch), name=f"batch-{self.name}-{runner}")
+                self._batches.add(task)
+                task.add_done_callback(self._batches.discard)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # the loop must survive anything; items were answered in _run
+                log.exception("batcher %s: unexpected error in the batching loop", self.name)
+
+    async def _run(self, loop: asyncio.AbstractEventLoop, runner: int, batch: list[_Item[P]]) -> None:
+        """Compute ``batch`` on ``runner`` (marked busy by the caller) and answer its items."""
+        started, requests = time.monotonic(), self._requests
+        ok, results = False, []  # type: ignore[var-annotated]
+        try:
+            results = await loop.run_in_executor(self._executor, self.runners[runner], [it.payload for it in batch])
+            if len(results) != len(batch):
+                raise RuntimeError(f"run_batch returned {len(results)} results for {len(batch)} inputs")
+        except Exception as e:  # a failing batch fails only its own items
+            for it in batch:
+                if not it.future.done():
+                    _fail(it.future, e)
+        else:
+            ok = True
+            for it, r in zip(batch, results, strict=True):
+                if not it.future.done():
+                    it.future.set_result(r)
+        finally:
+            del self._computing[runner]
+            self._freed = time.monotonic()
+            self._last_seconds = self._freed - started
+            self._recent.append(len(batch))
+            self._paces.append(_Pace(self._requests - requests, self._last_seconds, self._fill_cap()))
+            self._wakeup.set()  # the runner is free
+        finished = time.monotonic()
+        queued = self._queued
+        self._served = {g: t for g, t in self._served.items() if g in queued}
+        self._served.update((it.group, finished) for it in batch if it.group in queued)
+        cost = sum(it.cost for it in batch)
+        log.debug("batch %s: %d items, %d groups, cost %d, %.4f s", self.name, len(batch),
+                  len({it.group for it in batch}), cost, finished - started)
+        self.observer.on_batch([it.payload for it in batch], results if ok else None, cost,
+                               [started - it.enqueued for it in batch], finished - started, runner)
+
+
+def _fail(future: asyncio.Future[Any], exc: BaseException) -> None:
+    """Answer ``future`` with ``exc`` and mark it retrieved (no 'never retrieved' warnings)."""
+    future.set_exception(exc)
+    future.exception()

@@ -1,0 +1,519 @@
+"""The engine: one frozen backbone and the heads of every model on it. It runs batches of chunks through
+the encoder once, each head on the texts that asked for it, and turns the tensors into plain results.
+It knows torch and the models, nothing about HTTP.
+
+A text is planned as one :class:`~service.serving.core.work.ChunkWork` per chunk; batches of chunks (from
+any texts, for any heads) run through the encoder, and as soon as a text's last chunk has been encoded,
+every head asked of it runs on it, in the same batch, together with the other texts completed there
+that asked for the same head. The backbone is frozen, so a head's answer does not depend on which other
+heads, or texts, share the batch."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.profiler import record_function
+
+from service.allocator import keep_freed_memory
+from service.modeling.backbone import Backbone, BackboneError, Encoded
+from service.modeling.classifier import Classified, RoutingClassifier, classify
+from service.modeling.device import resolve_device, resolve_dtype
+from service.modeling.encoder import to_device
+from service.modeling.grouping import lay_out, length_groups
+from service.modeling.head import RoutingHead, StackSpace, head_shape, stack_heads
+from service.modeling.repository import MANIFEST, Manifest, ModelLoadError, load_model, read_manifest
+from service.serving.core.keys import backbone_key
+from service.serving.core.results import Answer, Answers, Result, answers_of
+from service.serving.core.work import METHODS, ChunkWork, CreditSpec, Task, TextJob
+from service.serving.engine.compute import Compute
+from service.serving.engine.gather import Stream, block, gather, locate, stream
+from service.serving.engine.readout import HeadCall, credit_request, read_results
+
+
+def _phase(name: str) -> contextlib.AbstractContextManager[object]:
+    """A range named ``name`` in a torch profile (``routing-service bench engine`` reads them), and nothing while
+    no profiler runs (a range costs about 16 us on a 2-core CPU even then)."""
+    return record_function(name) if torch._C._autograd._profiler_enabled() else contextlib.nullcontext()
+
+
+log = logging.getLogger("service.engine")
+
+
+def _packed_agrees(head: RoutingHead, device: torch.device) -> bool:
+    """Whether ``head`` runs packed on ``device`` (the grouped product it needs runs for its dtype and shapes) and
+    gives each of two small random texts the scores it gives the text alone. On a GPU only in bfloat16: torch's
+    grouped kernels are written for it (other dtypes fall back to a product per text, reading the offsets back)."""
+    dtype = next(head.parameters()).dtype
+    if device.type == "cuda" and dtype != torch.bfloat16:
+        return False
+    lengths = [3, 5]
+    hidden = torch.randn(sum(lengths), head.d_depth, head.d_emb, generator=torch.Generator().manual_seed(0))
+    hidden = hidden.to(device=device, dtype=dtype)  # [T e d]
+    with torch.inference_mode():
+        try:
+            packed = head.scores_packed(hidden, torch.tensor(lengths, device=device)).float()  # [b k]
+        except (RuntimeError, TypeError, ValueError) as e:  # no grouped product here, or not for these operands
+            log.debug("packed head: %s", e)
+            return False
+        alone = torch.cat([head(h[None]).scores.float() for h in hidden.split(lengths)])  # [b k]
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    return bool(torch.allclose(packed, alone, rtol=tol, atol=tol))
+
+
+def device_memory() -> list[dict[str, float | str]]:
+    """Allocated, reserved, peak and total memory of every CUDA device (empty on CPU)."""
+    if not torch.cuda.is_available():
+        return []
+    out = []
+    for k in range(torch.cuda.device_count()):
+        out.append({"device": f"cuda:{k}", "allocated": torch.cuda.memory_allocated(k),
+                    "reserved": torch.cuda.memory_reserved(k), "peak": torch.cuda.max_memory_allocated(k),
+                    "total": torch.cuda.get_device_properties(k).total_memory})
+    return out
+
+
+@dataclass(frozen=True)
+class PlannedCall:
+    """One head call of a batch as planned: its texts' (position, ask) places, the texts' positions, and whether
+    they go packed (back to back, see :meth:`RoutingHead.scores_packed`) or padded to their longest."""
+
+    chosen: list[tuple[int, int]]
+    key: tuple[int, ...]
+    packed: bool
+
+
+@dataclass
+class Submitted:
+    """A batch whose kernels are launched (see :meth:`Engine.submit`): ``size`` chunks, the texts completed in it by
+    position, the head calls, every call's probabilities flat on the host (in pinned memory on a GPU, filled once
+    ``ready``: None where they are there already)."""
+
+    size: int
+    done: dict[int, TextJob]
+    calls: list[HeadCall]
+    probs: torch.Tensor | None
+    ready: Any
+
+
+@dataclass
+class EngineClock:
+    """Where the batches' time went, since the engine started (``routing-service bench gpu`` reads it): ``wall_s`` in
+    :meth:`Engine.run_chunks` in all, ``forward_s`` of it in the encoder's and heads' forward calls and waiting for
+    the device's answer (on a GPU: launching kernels, then the copy back). The rest is the host's own work: packing
+    the batch, gathering each text's states, reading the results."""
+
+    batches: int = 0
+    wall_s: float = 0.0
+    forward_s: float = 0.0
+
+    @property
+    def host_s(self) -> float:
+        return self.wall_s - self.forward_s
+
+
+class NonFiniteScores(RuntimeError):
+    """The model produced NaN or Inf scores: a fault of the model, never an answer."""
+
+
+def load_backbone(folders: Sequence[Path], device: torch.device, dtype: torch.dtype, keys: Sequence[str] | None = None
+                  ) -> tuple[list[Manifest], dict[str, RoutingClassifier]]:
+    """Read every model folder, load their shared backbone once and each head onto it (``keys``: each head's key,
+    by default its model's name).
+
+    Raises:
+        ModelLoadError: a folder is damaged, its backbone cannot load, or the folders name different backbones.
+    """
+    manifests = [read_manifest(Path(f)) for f in folders]
+    first = manifests[0]
+    for f, m in zip(folders, manifests, strict=True):
+        if backbone_key(m) != backbone_key(first):
+            raise ModelLoadError(Path(f) / MANIFEST, f"backbone {backbone_key(m)} differs from {first.name}'s "
+                                 f"{backbone_key(first)}; load it on a backbone of its own")
+    try:  # chunks as long as the backbone allows: each head cuts texts at its own max_length
+        backbone = Backbone(first.backbone.source, max_length=None, device=device, dtype=dtype)
+    except BackboneError as e:
+        raise ModelLoadError(Path(folders[0]) / MANIFEST, f"unknown or unloadable backbone: {e}") from e
+    return manifests, load_heads(folders, keys or [m.name for m in manifests], backbone)
+
+
+def load_heads(folders: Sequence[Path], keys: Sequence[str], backbone: Backbone) -> dict[str, RoutingClassifier]:
+    """The heads of ``folders`` on ``backbone``, by key (each folder validated; see ``load_model``)."""
+    return {k: load_model(Path(f), device=backbone.device, dtype=backbone.dtype, backbone=backbone)[1]
+            for f, k in zip(folders, keys, strict=True)}
+
+
+class Engine(Compute):
+    """A backbone and its heads, loaded and ready to serve batches, in this process."""
+
+    def __init__(self, manifests: Sequence[Manifest], classifiers: dict[str, RoutingClassifier],
+                 device: torch.device, dtype: torch.dtype, load_seconds: float) -> None:
+        backbone = next(iter(classifiers.values())).backbone
+        super().__init__(manifests, backbone.chunker, list(classifiers))
+        self.backbone, self.classifiers, self.device, self.dtype = backbone, classifiers, device, dtype
+        self.load_seconds = load_seconds
+        self.head_seconds = dict.fromkeys(classifiers, load_seconds)  # head key -> time to load (and warm up) it
+        self.gather_heads = False
+        """Texts of different heads (of one shape) in one head call on their heads' stacked parameters, instead of
+        one call per head. Slower on this CPU at every mix (32 texts of 32 heads: 62 ms against 59 ms; of 4 heads:
+        60 against 40); ``routing-service bench heads`` measures both."""
+        self._stack_space = StackSpace()
+        self.packed_heads = True
+        """Texts that ask for no credit run their head packed, back to back, in one call per head (the first routing's
+        contractions over each text's inputs as grouped matrix products), where that product runs on this device
+        and dtype (:meth:`_packs`); otherwise, and for credit (which reads padded tensors), in padded length groups.
+        """
+        self._packable: dict[tuple[int, ...], bool] = {}  # head shape -> whether the packed head runs and agrees
+        self.clock = EngineClock()
+        self.head_batch_positions = backbone.chunk_batch_tokens * (1 if device.type == "cpu" else 4)
+        """Padded positions (texts x their longest) per head call. On a GPU larger than the encoder's budget: a
+        head call costs about a hundred kernel launches, a padded position little."""
+        self.head_call_overhead = 2 * backbone.call_overhead if device.type == "cpu" else 8192
+        """What one more head call costs, in padded positions, when texts are cut into length groups. On the CPU
+        2.4 ms a call against 0.018 ms a padded position (128). On a GPU the host launching the calls' kernels is
+        the limit: 8,192 cut batches of 456 tweets into fewer calls than 2,048 did, 371 kernels a batch against
+        495, and 13.3 against 10.2 thousand tweets/s at 4,096-token batches, 15.8 against 15.7 at 16,384 (an H200,
+        bench gpu --variant, bench-results/gpu-h200-2.json)."""
+
+    @classmethod
+    def load(cls, folders: Path | Sequence[Path], device: str = "auto", dtype: str = "auto",
+             warmup: bool = True, keys: Sequence[str] | None = None) -> Engine:
+        """Load the models of ``folders`` (one folder, or several naming the same backbone) on one backbone,
+        each head under its key in ``keys`` (by default its model's name)."""
+        t0 = time.perf_counter()
+        folders = [folders] if isinstance(folders, Path | str) else list(folders)
+        dev = resolve_device(device)
+        dt = resolve_dtype(dtype, dev)
+        if dev.type == "cpu":  # batches reuse the pages the one before freed (on a GPU: the caching allocator's)
+            keep_freed_memory()
+        manifests, classifiers = load_backbone(folders, dev, dt, keys)
+        engine = cls(manifests, classifiers, dev, dt, 0.0)
+        if warmup:
+            engine._warm_up(engine.models)
+        engine.load_seconds = time.perf_counter() - t0
+        engine.head_seconds = dict.fromkeys(engine.models, engine.load_seconds)
+        return engine
+
+    def _warm_up(self, keys: Sequence[str]) -> None:
+        """One batch on each head of ``keys``: without credit (the packed head, tried there once per shape), and with
+        both kinds of credit.
+
+        Raises:
+            NonFiniteScores: a head's scores were not finite.
+        """
+        full, shares = CreditSpec(detail="full"), CreditSpec(method="shares", detail="full")
+        tasks = [Task(text, model=k, credit=c) for k in keys
+                 for text, c in (("warm up the model", None), ("and its credit", full),
+                                 ("and its routing shares", shares))]
+        failed = [r.error for r in self.run(tasks) if r.error]
+        if failed:
+            raise NonFiniteScores(f"a model on backbone {self.name} failed its warm-up: {failed[0]}")
+
+    def add_heads(self, folders: Sequence[Path], keys: Sequence[str], warmup: bool = True) -> None:
+        t0 = time.perf_counter()
+        manifests = {k: read_manifest(Path(f)) for f, k in zip(folders, keys, strict=True)}
+        for f, m in zip(folders, manifests.values(), strict=True):
+            if backbone_key(m) != self.key:
+                raise ModelLoadError(Path(f) / MANIFEST, f"backbone {backbone_key(m)} differs from this backbone's "
+                                     f"{self.key}; it loads on a backbone of its own")
+        self.classifiers = {**self.classifiers, **load_heads(folders, keys, self.backbone)}
+        self.add(manifests)
+        if warmup:
+            try:
+                self._warm_up(keys)
+            except Exception:
+                self.remove_heads(keys)
+                raise
+        self.head_seconds.update(dict.fromkeys(keys, time.perf_counter() - t0))
+
+    def remove_heads(self, keys: Sequence[str]) -> None:
+        self.remove(keys)
+        self.classifiers = {k: c for k, c in self.classifiers.items() if k not in keys}
+        self.head_seconds = {k: t for k, t in self.head_seconds.items() if k not in keys}
+
+    def describe(self, model: str) -> dict[str, Any]:
+        m, clf = self.manifests[model], self.classifiers[model]
+        return {
+            "name": m.name, "task": m.task, "description": m.description,
+            "labels": m.labels, "backbone": m.backbone.model_dump(),
+            "head": m.head.model_dump(), "max_length": self.max_length(model),
+            "parameters": {"head": sum(p.numel() for p in clf.head.parameters()),
+                           "backbone": sum(p.numel() for p in self.backbone.parameters())},
+            "device": str(self.device), "dtype": str(self.dtype).removeprefix("torch."),
+            "evaluation": m.evaluation, "load_seconds": round(self.head_seconds.get(model, self.load_seconds), 3),
+            "credit_methods": self.credit_methods(model),
+        }
+
+    def credit_methods(self, model: str) -> list[str]:
+        """Every method, but end to end only on an encoder whose layers it knows (:attr:`Backbone.stream`)."""
+        return [m for m in METHODS if m != "end_to_end" or self.backbone.stream is not None]
+
+    def run(self, tasks: list[Task]) -> list[Result]:
+        """Classify a batch of whole texts, each on its own head (every chunk in this one call)."""
+        chunks = self._chunks(tasks)
+        return [answer[0] for answer in answers_of(chunks, self.run_chunks(chunks))]
+
+    def _chunks(self, tasks: list[Task]) -> list[ChunkWork]:
+        """The chunks of whole texts, in order (see :meth:`plan`)."""
+        with _phase("engine.plan"):
+            return [w for plan in self.plan(tasks) for w in plan]
+
+    @torch.inference_mode()
+    def run_chunks(self, works: list[ChunkWork]) -> Answers:
+        """Encode a batch of chunks once, as one packed token stream; run each head on every text completed here
+        that asked for it (packed, or in length groups: see :meth:`_plan_calls`) and answer each such text at its
+        last chunk's place. The other places are None. The answers carry the batch's phases (see :class:`Answers`),
+        from the engine's clock.
+
+        A batch the device has no memory for is split in two and each half run in turn (and so on); a chunk that
+        does not fit even alone fails its text only, answered ``unavailable`` (the server says 503: retry)."""
+        wall, forward, encode = self.clock.wall_s, self.clock.forward_s, self.backbone.forward_seconds
+        answers = self._run_chunks(works)
+        wall, forward = self.clock.wall_s - wall, self.clock.forward_s - forward
+        encode = self.backbone.forward_seconds - encode
+        return Answers(answers, {"encode": encode, "heads": max(forward - encode, 0.0),
+                                 "host": max(wall - forward, 0.0)})
+
+    def _run_chunks(self, works: list[ChunkWork]) -> list[Answer | None]:
+        """:meth:`run_chunks`'s answers (a half of a batch split for memory comes here again)."""
+        held = [(w.job, w.job.left, list(w.job.states)) for w in works]
+        try:
+            return self.finish(self.submit(works))
+        except torch.OutOfMemoryError as e:
+            for job, left, states in held:  # as before the attempt: each half starts from there
+                job.left, job.states = left, states
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            if len(works) > 1:
+                log.warning("backbone %s: out of memory for a batch of %d chunks (%d tokens): split in two",
+                            self.name, len(works), sum(len(w.ids) for w in works))
+                half = len(works) // 2
+                return self._run_chunks(works[:half]) + self._run_chunks(works[half:])
+            (w,) = works
+            job = w.job
+            job.failed = f"the device ran out of memory for this text's chunk of {len(w.ids)} tokens alone: {e}"
+            log.error("backbone %s: %s", self.name, job.failed)
+            job.left -= 1
+            if job.left:  # answered once its last chunk comes (see _submit)
+                return [None]
+            job.states = []
+            return [[Result(label="", scores={}, error=job.failed, unavailable=True) for _ in job.asks]]
+
+    def run_pipelined(self, batches: Iterable[list[Task]]) -> Iterator[list[Result]]:
+        """Each batch's results, as :meth:`run` gives them, with two batches in flight: batch ``k + 1`` is packed and
+        its kernels launched while batch ``k`` computes, and ``k``'s results are read while ``k + 1`` computes (on a
+        GPU; on a CPU it computes as it is launched)."""
+        pending: tuple[list[ChunkWork], Submitted] | None = None
+        for tasks in batches:
+            chunks = self._chunks(tasks)
+            submitted = self.submit(chunks)
+            if pending is not None:
+                yield [answer[0] for answer in answers_of(pending[0], self.finish(pending[1]))]
+            pending = chunks, submitted
+        if pending is not None:
+            yield [answer[0] for answer in answers_of(pending[0], self.finish(pending[1]))]
+
+    @torch.inference_mode()
+    def submit(self, works: list[ChunkWork]) -> Submitted:
+        """The first half of :meth:`run_chunks`: the batch packed, its encoder and head kernels launched and the copy
+        of its scores to the host begun; :meth:`finish` waits for them and reads the results."""
+        t0, forward0 = time.perf_counter(), self.backbone.forward_seconds
+        try:
+            return self._submit(works)
+        finally:
+            self.clock.wall_s += time.perf_counter() - t0
+            self.clock.forward_s += self.backbone.forward_seconds - forward0
+
+    def finish(self, submitted: Submitted) -> list[Answer | None]:
+        """The results of a :meth:`submit` ted batch, each text's answer at its last chunk's place."""
+        t0 = time.perf_counter()
+        try:
+            if submitted.ready is not None:  # waiting for the device: its time, not the host's
+                submitted.ready.synchronize()
+                self.clock.forward_s += time.perf_counter() - t0
+            with _phase("engine.results"):
+                results = read_results(submitted.calls, submitted.done, submitted.probs, self.manifests)
+            done = submitted.done
+            return [[results[(pos, a)] for a in range(len(done[pos].asks))] if pos in done else None
+                    for pos in range(submitted.size)]
+        finally:
+            self.clock.batches += 1
+            self.clock.wall_s += time.perf_counter() - t0
+
+    def _submit(self, works: list[ChunkWork]) -> Submitted:
+        lengths = np.fromiter((len(w.ids) for w in works), dtype=np.int64, count=len(works))  # [c]
+        done: dict[int, TextJob] = {}  # position in the batch -> text completed there
+        for pos, w in enumerate(works):
+            w.job.states[w.k] = pos  # a chunk of this batch: its place in the batch
+            w.job.left -= 1
+            if w.job.left == 0:
+                done[pos] = w.job
+        failed = {pos: job for pos, job in done.items() if job.failed}
+        done = {pos: job for pos, job in done.items() if not job.failed}
+        plan = self._plan_calls(done)
+        # a text of one chunk is written by the encoder where its first head call reads it, padded among that call's
+        # texts (a block); the other calls (a text read twice, or again, or of several chunks) gather their texts'
+        # states from where they lie
+        blocks: dict[tuple[int, ...], int] = {}  # texts (positions) read in place -> their block
+        placed: set[int] = set()
+        for call in plan:
+            key = call.key
+            if (not call.packed and key not in blocks and len(set(key)) == len(key) and placed.isdisjoint(key)
+                    and all(len(done[pos].states) == 1 for pos in key)):
+                blocks[key] = len(blocks)
+                placed.update(key)
+        layout = lay_out(lengths, list(blocks))
+        where, earlier = locate(layout, lengths, done)
+        with _phase("engine.encode"):
+            ids = np.fromiter(itertools.chain.from_iterable(w.ids for w in works), dtype=np.int64,
+                              count=int(lengths.sum()))  # [T]
+            rows = self.backbone.run_stream(ids, lengths, layout.dest,
+                                            layout.rows + sum(len(st) for st in earlier))  # [R e d]
+        with _phase("engine.join"):
+            if earlier:  # the held chunks of texts completed here, after this batch's rows
+                torch.cat(earlier, out=rows[layout.rows :])  # [R' e d]
+            if len(layout.pad_rows):  # padding holds zeros (finite, and the head masks it): written, not copied
+                rows.index_fill_(0, to_device([layout.pad_rows], rows.device), 0.0)  # [P e d] of [R e d]
+            for pos, w in enumerate(works):
+                if w.job.left:  # the text goes on in a later batch: its chunk's states kept (a copy: not the batch's)
+                    first = int(layout.first[pos])
+                    w.job.states[w.k] = rows[first : first + lengths[pos]].clone()  # [L_c e d]
+            # every call's states before any head runs: the host's work together, not after each call's (the CPU's
+            # caches hold the head's tensors then, and the host's small steps ran several times slower there)
+            joined: dict[tuple[tuple[int, ...], bool], Encoded | Stream] = {}  # texts (positions) -> their states
+            for call in plan:
+                key = call.key
+                if (key, call.packed) in joined:  # heads asked of the same texts read the same states
+                    continue
+                if call.packed:
+                    joined[key, True] = stream(rows, [where[pos] for pos in key])
+                    continue
+                encodings = [done[pos].encoding for pos in key]
+                joined[key, False] = (block(rows, layout.blocks[blocks[key]], lengths[list(key)], encodings)
+                                      if key in blocks else gather(rows, [where[pos] for pos in key], encodings))
+        calls: list[HeadCall] = []
+        for call in plan:
+            asks = [done[pos].asks[a] for pos, a in call.chosen]
+            heads = [ask.model or self.default for ask in asks]
+            states = joined[call.key, call.packed]
+            pred = (self._heads_packed(heads[0], states) if isinstance(states, Stream) else
+                    self._heads(heads, states, [ask.credit for ask in asks]))
+            calls.append((call.chosen, heads, pred))
+        for job in done.values():
+            job.states = []  # the hidden states are no longer needed
+        live = [c[2].probs.flatten() for c in calls if c[2] is not None]
+        probs, ready = None, None
+        if live:  # every call's probabilities to the host in one copy (heads differ in labels: flat, one after another)
+            on_device = torch.cat(live)  # [sum b k]
+            if on_device.is_cuda:  # begun now, waited for in finish
+                probs = torch.empty(on_device.shape, dtype=on_device.dtype, pin_memory=True)  # [sum b k]
+                probs.copy_(on_device, non_blocking=True)
+                ready = torch.cuda.Event()
+                ready.record()
+            else:
+                probs = on_device
+        for pos, job in failed.items():  # answered with why, no head run
+            job.states = []
+            calls.append(([(pos, a) for a in range(len(job.asks))], [a.model or self.default for a in job.asks], None))
+            done[pos] = job
+        return Submitted(len(works), done, calls, probs, ready)
+
+    def _plan_calls(self, done: dict[int, TextJob]) -> list[PlannedCall]:
+        """The head calls for the texts completed in a batch (by position): the texts that share a head call (see
+        :meth:`_bucket`), those asking for no credit of a head that runs packed in one call (or a few, within
+        ``head_batch_positions`` positions each; where there are two at least), the others in length groups."""
+        buckets: dict[object, list[tuple[int, int]]] = {}  # texts whose heads run together
+        for pos, job in done.items():
+            for a, ask in enumerate(job.asks):
+                buckets.setdefault(self._bucket(ask.model or self.default), []).append((pos, a))
+        plan = []
+        for bucket, places in buckets.items():
+            packed: list[tuple[int, int]] = []
+            if isinstance(bucket, str) and self._packs(bucket):
+                plain = [(pos, a) for pos, a in places if done[pos].asks[a].credit is None]
+                if len(plain) > 1:  # one text alone has no padding: the padded head is the same, with less to set up
+                    packed = plain
+                    places = [(pos, a) for pos, a in places if done[pos].asks[a].credit is not None]
+            chosen: list[tuple[int, int]] = []
+            taken = 0
+            for place in packed:  # calls within the positions' budget, texts in order
+                n = done[place[0]].encoding.n_tokens
+                if chosen and taken + n > self.head_batch_positions:
+                    plan.append(PlannedCall(chosen, tuple(pos for pos, _ in chosen), packed=True))
+                    chosen, taken = [], 0
+                chosen.append(place)
+                taken += n
+            if chosen:
+                plan.append(PlannedCall(chosen, tuple(pos for pos, _ in chosen), packed=True))
+            for group in self._head_groups([done[pos].encoding.n_tokens for pos, _ in places]):
+                chosen = [places[g] for g in group]
+                plan.append(PlannedCall(chosen, tuple(pos for pos, _ in chosen), packed=False))
+        return plan
+
+    def _packs(self, key: str) -> bool:
+        """Whether head ``key`` runs packed here (``packed_heads`` on, and the grouped product runs on this device and
+        dtype and agrees with the padded head: tried once per head shape on two small texts)."""
+        clf = self.classifiers.get(key)
+        if not self.packed_heads or clf is None:
+            return False
+        shape = head_shape(clf.head)
+        if shape not in self._packable:
+            self._packable[shape] = _packed_agrees(clf.head, self.device)
+            if not self._packable[shape]:
+                log.info("backbone %s: heads of shape %s run padded (the packed head does not run here)",
+                         self.name, shape)
+        return self._packable[shape]
+
+    def _heads_packed(self, key: str, texts: Stream) -> Classified | None:
+        """Head ``key`` on texts back to back (no credit; see :meth:`RoutingHead.scores_packed`), left on the device;
+        None where the head was dropped meanwhile."""
+        clf = self.classifiers.get(key)
+        if key not in self.manifests or clf is None:
+            return None
+        t0 = time.perf_counter()
+        with _phase("engine.heads"):
+            hidden = texts.hidden.to(dtype=next(clf.head.parameters()).dtype)  # [T e d]
+            probs = clf.head.scores_packed(hidden, texts.n_t).float().softmax(dim=-1)  # [b k]
+        self.clock.forward_s += time.perf_counter() - t0
+        return Classified(probs=probs, encoded=None, explained=[None] * len(texts.n_t))
+
+    def _bucket(self, key: str) -> object:
+        """What texts asking for head ``key`` share a head call with: the texts of the same head, or with
+        ``gather_heads`` those of every head of its shape (a head dropped meanwhile: its own bucket)."""
+        clf = self.classifiers.get(key)
+        return head_shape(clf.head) if self.gather_heads and clf is not None else key
+
+    def _head_groups(self, lengths: list[int]) -> list[list[int]]:
+        """Texts (by index into ``lengths``) in length groups within ``head_batch_positions`` padded positions, so
+        short texts are not padded to a long one, where that saves more than ``head_call_overhead``."""
+        return length_groups(lengths, self.head_call_overhead, self.head_batch_positions)
+
+    def _heads(self, keys: list[str], enc: Encoded, specs: list[CreditSpec | None]) -> Classified | None:
+        """The heads' computation for texts whose chunks are all encoded (``enc``: their gathered hidden states; text
+        ``b`` on head ``keys[b]``, one call for them all), left on the device; None where a head was dropped
+        meanwhile (only texts whose callers have gone can still ask for it)."""
+        if len(set(keys)) == 1:
+            clf = self.classifiers.get(keys[0])
+            if keys[0] not in self.manifests or clf is None:
+                return None
+            head = clf.head
+        else:  # rows of different heads of one shape: their parameters stacked, one row each
+            head = stack_heads([self.classifiers[k].head for k in keys], self._stack_space)
+        requests = [credit_request(len(self.manifests[k].labels), s) for k, s in zip(keys, specs, strict=True)]
+        t0 = time.perf_counter()
+        with _phase("engine.heads"):
+            pred = classify(head, enc, requests, return_phi=any(s is not None and s.phi for s in specs),
+                            encoder=self.backbone.stream)
+        self.clock.forward_s += time.perf_counter() - t0
+        return pred
+
+    def device_memory(self) -> list[dict[str, float | str]]:
+        return device_memory()

@@ -1,0 +1,75 @@
+"""The messages between the server's process and a backbone's own process (:mod:`service.serving.engine.process`),
+pickled over a pipe: load a backbone, change its heads, and the answers to those and to a batch (the batch itself is
+:class:`~service.serving.core.work.RunBatch`, beside the work it carries: one module named in its pickle, not two)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from service.serving.core.results import Answer
+from service.serving.observe.logs import LogSetup
+
+
+@dataclass(frozen=True)
+class LoadBackbone:
+    """Load a backbone and the heads of ``folders`` on it, each under its key in ``keys``."""
+
+    folders: tuple[str, ...]
+    keys: tuple[str, ...]
+    device: str
+    dtype: str
+    warmup: bool
+    torch_threads: int | None
+    log: LogSetup = field(default_factory=LogSetup)
+
+
+@dataclass(frozen=True)
+class LoadHeads:
+    """Load the heads of ``folders`` onto the running backbone, each under its key in ``keys`` (all or none);
+    answered with :class:`HeadsLoaded` or :class:`Failed`."""
+
+    folders: tuple[str, ...]
+    keys: tuple[str, ...]
+    warmup: bool
+
+
+@dataclass(frozen=True)
+class HeadsLoaded:
+    """The heads :class:`LoadHeads` asked for are in place: each one's description."""
+
+    descriptions: dict[str, dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class UnloadHeads:
+    """Drop these heads (their work has all been answered); answered with :class:`HeadsLoaded` (empty)."""
+
+    keys: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """The backbone process is ready: each head's description, where it computes, its CUDA memory."""
+
+    descriptions: dict[str, dict[str, Any]]
+    device: str
+    dtype: str
+    memory: list[dict[str, float | str]]
+
+
+@dataclass(frozen=True)
+class Failed:
+    """Loading, or a batch, failed: why (``path``: the file of a model folder that failed to load)."""
+
+    error: str
+    path: str | None = None
+
+
+@dataclass(frozen=True)
+class Computed:
+    """A batch's answers (see :class:`Answer`), the CUDA memory after it, and how many texts are held."""
+
+    answers: list[Answer | None]
+    memory: list[dict[str, float | str]]
+    held: int

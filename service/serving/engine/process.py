@@ -1,0 +1,363 @@
+"""A backbone and its heads in a process of their own.
+
+The server's process keeps the HTTP stack, the tokenizer and the batcher; the backbone's process holds
+the weights (one backbone, every head on it) and computes the batches of chunks the batcher sends it,
+exchanging the typed messages of :mod:`service.serving.engine.pipe`. A model computing in a thread
+of the server's process needs the GIL between every two tensor operations and waits for it while the
+event loop answers requests; in a process of its own it never does (on two CPU cores, served
+throughput at concurrency 32 rose by about 5%, measured in turns by ``bench serve``; see the README).
+
+One pipe carries batches one way and answers the other, one batch at a time (the batcher's thread
+waits on it). The model's process keeps the hidden states of texts whose chunks span several
+batches; the server tells it which texts it has given up (their ``TextJob`` was freed), so nothing
+is held for a text nobody waits for. The model's process ignores SIGINT (Ctrl-C reaches the whole
+process group; the server drains first and then closes it), and it exits by itself when the server's
+process is gone. :class:`~service.serving.engine.replicas.Replicas` runs several such processes of one backbone.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import weakref
+from collections.abc import Sequence
+from dataclasses import replace
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from service.modeling.manifest import MANIFEST, ModelLoadError, read_manifest
+from service.modeling.tokenizer import BackboneError, ChunkTokenizer
+from service.serving.core.results import Answer, Answers, Result
+from service.serving.core.work import ChunkWork, RunBatch, TextJob
+from service.serving.engine.compute import Compute
+from service.serving.engine.pipe import (
+    Computed,
+    Failed,
+    HeadsLoaded,
+    LoadBackbone,
+    Loaded,
+    LoadHeads,
+    UnloadHeads,
+)
+from service.serving.observe import logs
+
+if TYPE_CHECKING:
+    from service.serving.engine.engine import Engine
+
+log = logging.getLogger("service.process")
+
+
+class ModelProcessError(RuntimeError):
+    """The backbone's process failed to load, or exited while computing a batch."""
+
+
+class HeadLoadError(RuntimeError):
+    """Heads failed to load onto a running backbone's process (the message names the file and the problem); the
+    heads it had are unchanged."""
+
+
+class Launches:
+    """The backbone processes being started (loading their models), so that a server shutting down stops them
+    instead of waiting for their loads: after :meth:`stop`, every start still loading, or begun later, fails at
+    once with :class:`ModelProcessError`."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._loading: set[subprocess.Popen[bytes]] = set()
+        self.stopped = False
+
+    def add(self, proc: subprocess.Popen[bytes]) -> None:
+        with self._lock:
+            self._loading.add(proc)
+            if self.stopped:
+                proc.terminate()
+
+    def discard(self, proc: subprocess.Popen[bytes]) -> None:
+        with self._lock:
+            self._loading.discard(proc)
+
+    def stop(self) -> int:
+        """Terminate every process still loading, and every one started from now on; how many were loading."""
+        with self._lock:
+            self.stopped = True
+            for proc in self._loading:
+                proc.terminate()
+            return len(self._loading)
+
+
+def _serve(conn: Connection) -> None:
+    """The backbone process's main: load the engine, then answer batches until the server closes the pipe."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    load: LoadBackbone = conn.recv()
+    logs.configure(load.log)  # before transformers is imported (its progress bars)
+    from service.serving.engine.engine import Engine
+    from service.threads import set_torch_threads
+
+    try:
+        set_torch_threads(load.torch_threads)
+        engine = Engine.load([Path(f) for f in load.folders], load.device, load.dtype, load.warmup, load.keys)
+    except Exception as e:  # reported to the server, which fails its start with it
+        conn.send(Failed(f"{type(e).__name__}: {e}"))
+        return
+    conn.send(Loaded({m: engine.describe(m) for m in engine.models}, str(engine.device),
+                     str(engine.dtype).removeprefix("torch."), engine.device_memory()))
+    held: dict[int, TextJob] = {}  # texts with chunks still to come: their states so far
+    while True:
+        try:
+            msg: RunBatch | LoadHeads | UnloadHeads | None = conn.recv()
+        except EOFError:  # the server's process is gone
+            return
+        if msg is None:
+            return
+        if isinstance(msg, LoadHeads | UnloadHeads):
+            conn.send(_change_heads(engine, msg))
+            continue
+        for key in msg.forget:
+            held.pop(key, None)
+        works = [_held(w, held) for w in msg.works]
+        try:
+            answers = engine.run_chunks(works)
+        except Exception as e:  # the batch fails (its texts are answered 500); the process goes on
+            for w in works:
+                held.pop(w.job.key, None)
+            conn.send(Failed(f"{type(e).__name__}: {e}"))
+            continue
+        for w in works:
+            if w.job.left == 0:
+                held.pop(w.job.key, None)
+        conn.send(Computed(answers, engine.device_memory(), len(held)))
+
+
+def _change_heads(engine: Engine, msg: LoadHeads | UnloadHeads) -> HeadsLoaded | Failed:
+    """Load or drop heads between two batches; a head that fails to load leaves the others as they were."""
+    if isinstance(msg, UnloadHeads):
+        engine.remove_heads(msg.keys)
+        return HeadsLoaded({})
+    try:
+        engine.add_heads([Path(f) for f in msg.folders], msg.keys, msg.warmup)
+    except ModelLoadError as e:  # a damaged folder: the server raises it again, naming the file and the problem
+        return Failed(e.problem, path=str(e.path))
+    except Exception as e:
+        return Failed(f"{type(e).__name__}: {e}")
+    return HeadsLoaded({k: engine.describe(k) for k in msg.keys})
+
+
+def _held(work: ChunkWork, held: dict[int, TextJob]) -> ChunkWork:
+    """``work`` on the text's job as this process holds it (the one that has its earlier chunks' states)."""
+    job = held.setdefault(work.job.key, work.job)
+    return work if job is work.job else replace(work, job=job)
+
+
+class BackboneProcess(Compute):
+    """A backbone and its heads served from a process of their own; tokenizing and planning stay in this one.
+
+    Args:
+        folders: the folders of the models on this backbone (their manifests name the same one).
+        device, dtype, warmup: as for :meth:`Engine.load`, in the backbone's process.
+        torch_threads: intra-op threads of the backbone's process (None: the CPUs it may use).
+        chunker: the backbone's tokenizer when it is already loaded (another process of the same backbone).
+        launches: where the process is registered while it loads (a server shutting down stops it there).
+
+    Raises:
+        ModelLoadError: a manifest or the tokenizer cannot be read.
+        ModelProcessError: the backbone's process failed to load the models, or was stopped while loading.
+    """
+
+    def __init__(self, folders: Path | list[Path], device: str = "auto", dtype: str = "auto", warmup: bool = True,
+                 torch_threads: int | None = None, chunker: ChunkTokenizer | None = None,
+                 keys: list[str] | None = None, launches: Launches | None = None) -> None:
+        folders = [folders] if isinstance(folders, Path) else list(folders)
+        manifests = [read_manifest(f) for f in folders]
+        if chunker is None:
+            try:
+                chunker = ChunkTokenizer.load(manifests[0].backbone.source)
+            except BackboneError as e:
+                raise ModelLoadError(folders[0] / MANIFEST, f"unknown or unloadable backbone: {e}") from e
+        super().__init__(manifests, chunker, keys)
+        self._folders = dict(zip(self.models, folders, strict=True))  # head key -> its model's folder
+        self._load = LoadBackbone(tuple(str(f) for f in folders), tuple(self.models), device, dtype, warmup,
+                                  torch_threads, logs.current())
+        self._launches = launches or Launches()
+        self._lock = threading.Lock()  # one batch at a time on the pipe
+        self._forget: collections.deque[int] = collections.deque()  # texts given up, to tell the process
+        self._watched: set[int] = set()  # texts of several chunks whose freeing is watched
+        self._lost: set[int] = set()  # texts with chunks computed by a process that has exited
+        self.held_texts = 0  # texts whose states the backbone's process holds (after the last batch)
+        self._restarts = 0  # times the process was started again after it exited
+        self._memory: list[dict[str, float | str]]  # CUDA memory the backbone's process reported last
+        self._descriptions: dict[str, dict[str, Any]]
+        self._start()
+
+    def _start(self) -> None:
+        # a fresh interpreter running this module (not a fork of this process and its threads, and no
+        # re-import of whatever script started the server), on one end of a socket pair
+        ours, theirs = socket.socketpair()
+        with theirs:
+            self._proc = subprocess.Popen([sys.executable, "-m", __name__, str(theirs.fileno())],
+                                          pass_fds=[theirs.fileno()])
+        self._conn = Connection(ours.detach())
+        self._launches.add(self._proc)
+        try:
+            self._conn.send(self._load)
+            msg: Loaded | Failed = self._conn.recv()
+        except (EOFError, OSError):
+            code = self._proc.wait()
+            if self._launches.stopped:
+                raise ModelProcessError(f"the process of backbone {self.name} was stopped while loading: the "
+                                        "server is shutting down") from None
+            raise ModelProcessError(f"the process of backbone {self.name} exited while loading (code {code})") from None
+        finally:
+            self._launches.discard(self._proc)
+        if isinstance(msg, Failed):
+            self._proc.wait()
+            raise ModelProcessError(msg.error)
+        self._descriptions, self.device, self.dtype, self._memory = msg.descriptions, msg.device, msg.dtype, msg.memory
+        log.info("backbone %s (models %s) computes in process %d", self.name, self.models, self._proc.pid)
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid
+
+    def describe(self, model: str) -> dict[str, Any]:
+        return dict(self._descriptions[model])
+
+    def resident_bytes(self) -> int | None:
+        """The backbone process's resident memory (Linux ``/proc``; None where it cannot be read)."""
+        try:
+            pages = int(Path(f"/proc/{self._proc.pid}/statm").read_text().split()[1])
+        except (OSError, IndexError, ValueError):
+            return None
+        return pages * os.sysconf("SC_PAGE_SIZE")
+
+    def restarts(self) -> int:
+        return self._restarts
+
+    def device_memory(self) -> list[dict[str, float | str]]:
+        return list(self._memory)  # as of the last batch (or the warm-up)
+
+    def run_chunks(self, works: list[ChunkWork]) -> list[Answer | None]:
+        """Compute a batch in the backbone's process (started again first if it has exited). A text whose
+        earlier chunks a process that exited had computed is answered with an error, not computed. A process that
+        exits while computing the batch (killed, or dead just before the batch reached it) is started again and the
+        batch computed once more; a second exit fails the batch."""
+        with self._lock:
+            for attempt in (1, 2):
+                if self._proc.poll() is not None:
+                    log.error("the process of backbone %s had exited (code %s): starting it again", self.name,
+                              self._proc.returncode)
+                    self._conn.close()
+                    self._lost |= self._watched  # their earlier chunks' states went with it
+                    self._restarts += 1
+                    self._start()
+                answers, send = self._sendable(works)
+                if not send:
+                    return answers
+                forget = [self._forget.popleft() for _ in range(len(self._forget))]
+                try:
+                    self._conn.send(RunBatch([works[pos] for pos in send], forget))
+                    msg: Computed | Failed = self._conn.recv()
+                    break
+                except (EOFError, OSError):
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        self._proc.wait(5)
+                    if attempt == 2:
+                        raise ModelProcessError(f"the process of backbone {self.name} exited (code "
+                                                f"{self._proc.returncode}) twice while computing this batch; it "
+                                                "starts again with the next one") from None
+                    log.error("the process of backbone %s exited (code %s) while computing a batch: computing it "
+                              "again", self.name, self._proc.returncode)
+        if isinstance(msg, Failed):
+            raise ModelProcessError(msg.error)
+        self._memory, self.held_texts = msg.memory, msg.held
+        for pos, answer in zip(send, msg.answers, strict=True):
+            answers[pos] = answer
+        return Answers(answers, getattr(msg.answers, "phases", None))
+
+    def _sendable(self, works: list[ChunkWork]) -> tuple[list[Answer | None], list[int]]:
+        """The answers known before computing (an error for a text whose earlier chunks were lost with an exited
+        process) and the positions of the chunks to send; texts of several chunks are watched from now on."""
+        answers: list[Answer | None] = [None] * len(works)
+        send = []
+        for pos, w in enumerate(works):
+            if w.job.key in self._lost:
+                lost = Result(label="", scores={}, error=f"the process of backbone {self.name} exited while "
+                              "this text was being computed")
+                answers[pos] = [lost for _ in w.job.asks]
+                continue
+            send.append(pos)
+            if len(w.job.states) > 1 and w.job.key not in self._watched:
+                self._watched.add(w.job.key)
+                weakref.finalize(w.job, self._given_up, w.job.key)
+        return answers, send
+
+    def add_heads(self, folders: Sequence[Path], keys: Sequence[str], warmup: bool = True) -> None:
+        manifests = {k: read_manifest(Path(f)) for f, k in zip(folders, keys, strict=True)}
+        msg = self._ask(LoadHeads(tuple(str(f) for f in folders), tuple(keys), warmup))
+        if isinstance(msg, Failed):
+            raise ModelLoadError(Path(msg.path), msg.error) if msg.path is not None else HeadLoadError(msg.error)
+        self.add(manifests)
+        self._folders.update(zip(keys, map(Path, folders), strict=True))
+        self._descriptions = {**self._descriptions, **msg.descriptions}
+        self._restart_with()
+
+    def remove_heads(self, keys: Sequence[str]) -> None:
+        """Drop heads ``keys``. A process that has exited holds no heads: they are gone all the same, and the process
+        started again for the next batch loads only the others."""
+        try:
+            self._ask(UnloadHeads(tuple(keys)))
+        except ModelProcessError as e:
+            log.warning("%s: heads %s are dropped with it", e, list(keys))
+        self.remove(keys)
+        self._descriptions = {k: d for k, d in self._descriptions.items() if k not in keys}
+        self._folders = {k: f for k, f in self._folders.items() if k not in keys}
+        self._restart_with()
+
+    def _ask(self, msg: LoadHeads | UnloadHeads) -> HeadsLoaded | Failed:
+        """Send a change of heads between two batches and wait for its answer."""
+        with self._lock:
+            try:
+                self._conn.send(msg)
+                return self._conn.recv()
+            except (EOFError, OSError):
+                raise ModelProcessError(f"the process of backbone {self.name} exited while changing its heads "
+                                        f"(code {self._proc.poll()})") from None
+
+    def _restart_with(self) -> None:
+        """What a restart of the backbone's process loads from now on: the heads it holds now."""
+        folders = tuple(str(self._folders[k]) for k in self.models)
+        self._load = replace(self._load, folders=folders, keys=tuple(self.models))
+
+    def _given_up(self, key: int) -> None:
+        self._watched.discard(key)
+        self._lost.discard(key)
+        self._forget.append(key)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Ask the backbone's process to exit (after the batch it computes, if any); kill it after ``timeout_s``."""
+        with self._lock:
+            with contextlib.suppress(OSError):
+                self._conn.send(None)
+            try:
+                self._proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+            self._conn.close()
+
+
+if __name__ == "__main__":  # started by BackboneProcess with the file descriptor of its end of the socket pair
+    _serve(Connection(int(sys.argv[1])))
+    # Exit as multiprocessing's children do, without the interpreter's teardown of torch and transformers
+    # (1.3 s measured here), which the server's shutdown would wait for: nothing is left to write but stdio.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -1,0 +1,164 @@
+"""A front's connection to the engine host (``ROUTING_WORKERS`` > 1): requests out as typed messages
+(:mod:`service.serving.remote.wire`), each answered to the coroutine that sent it; the host's models served as they
+change (the front's :class:`~service.serving.remote.client.RemoteEngine` says how)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+from service.serving.core.results import Answer
+from service.serving.core.work import TextJob
+from service.serving.engine.batcher import DeadlineExceeded, Draining, Overloaded
+from service.serving.remote.wire import (
+    Answered,
+    Applied,
+    Cancel,
+    Control,
+    Controlled,
+    Hello,
+    Job,
+    Models,
+    Refused,
+    Run,
+    Scrape,
+    Scraped,
+    frame,
+    read_to_front,
+)
+
+log = logging.getLogger("service.fronts")
+
+
+class HostGone(RuntimeError):
+    """The engine host closed the connection (it exited)."""
+
+
+ServeModels = Callable[["HostLink", Models], Awaitable[None]]
+"""What a front does with the host's :class:`Models`: serve what they say (see :func:`serve_models`)."""
+
+
+class HostLink:
+    """A front's connection to the engine host: requests out, each answered to the coroutine that sent it; the
+    host's models served as they change."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, on_models: ServeModels) -> None:
+        self._reader, self._writer, self._on_models = reader, writer, on_models
+        self._waiting: dict[int, asyncio.Future[Any]] = {}
+        self._ids = itertools.count()
+        self._listener: asyncio.Task[None] | None = None
+
+    @classmethod
+    async def connect(cls, path: Path, front: int, on_models: ServeModels) -> HostLink:
+        """The link to the host at ``path``, once ``on_models`` has served what the host serves."""
+        reader, writer = await asyncio.open_unix_connection(str(path), limit=1 << 24)
+        writer.write(frame(Hello(front)))
+        models = await read_to_front(reader)
+        if not isinstance(models, Models):
+            raise HostGone("the engine host did not say what it serves")
+        link = cls(reader, writer, on_models)
+        await on_models(link, models)
+        link._listener = asyncio.create_task(link._listen(), name="host-link")
+        return link
+
+    @property
+    def closed(self) -> bool:
+        return self._listener is None or self._listener.done()
+
+    async def _listen(self) -> None:
+        try:
+            while (msg := await read_to_front(self._reader)) is not None:
+                if isinstance(msg, Models):
+                    try:
+                        await self._on_models(self, msg)
+                    except Exception:  # the front serves what it could; the host's next change comes
+                        log.exception("serving the engine host's models version %d failed", msg.version)
+                    self._writer.write(frame(Applied(msg.version)))
+                    continue
+                future = self._waiting.pop(msg.id, None)
+                if future is None or future.done():
+                    continue
+                if isinstance(msg, Answered):
+                    future.set_result(msg.answers)
+                elif isinstance(msg, Controlled | Scraped):
+                    future.set_result(msg)
+                else:
+                    future.set_exception(_refusal(msg))
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        for future in self._waiting.values():  # the host has gone: nothing will answer these
+            if not future.done():
+                future.set_exception(HostGone("the engine host exited while this request was computed"))
+        self._waiting.clear()
+
+    def send(self, backbone: str, jobs: Sequence[TextJob], deadline: float) -> tuple[int, asyncio.Future[list[Answer]]]:
+        """Send the jobs of one request to the host: its number, and the future of each job's answer (in order)."""
+        return self._ask(lambda k: Run(k, backbone, [Job(j.encoding, j.asks) for j in jobs], deadline))
+
+    def _ask(self, message: Callable[[int], Run | Control | Scrape]) -> tuple[int, asyncio.Future[Any]]:
+        """Send ``message(k)`` under a new request number ``k``: ``k``, and the future its answer sets."""
+        if self.closed:
+            raise HostGone("the engine host has exited")
+        k = next(self._ids)
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._waiting[k] = future
+        self._writer.write(frame(message(k)))
+        return k, future
+
+    async def wait(self, k: int, future: asyncio.Future[list[Answer]]) -> list[Answer]:
+        """The answers of request ``k``; a cancelled caller cancels the request on the host."""
+        try:
+            return await future
+        except asyncio.CancelledError:
+            if self._waiting.pop(k, None) is not None:
+                with contextlib.suppress(ConnectionError):
+                    self._writer.write(frame(Cancel(k)))
+            raise
+
+    def fail(self, k: int, exc: BaseException) -> bool:
+        """Answer request ``k`` with ``exc`` now, and drop it on the host; False if it was answered already."""
+        future = self._waiting.pop(k, None)
+        if future is None or future.done():
+            return False
+        future.set_exception(exc)
+        with contextlib.suppress(ConnectionError):
+            self._writer.write(frame(Cancel(k)))
+        return True
+
+    async def control(self, op: Literal["index", "load", "unload", "stats"], name: str = "", ready_only: bool = False,
+                      names: list[str] | None = None) -> Controlled:
+        """A repository request carried out by the host (for every front at once), or the models' statistics."""
+        _, future = self._ask(lambda k: Control(k, op, name, ready_only, names or []))
+        answer: Controlled = await future
+        return answer
+
+    async def scrape(self) -> bytes:
+        """The host's readings for ``/metrics`` (see :meth:`~service.serving.observe.metrics.Metrics.reading`)."""
+        if self.closed:
+            return b""
+        _, future = self._ask(Scrape)
+        answer: Scraped = await future
+        return answer.text
+
+    async def close(self) -> None:
+        self._writer.close()
+        if self._listener is not None:
+            self._listener.cancel()
+            with contextlib.suppress(asyncio.CancelledError, ConnectionError):
+                await self._listener
+
+
+def _refusal(msg: Refused) -> Exception:
+    """What the host's refusal is for the inference layer (the exceptions a batcher raises)."""
+    if msg.kind == "overloaded":
+        return Overloaded(msg.message)
+    if msg.kind == "draining":
+        return Draining(msg.message)
+    if msg.kind == "deadline":
+        return DeadlineExceeded(msg.message)
+    return RuntimeError(msg.message)

@@ -1,0 +1,173 @@
+"""The messages between the fronts and the engine host (``ROUTING_WORKERS`` > 1): values, typed, encoded by msgspec's
+MessagePack, one frame each (a 4-byte length, then the message) on a Unix socket. No working object crosses: a
+front sends what it tokenized (each text's :class:`~service.modeling.encoding.Encoding` and the heads it asks), the
+host answers numbers (:class:`~service.serving.core.results.Result`); each side builds its own objects from them.
+
+A front opens one connection, says :class:`Hello` and gets :class:`Models`; then :class:`Run` (one request's texts
+on one backbone) is answered by :class:`Answered` or :class:`Refused` with the same ``id``, and :class:`Cancel`
+drops a request whose client has gone. The host sends :class:`Models` again whenever the models it serves change,
+and each front answers :class:`Applied`; a repository request a front takes goes to the host as :class:`Control`,
+answered by :class:`Controlled` once every front serves the change.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+from typing import Any, Literal
+
+import msgspec
+
+from service.modeling.encoding import Encoding
+from service.serving.core.results import Answer
+from service.serving.core.work import Ask
+
+FRAME = struct.Struct("<I")  # a frame's length
+MAX_FRAME = 1 << 31
+
+
+class Hello(msgspec.Struct, tag=True):
+    """A front's first message: which front it is (for the host's logs)."""
+
+    front: int
+
+
+class BackboneInfo(msgspec.Struct):
+    """A backbone group as the host serves it: its name, its heads (key -> the model's folder, in loading order),
+    each head's description (what ``GET /v1/models/{model}`` says), where it computes."""
+
+    name: str
+    folders: dict[str, str]
+    descriptions: dict[str, dict[str, Any]]
+    device: str
+    dtype: str
+
+
+class Models(msgspec.Struct, tag=True):
+    """What the host serves: every backbone group (with every head it holds, retired ones still answering what
+    they took included), the head each model's name serves from (``served``: name -> head key), and the model
+    behind ``/v1/classify``. ``version`` counts the changes: a front answers :class:`Applied` with it."""
+
+    version: int
+    backbones: list[BackboneInfo]
+    served: dict[str, str]
+    default_model: str | None
+
+
+class Applied(msgspec.Struct, tag=True):
+    """A front serves what :class:`Models` of ``version`` says (the host's change of models returns after every
+    front has said so)."""
+
+    version: int
+
+
+class Control(msgspec.Struct, tag=True):
+    """A repository request a front took (Triton's repository extension: ``index``, ``load``, ``unload``), for the
+    host's model control to carry out once for the whole server; or the statistics of models ``names`` (``stats``:
+    the host counts every front's requests)."""
+
+    id: int
+    op: Literal["index", "load", "unload", "stats"]
+    name: str = ""
+    ready_only: bool = False
+    names: list[str] = msgspec.field(default_factory=list)
+
+
+class Controlled(msgspec.Struct, tag=True):
+    """The answer to :class:`Control` ``id``: ``status`` 200 with the index's ``entries`` or the ``stats``, or the
+    error's status and message."""
+
+    id: int
+    status: int
+    message: str = ""
+    entries: list[dict[str, str]] = msgspec.field(default_factory=list)
+    stats: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+class Job(msgspec.Struct, array_like=True):
+    """One text's job: its encoding and the heads asked of it (see :class:`~service.serving.core.work.TextJob`)."""
+
+    encoding: Encoding
+    asks: tuple[Ask, ...]
+
+
+class Run(msgspec.Struct, tag=True):
+    """One request's texts on one backbone, to answer before ``deadline`` (``time.monotonic()``, the same clock in
+    every process of the machine)."""
+
+    id: int
+    backbone: str
+    jobs: list[Job]
+    deadline: float
+
+
+class Cancel(msgspec.Struct, tag=True):
+    """The client of request ``id`` has gone: drop what is still queued of it."""
+
+    id: int
+
+
+class Answered(msgspec.Struct, tag=True):
+    """Request ``id``'s answers, one per job in order."""
+
+    id: int
+    answers: list[Answer]
+
+
+Refusal = Literal["overloaded", "draining", "deadline", "failed"]
+
+
+class Refused(msgspec.Struct, tag=True):
+    """Request ``id`` got no answers: the queue was full, the server drains, its deadline passed, or its batch
+    failed (``message`` says why)."""
+
+    id: int
+    kind: Refusal
+    message: str
+
+
+class Scrape(msgspec.Struct, tag=True):
+    """A front answers ``/metrics``: the host's own readings (its backbones' processes, CUDA memory), as text."""
+
+    id: int
+
+
+class Scraped(msgspec.Struct, tag=True):
+    """The answer to :class:`Scrape` ``id``: Prometheus text of the host's readings."""
+
+    id: int
+    text: bytes
+
+
+ToHost = Hello | Run | Cancel | Applied | Control | Scrape
+ToFront = Models | Answered | Refused | Controlled | Scraped
+
+_encoder = msgspec.msgpack.Encoder()
+_to_host = msgspec.msgpack.Decoder(ToHost)
+_to_front = msgspec.msgpack.Decoder(ToFront)
+
+
+def frame(msg: ToHost | ToFront) -> bytes:
+    """``msg`` as one frame."""
+    body = _encoder.encode(msg)
+    return FRAME.pack(len(body)) + body
+
+
+async def _read(reader: asyncio.StreamReader) -> bytes | None:
+    """The next frame's body, None at the end of the stream."""
+    try:
+        head = await reader.readexactly(FRAME.size)
+    except asyncio.IncompleteReadError:
+        return None
+    (n,) = FRAME.unpack(head)
+    return await reader.readexactly(n)
+
+
+async def read_to_host(reader: asyncio.StreamReader) -> ToHost | None:
+    body = await _read(reader)
+    return None if body is None else _to_host.decode(body)
+
+
+async def read_to_front(reader: asyncio.StreamReader) -> ToFront | None:
+    body = await _read(reader)
+    return None if body is None else _to_front.decode(body)

@@ -1,1 +1,0 @@
-"""Thin HTTP handlers: validate, hand work to the batcher, map results and errors."""
