@@ -56,6 +56,8 @@ class Settings(BaseSettings):
                            "health service (Triton's port); 0 turns gRPC off")
     log_json: bool = Field(False, description="One JSON object per log line")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    access_log: bool = Field(False, description="A log line for every HTTP request; off, only for those answered "
+                             "with an error (4xx, 5xx)")
     api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list, description="Bearer keys for /v1")
     cors_origins: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="Origins whose pages may call the API from a browser (CORS), e.g. "

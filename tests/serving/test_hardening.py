@@ -240,3 +240,43 @@ def test_json_logs_hold_json_lines_only(tiny_repo: Path, logs: Path) -> None:
     assert any(json.loads(line)["logger"] == "service.process" for line in lines if line.startswith("{"))
     assert [line for line in lines if not line.startswith("{")] == []
     assert all(json.loads(line)["message"] for line in lines)
+
+
+def test_answers_on_a_kept_alive_connection_and_100_continue_before_the_body(guarded: Server) -> None:
+    """Answers whole on one kept-alive connection (the head goes out with the body: see test_http11); a client that
+    asks ``Expect: 100-continue`` gets the interim response before it sends its body, then the answer."""
+    body = json.dumps({"inputs": ["one write"]}).encode()
+    request = (b"POST /v1/classify HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+               b"Content-Length: %d\r\n\r\n" % len(body)) + body
+    with socket.create_connection(("127.0.0.1", guarded.port), timeout=10) as s:
+        for _ in range(3):
+            s.sendall(request)
+            got = s.recv(65536)
+            head, _, answer = got.partition(b"\r\n\r\n")
+            length = int(next(v for k, _, v in (ln.partition(b":") for ln in head.split(b"\r\n")[1:])
+                              if k.strip().lower() == b"content-length"))
+            assert head.startswith(b"HTTP/1.1 200 ") and len(answer) == length, got
+            assert json.loads(answer)["results"][0]["label"] in ("alpha", "beta", "gamma")
+        s.sendall(b"POST /v1/classify HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Expect: 100-continue\r\nContent-Length: %d\r\n\r\n" % len(body))
+        assert s.recv(65536) == b"HTTP/1.1 100 Continue\r\n\r\n"
+        s.sendall(body)
+        assert s.recv(65536).startswith(b"HTTP/1.1 200 ")
+
+
+@pytest.mark.parametrize("access_log", [False, True])
+def test_requests_answered_well_are_logged_only_with_the_access_log(tiny_repo: Path, logs: Path,
+                                                                    access_log: bool) -> None:
+    """A request answered with an error always has its log line; one answered well only with ROUTING_ACCESS_LOG
+    (it is counted in the metrics either way); the probes never."""
+    for server in running(logs, model_repository=tiny_repo, default_model="tiny", access_log=access_log):
+        assert httpx.post(f"{server.url}/v1/classify", json={"inputs": ["a text"]}).status_code == 200
+        assert httpx.post(f"{server.url}/v1/classify", json={"inputs": []}).status_code == 422
+        assert httpx.get(f"{server.url}/healthz").status_code == 200
+        page = httpx.get(f"{server.url}/metrics").text
+        time.sleep(0.2)
+        lines = server.full_log().splitlines()
+    assert any("POST /v1/classify 422" in line for line in lines)
+    assert any("POST /v1/classify 200" in line for line in lines) == access_log
+    assert not any("GET /healthz" in line for line in lines)
+    assert 'routing_requests_total{endpoint="/v1/classify",status="200"} 1.0' in page

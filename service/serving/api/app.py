@@ -79,5 +79,6 @@ def create_app(settings: Settings | None = None, host: Path | None = None) -> Fa
                            allow_methods=["GET", "POST"], allow_headers=CORS_HEADERS,
                            expose_headers=["X-Request-ID", "Retry-After"], max_age=600)
 
-    app.add_middleware(Observe, metrics=metrics)  # added last: the outermost, it sees every answer
+    # added last: the outermost, it sees every answer
+    app.add_middleware(Observe, metrics=metrics, access_log=settings.access_log)
     return app

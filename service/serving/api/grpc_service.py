@@ -135,9 +135,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         finally:
             code = "OK" if status == 200 else GRPC_CODES.get(status, grpc.StatusCode.INTERNAL).name
             tracing.end_request(traced, None, status, code if status != 499 else "CANCELLED")
-            endpoint = f"grpc {method}"
-            m.requests.labels(endpoint, str(status)).inc()
-            m.request_duration.labels(endpoint).observe(time.perf_counter() - t0)
+            m.served(f"grpc {method}", status, time.perf_counter() - t0)
 
     async def ServerLive(self, request: pb.ServerLiveRequest, context: grpc.aio.ServicerContext
                          ) -> pb.ServerLiveResponse:

@@ -6,6 +6,9 @@ duplicate or invalid Content-Length, raw non-ASCII) get a JSON 400 instead of uv
 too many or too large headers get 431 as soon as the limit is crossed; a connection whose request
 headers do not arrive within ``header_timeout_s`` (idle after connecting, or trickling) gets 408 and
 is closed. Every such answer carries an ``X-Request-ID`` and closes the connection.
+
+A response's status line and headers go out with its first body bytes, in one write (uvicorn writes them apart:
+two system calls and two TCP segments a response, and two wakeups of the client, where one does).
 """
 
 from __future__ import annotations
@@ -47,6 +50,29 @@ def error_bytes(status: int, message: str, default_headers: list[tuple[bytes, by
     head += [b"content-type: application/json\r\n", f"content-length: {len(body)}\r\n".encode(),
              f"x-request-id: {uuid.uuid4().hex}\r\n".encode(), b"connection: close\r\n", b"\r\n"]
     return b"".join(head) + body
+
+
+class _HeadWithBody:
+    """A connection's transport as one response cycle writes to it: the cycle's first write (the status line and
+    headers) is held and goes out with the next (the body's first bytes) as one. What a cycle does not write goes
+    to the transport itself."""
+
+    __slots__ = ("_held", "_transport")
+
+    def __init__(self, transport: Transport) -> None:
+        self._transport = transport
+        self._held: bytes | None = None
+
+    def write(self, data: bytes) -> None:
+        if self._held is None:
+            self._held = data  # the head: sent with the body
+            return
+        if self._held:
+            data, self._held = self._held + data, b""
+        self._transport.write(data)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
 
 
 class GuardedHttpToolsProtocol(HttpToolsProtocol):
@@ -94,7 +120,10 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._cancel_head_timer()
+        before = self.cycle
         super().on_headers_complete()
+        if self.cycle is not before and not self.expect_100_continue:  # a new response (an interim 100 goes alone)
+            self.cycle.transport = _HeadWithBody(self.transport)  # type: ignore[assignment, union-attr]
 
     def send_400_response(self, msg: str) -> None:
         """Called by uvicorn when the parser rejects the request (or a head limit was crossed)."""

@@ -1,5 +1,5 @@
-"""Middleware: every request observed (request id, metrics, log line, 503 while draining), and request
-bodies guarded (the size limit and the read timeout).
+"""Middleware: every request observed (request id, metrics, 503 while draining, a log line for those answered with
+an error, or for every one with ``access_log``), and request bodies guarded (the size limit and the read timeout).
 
 The whole body is read here, before the framework parses it, so that a body over the limit gets 413
 whether it declares its length or streams it in chunks (a limit raised while the framework parses
@@ -46,12 +46,14 @@ def request_id_of(headers: list[tuple[bytes, bytes]]) -> str:
 
 
 class Observe:
-    """Every HTTP request: a request id (``X-Request-ID``, the client's or a new one), the in-flight count,
-    request metrics and one log line; new inference requests get 503 once the server drains.
-    Plain ASGI (no per-request task or stream, unlike ``BaseHTTPMiddleware``): it runs on every request."""
+    """Every HTTP request: a request id (``X-Request-ID``, the client's or a new one), the in-flight count and
+    request metrics; one log line for a request answered with an error (4xx, 5xx), or with ``access_log`` for every
+    request but the probes; new inference requests get 503 once the server drains.
+    Plain ASGI (no per-request task or stream, unlike ``BaseHTTPMiddleware``): it runs on every request, and a
+    request answered well costs it two counters and a histogram, no log record."""
 
-    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
-        self.app, self.metrics = app, metrics
+    def __init__(self, app: ASGIApp, metrics: Metrics, access_log: bool = False) -> None:
+        self.app, self.metrics, self.access_log = app, metrics, access_log
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -97,9 +99,8 @@ class Observe:
             endpoint = getattr(scope.get("route"), "path", "unmatched")
             tracing.end_request(traced, endpoint if endpoint != "unmatched" else None, status)
             elapsed = time.perf_counter() - t0
-            m.requests.labels(endpoint, str(status)).inc()
-            m.request_duration.labels(endpoint).observe(elapsed)
-            if endpoint not in ("/metrics", "/healthz", "/readyz") or status >= 400:
+            m.served(endpoint, status, elapsed)
+            if status >= 400 or (self.access_log and endpoint not in ("/metrics", "/healthz", "/readyz")):
                 log.info("%s %s %d %.1f ms", method, path, status, 1000 * elapsed,
                          extra={"fields": {"request_id": request_id, "method": method, "path": path,
                                            "status": status, "duration_ms": round(1000 * elapsed, 2)}})

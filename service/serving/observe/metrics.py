@@ -13,7 +13,7 @@ import os
 import time
 from collections import Counter as Tally
 from collections.abc import Callable, Iterable, Sequence
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -190,11 +190,22 @@ class Metrics:
         self.head_cache_load = Histogram("routing_head_cache_load_seconds", "Time to bring a missing head in",
                                          buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10), registry=r)
         self.stats = InferenceStats()  # the same figures in Triton's statistics shape (/v2/models/stats)
+        self._served: dict[tuple[str, int], tuple[Any, Any]] = {}  # (endpoint, status) -> its two series
         self._info: dict[str, tuple[str, str, str, str]] = {}  # loaded model -> its routing_model_info labels
         self._weights: dict[str, int] = {}  # loaded model -> its head's bytes
         self._labelled: frozenset[str] | None = None  # models with a model label of their own (None: every model)
         for reason in FAILURE_REASONS:
             self.failures.labels(reason)  # export zeros so dashboards and alerts see every series
+
+    def served(self, endpoint: str, status: int, seconds: float) -> None:
+        """An HTTP request answered: counted by endpoint and status, its duration observed (each series looked up
+        once, then kept: a request costs two increments, not two lookups of its labels)."""
+        series = self._served.get((endpoint, status))
+        if series is None:
+            series = self._served[(endpoint, status)] = (self.requests.labels(endpoint, str(status)),
+                                                         self.request_duration.labels(endpoint))
+        series[0].inc()
+        series[1].observe(seconds)
 
     def exposition(self) -> bytes:
         """The ``/metrics`` page. In a server of several processes (fronts and an engine host, each writing its
