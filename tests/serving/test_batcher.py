@@ -385,3 +385,40 @@ async def test_steady_arrivals_that_also_follow_batch_ends_are_not_kept_waiting(
     gaps = sorted(nxt - end for end, nxt in list(zip(ends, starts[1:], strict=False))[3:])  # from each real end
     # a batcher that waited for them held every batch 23-26 ms; a machine that stalls the loop once may delay one
     assert len(gaps) >= 6 and gaps[len(gaps) // 2] < 0.01 and gaps[-2] < 0.03, gaps
+
+
+async def test_clients_split_over_two_batches_come_together_again() -> None:
+    # 8 clients that come back 2-6 ms after their answers; 4 of them start while the first batch computes, so the
+    # first two batches hold 4 each. A free runner then waits for every client it answered and every one that was
+    # waiting (clients left out of one batch would otherwise keep two batches going that fix each other's sizes:
+    # 4, 4, 5, 6, 6, 6, ... as the largest recent batch was what a batch waited for)
+    b, rec = make(lambda ps: (time.sleep(0.2), ps)[1], max_wait_s=0.02)
+    b.start()
+
+    async def client(c: int) -> None:
+        await asyncio.sleep(0.1 if c >= 4 else 0.0)
+        for k in range(12):
+            assert await b.submit([f"{c}.{k}"], [1], later()) == [f"{c}.{k}"]
+            await asyncio.sleep(0.002 + c * 0.0005)
+
+    await asyncio.gather(*(client(c) for c in range(8)))
+    await b.stop(1)
+    sizes = [len(batch) for batch in rec.batches]
+    assert sizes == [4, 4] + [8] * 11, sizes
+
+
+async def test_arrivals_right_after_a_batch_follow_it_while_the_next_one_computes() -> None:
+    # batch A (one item) ends; four items arrive within its fill's cap: two fill batch B (max_batch_size 2) at once,
+    # the other two arrive while B computes. They follow A's answers, and are not arrivals during B's compute (which
+    # would make B's clients look like independent arrivals, and the batch after B stop waiting for them)
+    run, starts, _ = timed_run(0.1)
+    b, _ = make(run, max_wait_s=0.05, max_batch_size=2)
+    b.start()
+    assert await b.submit(["a"], [1], later()) == ["a"]
+    pending = [asyncio.ensure_future(b.submit([x], [1], later())) for x in "bc"]
+    await until(lambda: len(starts) == 2)
+    pending += [asyncio.ensure_future(b.submit([x], [1], later())) for x in "de"]
+    await asyncio.gather(*pending)
+    await b.stop(1)
+    first, second = list(b._paces)[:2]  # A's and B's
+    assert (first.after, second.during) == (4, 0), (first, second)

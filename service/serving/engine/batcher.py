@@ -127,7 +127,8 @@ class Batcher(Generic[P, R]):
         self._arrived = 0.0  # when the last item was queued
         self._last_seconds = 0.0  # compute time of the last batch
         self._recent: collections.deque[int] = collections.deque(maxlen=RECENT)
-        self._requests = 0  # requests submitted so far
+        self._expected = 0  # items waiting when a runner last became free, and those it had just answered
+        self._unfollowed = 0  # requests submitted so far that did not come within a fill's cap of a batch's end
         self._paces: collections.deque[_Pace] = collections.deque(maxlen=2 * RECENT)  # see _answer_driven
 
     @property
@@ -177,9 +178,10 @@ class Batcher(Generic[P, R]):
                  for p, c, g in zip(payloads, costs, keys, strict=True)]
         self._pending.extend(items)
         now = time.monotonic()
-        self._requests += 1
         if self._paces and self._freed < now <= self._freed + self._paces[-1].after_s:
-            self._paces[-1].after += 1
+            self._paces[-1].after += 1  # it follows the last batch's answers (not one more arrival during the next)
+        else:
+            self._unfollowed += 1
         self._arrived = now
         self._queued.update(it.group for it in items)
         self.observer.on_queue_depth(len(self._pending))
@@ -310,24 +312,32 @@ class Batcher(Generic[P, R]):
         return after * during_s >= BURST * (during + 1) * after_s
 
     def _ready(self) -> bool:
-        """Whether the batch may go before its wait is over: it holds as many items as the largest of the last
-        few batches (what traffic has been bringing per batch), and one has arrived since a runner became free
-        (when the previous batch's answers went out, their clients' next requests are on their way)."""
-        return bool(self._recent) and len(self._pending) >= max(self._recent) and self._arrived > self._freed
+        """Whether the batch may go before its wait is over: one item has arrived since a runner became free (when
+        the previous batch's answers went out, their clients' next requests are on their way), and it holds as many
+        items as the largest of the last few batches (what traffic has been bringing per batch) and as many as were
+        waiting when the runner became free together with those it had just answered (clients left out of one batch
+        then wait for the others to come back, and every client goes in one batch again, not in two that keep each
+        other's sizes; within ``max_batch_size``)."""
+        if not self._recent or self._arrived <= self._freed:
+            return False
+        return len(self._pending) >= min(self.limits.max_batch_size, max(max(self._recent), self._expected))
 
     def _fill_until(self) -> float:
         """When the batch goes if it neither fills nor is :meth:`_ready`. Where items follow answers
-        (:meth:`_answer_driven`): once no item has arrived for ``max_wait_s`` since the last arrival after a
-        runner became free, and at most :meth:`_fill_cap` after the later of that and the oldest item's
-        arrival. Items queued while the last batch computed wait for the first of its returning clients (whose
-        answers are still being written), up to the cap: counted from the runner becoming free, the wait
-        would send them on their own before any came back. Otherwise ``max_wait_s`` after the oldest item's
-        arrival."""
+        (:meth:`_answer_driven`): at most :meth:`_fill_cap` after the later of a runner becoming free and the oldest
+        item's arrival, and before that, once as many items are there as it had just answered and found waiting
+        (see :meth:`_ready`), as soon as none has arrived for ``max_wait_s`` since the last. Items queued while the
+        last batch computed wait for its returning clients (whose answers are still being written), up to the cap:
+        counted from the runner becoming free, the wait would send them on their own before any came back.
+        Otherwise ``max_wait_s`` after the oldest item's arrival."""
         w = self.limits.max_wait_s
         if not self._answer_driven():
             return self._pending[0].enqueued + w
         start = max(self._pending[0].enqueued, self._freed)
-        if self._arrived <= self._freed:  # nothing new since the runner became free
+        if self._arrived <= self._freed or len(self._pending) < min(self.limits.max_batch_size, self._expected):
+            # nothing new since the runner became free, or fewer than it answered and found waiting: the clients
+            # still to come are on their way (the front may be busy writing the others' answers for longer than
+            # max_wait between two of them)
             return start + self._fill_cap()
         return min(self._arrived + w, start + self._fill_cap())
 
@@ -380,7 +390,7 @@ class Batcher(Generic[P, R]):
 
     async def _run(self, loop: asyncio.AbstractEventLoop, runner: int, batch: list[_Item[P]]) -> None:
         """Compute ``batch`` on ``runner`` (marked busy by the caller) and answer its items."""
-        started, requests = time.monotonic(), self._requests
+        started, unfollowed = time.monotonic(), self._unfollowed
         ok, results = False, []  # type: ignore[var-annotated]
         try:
             results = await loop.run_in_executor(self._executor, self.runners[runner], [it.payload for it in batch])
@@ -400,7 +410,8 @@ class Batcher(Generic[P, R]):
             self._freed = time.monotonic()
             self._last_seconds = self._freed - started
             self._recent.append(len(batch))
-            self._paces.append(_Pace(self._requests - requests, self._last_seconds, self._fill_cap()))
+            self._expected = len(self._pending) + len(batch)
+            self._paces.append(_Pace(self._unfollowed - unfollowed, self._last_seconds, self._fill_cap()))
             self._wakeup.set()  # the runner is free
         finished = time.monotonic()
         queued = self._queued
