@@ -15,6 +15,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from service import __version__
 from service.config import Settings
 from service.serving.api import errors, grpc_service
+from service.serving.api.direct import DirectRoutes
 from service.serving.api.middleware import BodyGuard, Observe
 from service.serving.api.routes import health, inference, kserve, models, page, repository, v2
 from service.serving.observe import tracing
@@ -72,6 +73,8 @@ def create_app(settings: Settings | None = None, host: Path | None = None) -> Fa
     app.include_router(page.router)
     app.mount("/static", page.static, name="static")
 
+    # the first added, the innermost: inside the body guard (the whole body in one message), before the router
+    app.add_middleware(DirectRoutes)
     # added before `Observe`, so it runs inside it: its 413s get a request id and are counted
     app.add_middleware(BodyGuard, max_bytes=settings.max_body_bytes, timeout_s=settings.body_timeout_s)
     if settings.cors_origins:  # outside the body guard: a preflight has no body; inside Observe: counted

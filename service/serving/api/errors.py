@@ -44,15 +44,20 @@ def _field(loc: tuple[Any, ...]) -> str:
     return ".".join(parts) or "body"
 
 
+def api_error(request: Request, exc: APIError) -> JSONResponse:
+    """The answer to an :class:`APIError` a request met (counted under its reason; an internal one logged)."""
+    _count(request, exc.reason)
+    if exc.reason == "internal":
+        log.error("%s %s: %s", request.method, request.url.path, exc.message)
+    return error_response(exc.status, exc.message, exc.code, exc.headers, exc.details, request.url.path)
+
+
 def install(app: FastAPI) -> None:
     """Register the handlers that give every error the one JSON shape."""
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        _count(request, exc.reason)
-        if exc.reason == "internal":
-            log.error("%s %s: %s", request.method, request.url.path, exc.message)
-        return error_response(exc.status, exc.message, exc.code, exc.headers, exc.details, request.url.path)
+        return api_error(request, exc)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
