@@ -35,6 +35,7 @@ from service.bench.server import LocalServer, children
 from service.config import CPU_BATCH
 from service.serving.core.work import RunBatch
 from service.serving.engine.pipe import Computed
+from service.serving.engine.process import _computed_part
 from service.training.data import sample_test_texts
 
 if TYPE_CHECKING:
@@ -159,7 +160,7 @@ def _batch_pipe_cost(engine: Engine, size: int, texts: list[str], repeats: int) 
 
     # a batch computes its texts' jobs once: every run gets them planned anew (the first plan is the message sent)
     plans = [[w for plan in engine.plan([Task(t) for t in texts[:size]]) for w in plan] for _ in range(7)]
-    request = RunBatch(plans.pop(), [])
+    request = RunBatch(_computed_part(plans.pop()), [])  # as the server sends it
     request_bytes = bytes(ForkingPickler.dumps(request))  # before compute, as the server sends it
     answer = Computed(engine.run_chunks(plans.pop()), engine.device_memory(), 0)  # also the warm-up at this shape
     answer_bytes = bytes(ForkingPickler.dumps(answer))

@@ -21,7 +21,13 @@ class Encoding:
     special: tuple[bool, ...]
     word_ids: tuple[int, ...]
 
+    @classmethod
+    def of_chunks(cls, chunks: tuple[tuple[int, ...], ...]) -> Encoding:
+        """The token ids alone, as a process that only computes receives them (the engine reads nothing else): the
+        spans, special tokens and words stay with the front that tokenized the text (empty here)."""
+        return cls(chunks, (), (), ())
+
     @property
     def n_tokens(self) -> int:
         """Positions the text takes in the head (special tokens of every chunk included)."""
-        return len(self.special)
+        return sum(map(len, self.chunks))

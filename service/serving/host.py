@@ -17,7 +17,6 @@ then exits once every front has gone (or the drain timeout has passed).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import signal
 import sys
@@ -28,7 +27,6 @@ from service.config import Settings
 from service.serving.core.errors import APIError
 from service.serving.core.keys import model_of
 from service.serving.core.lifecycle import Lifecycle
-from service.serving.core.work import TextJob
 from service.serving.engine.batcher import DeadlineExceeded, Draining, Overloaded
 from service.serving.models.loader import default_model_at_start
 from service.serving.models.local import LocalEngine
@@ -49,7 +47,7 @@ class EngineHost:
         self.lifecycle = Lifecycle()
         self.registry = Registry(default_model_at_start(settings))
         self.engine = LocalEngine(settings, self.registry, self.metrics, self.lifecycle, announce=self.broadcast)
-        self.fronts: dict[asyncio.StreamWriter, int] = {}  # each front's connection -> the Models version it serves
+        self.fronts: dict[wire.Outbox, int] = {}  # each front's connection -> the Models version it serves
         self.version = 0
         self._applied = asyncio.Condition()
         self._controls: set[asyncio.Task[None]] = set()
@@ -71,10 +69,9 @@ class EngineHost:
         """Tell every front what the host serves now, and wait until each serves it (at most ``drain_timeout_s``: a
         front that does not say so by then is left behind, and logged)."""
         self.version += 1
-        version, msg = self.version, wire.frame(self.models())
-        for writer in list(self.fronts):
-            with contextlib.suppress(ConnectionError):
-                writer.write(msg)
+        version, msg = self.version, self.models()
+        for out in list(self.fronts):
+            out.put(msg)
         try:
             async with asyncio.timeout(self.settings.drain_timeout_s), self._applied:
                 await self._applied.wait_for(lambda: all(v >= version for v in self.fronts.values()))
@@ -121,25 +118,26 @@ class EngineHost:
         if not isinstance(hello, wire.Hello):
             writer.close()
             return
-        self.fronts[writer] = self.version
-        writer.write(wire.frame(self.models()))
+        out = wire.Outbox(writer)  # what this front is answered in one turn of the loop goes in one write
+        self.fronts[out] = self.version
+        out.put(self.models())
         running: dict[int, asyncio.Task[None]] = {}
         try:
             while (msg := await wire.read_to_host(reader)) is not None:
                 if isinstance(msg, wire.Run):
-                    task = asyncio.create_task(self._run(msg, writer))
+                    task = asyncio.create_task(self._run(msg, out))
                     running[msg.id] = task
                     task.add_done_callback(lambda _, k=msg.id: running.pop(k, None))
                 elif isinstance(msg, wire.Cancel) and msg.id in running:
                     running[msg.id].cancel()
                 elif isinstance(msg, wire.Applied):
                     async with self._applied:
-                        self.fronts[writer] = max(self.fronts.get(writer, 0), msg.version)
+                        self.fronts[out] = max(self.fronts.get(out, 0), msg.version)
                         self._applied.notify_all()
                 elif isinstance(msg, wire.Scrape):
-                    writer.write(wire.frame(wire.Scraped(msg.id, self.metrics.reading())))
+                    out.put(wire.Scraped(msg.id, self.metrics.reading()))
                 elif isinstance(msg, wire.Control):
-                    self._controls.add(task := asyncio.create_task(self._control(msg, writer)))
+                    self._controls.add(task := asyncio.create_task(self._control(msg, out)))
                     task.add_done_callback(self._controls.discard)
         except (ConnectionError, asyncio.IncompleteReadError):
             pass
@@ -147,12 +145,12 @@ class EngineHost:
             for task in list(running.values()):
                 task.cancel()
             async with self._applied:
-                self.fronts.pop(writer, None)
+                self.fronts.pop(out, None)
                 self._applied.notify_all()
             writer.close()
             log.info("front %d disconnected", hello.front)
 
-    async def _control(self, msg: wire.Control, writer: asyncio.StreamWriter) -> None:
+    async def _control(self, msg: wire.Control, out: wire.Outbox) -> None:
         """A repository request, carried out by the host's model control (every front serves a change before it is
         answered: see :meth:`broadcast`)."""
         control = self.engine.control
@@ -170,17 +168,16 @@ class EngineHost:
             reply = wire.Controlled(msg.id, e.status, e.message)
         except Exception as e:
             reply = wire.Controlled(msg.id, 500, f"{type(e).__name__}: {e}")
-        with contextlib.suppress(ConnectionError):
-            writer.write(wire.frame(reply))
+        out.put(reply)
 
-    async def _run(self, msg: wire.Run, writer: asyncio.StreamWriter) -> None:
+    async def _run(self, msg: wire.Run, out: wire.Outbox) -> None:
         """A front's request on its backbone's batcher, answered with the texts' answers or why there are none."""
         group = self.registry.groups.get(msg.backbone)
         reply: wire.Answered | wire.Refused
         if group is None:
             reply = wire.Refused(msg.id, "failed", f"no backbone {msg.backbone!r} here")
         else:
-            jobs = [TextJob.of(job.encoding, job.asks) for job in msg.jobs]
+            jobs = [job.text_job() for job in msg.jobs]
             keys = list({ask.model or group.planner.default for job in jobs for ask in job.asks})
             started = time.perf_counter()
             try:
@@ -198,8 +195,7 @@ class EngineHost:
             self.metrics.stats.answered(sorted({model_of(k) for k in keys}), time.perf_counter() - started,
                                         ok=isinstance(reply, wire.Answered) and all(
                                             not r.error for answer in reply.answers for r in answer))
-        with contextlib.suppress(ConnectionError):
-            writer.write(wire.frame(reply))
+        out.put(reply)
 
 
 def main(path: Path) -> int:

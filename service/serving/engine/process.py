@@ -33,6 +33,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from service.modeling.encoding import Encoding
 from service.modeling.manifest import MANIFEST, ModelLoadError, read_manifest
 from service.modeling.tokenizer import BackboneError, ChunkTokenizer
 from service.serving.core.results import Answer, Answers, Result
@@ -150,6 +151,20 @@ def _change_heads(engine: Engine, msg: LoadHeads | UnloadHeads) -> HeadsLoaded |
     return HeadsLoaded({k: engine.describe(k) for k in msg.keys})
 
 
+def _computed_part(works: list[ChunkWork]) -> list[ChunkWork]:
+    """``works`` as the backbone's process reads them: each text's job with its token ids alone (the spans, special
+    tokens and words stay in the server's process, which renders the answer): about half the pickled bytes."""
+    jobs: dict[int, TextJob] = {}
+    out = []
+    for w in works:
+        job = jobs.get(w.job.key)
+        if job is None:
+            job = jobs[w.job.key] = TextJob(Encoding.of_chunks(w.job.encoding.chunks), w.job.asks, w.job.states,
+                                            w.job.left, w.job.key, w.job.failed)
+        out.append(ChunkWork(job, w.k, w.ids))
+    return out
+
+
 def _held(work: ChunkWork, held: dict[int, TextJob]) -> ChunkWork:
     """``work`` on the text's job as this process holds it (the one that has its earlier chunks' states)."""
     job = held.setdefault(work.job.key, work.job)
@@ -262,7 +277,7 @@ class BackboneProcess(Compute):
                     return answers
                 forget = [self._forget.popleft() for _ in range(len(self._forget))]
                 try:
-                    self._conn.send(RunBatch([works[pos] for pos in send], forget))
+                    self._conn.send(RunBatch(_computed_part([works[pos] for pos in send]), forget))
                     msg: Computed | Failed = self._conn.recv()
                     break
                 except (EOFError, OSError):

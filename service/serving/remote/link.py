@@ -24,6 +24,7 @@ from service.serving.remote.wire import (
     Hello,
     Job,
     Models,
+    Outbox,
     Refused,
     Run,
     Scrape,
@@ -49,6 +50,7 @@ class HostLink:
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, on_models: ServeModels) -> None:
         self._reader, self._writer, self._on_models = reader, writer, on_models
+        self._out = Outbox(writer)  # every message of one event-loop turn in one write
         self._waiting: dict[int, asyncio.Future[Any]] = {}
         self._ids = itertools.count()
         self._listener: asyncio.Task[None] | None = None
@@ -78,7 +80,7 @@ class HostLink:
                         await self._on_models(self, msg)
                     except Exception:  # the front serves what it could; the host's next change comes
                         log.exception("serving the engine host's models version %d failed", msg.version)
-                    self._writer.write(frame(Applied(msg.version)))
+                    self._out.put(Applied(msg.version))
                     continue
                 future = self._waiting.pop(msg.id, None)
                 if future is None or future.done():
@@ -98,7 +100,7 @@ class HostLink:
 
     def send(self, backbone: str, jobs: Sequence[TextJob], deadline: float) -> tuple[int, asyncio.Future[list[Answer]]]:
         """Send the jobs of one request to the host: its number, and the future of each job's answer (in order)."""
-        return self._ask(lambda k: Run(k, backbone, [Job(j.encoding, j.asks) for j in jobs], deadline))
+        return self._ask(lambda k: Run(k, backbone, [Job(j.encoding.chunks, j.asks) for j in jobs], deadline))
 
     def _ask(self, message: Callable[[int], Run | Control | Scrape]) -> tuple[int, asyncio.Future[Any]]:
         """Send ``message(k)`` under a new request number ``k``: ``k``, and the future its answer sets."""
@@ -107,7 +109,7 @@ class HostLink:
         k = next(self._ids)
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._waiting[k] = future
-        self._writer.write(frame(message(k)))
+        self._out.put(message(k))
         return k, future
 
     async def wait(self, k: int, future: asyncio.Future[list[Answer]]) -> list[Answer]:
@@ -116,8 +118,7 @@ class HostLink:
             return await future
         except asyncio.CancelledError:
             if self._waiting.pop(k, None) is not None:
-                with contextlib.suppress(ConnectionError):
-                    self._writer.write(frame(Cancel(k)))
+                self._out.put(Cancel(k))
             raise
 
     def fail(self, k: int, exc: BaseException) -> bool:
@@ -126,8 +127,7 @@ class HostLink:
         if future is None or future.done():
             return False
         future.set_exception(exc)
-        with contextlib.suppress(ConnectionError):
-            self._writer.write(frame(Cancel(k)))
+        self._out.put(Cancel(k))
         return True
 
     async def control(self, op: Literal["index", "load", "unload", "stats"], name: str = "", ready_only: bool = False,

@@ -1,6 +1,6 @@
 """The messages between the fronts and the engine host (``ROUTING_WORKERS`` > 1): values, typed, encoded by msgspec's
 MessagePack, one frame each (a 4-byte length, then the message) on a Unix socket. No working object crosses: a
-front sends what it tokenized (each text's :class:`~service.modeling.encoding.Encoding` and the heads it asks), the
+front sends what the host reads of what it tokenized (each text's chunks of token ids and the heads it asks), the
 host answers numbers (:class:`~service.serving.core.results.Result`); each side builds its own objects from them.
 
 A front opens one connection, says :class:`Hello` and gets :class:`Models`; then :class:`Run` (one request's texts
@@ -13,6 +13,7 @@ answered by :class:`Controlled` once every front serves the change.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import struct
 from typing import Any, Literal
 
@@ -20,7 +21,7 @@ import msgspec
 
 from service.modeling.encoding import Encoding
 from service.serving.core.results import Answer
-from service.serving.core.work import Ask
+from service.serving.core.work import Ask, TextJob
 
 FRAME = struct.Struct("<I")  # a frame's length
 MAX_FRAME = 1 << 31
@@ -85,10 +86,16 @@ class Controlled(msgspec.Struct, tag=True):
 
 
 class Job(msgspec.Struct, array_like=True):
-    """One text's job: its encoding and the heads asked of it (see :class:`~service.serving.core.work.TextJob`)."""
+    """One text's job as the host reads it: its chunks' token ids and the heads asked of it (see
+    :class:`~service.serving.core.work.TextJob`). The text's spans and words stay with the front, which renders the
+    answer."""
 
-    encoding: Encoding
+    chunks: tuple[tuple[int, ...], ...]
     asks: tuple[Ask, ...]
+
+    def text_job(self) -> TextJob:
+        """The host's own job for the text."""
+        return TextJob.of(Encoding.of_chunks(self.chunks), self.asks)
 
 
 class Run(msgspec.Struct, tag=True):
@@ -151,6 +158,26 @@ def frame(msg: ToHost | ToFront) -> bytes:
     """``msg`` as one frame."""
     body = _encoder.encode(msg)
     return FRAME.pack(len(body)) + body
+
+
+class Outbox:
+    """A stream's frames written together: every frame given in one turn of the event loop goes out in one write at
+    its end (a front sends the requests of every client it read in that turn, the host the answers of a batch, with
+    one system call, not one each). Frames go in the order given; a closed stream takes nothing more."""
+
+    def __init__(self, writer: asyncio.StreamWriter) -> None:
+        self.writer = writer
+        self._frames: list[bytes] = []
+
+    def put(self, msg: ToHost | ToFront) -> None:
+        if not self._frames:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._frames.append(frame(msg))
+
+    def _flush(self) -> None:
+        data, self._frames = b"".join(self._frames), []
+        with contextlib.suppress(ConnectionError, RuntimeError):  # the other side has gone (its reader says so)
+            self.writer.write(data)
 
 
 async def _read(reader: asyncio.StreamReader) -> bytes | None:
