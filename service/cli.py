@@ -135,8 +135,9 @@ def serve(
                                                        help="Compute each model in a process of its own")] = None,
     model_replicas: Annotated[int | None, typer.Option(help="Processes per model (threads: usable CPUs shared "
                                                             "among them)")] = None,
-    workers: Annotated[int | None, typer.Option(help="Front processes on one port over one engine host (HTTP, "
-                                                     "gRPC, tokenizing)")] = None,
+    workers: Annotated[str | None, typer.Option(help="Front processes on one port over one engine host (HTTP, "
+                                                     "gRPC, tokenizing): a number, or auto (one on a CPU, on a GPU "
+                                                     "one for every 4 usable CPUs, 2 to 8)")] = None,
 ) -> None:
     """Start the HTTP service (options override ROUTING_* environment variables)."""
     from pydantic import ValidationError
@@ -148,7 +149,7 @@ def serve(
              "port": port, "device": device, "dtype": dtype, "max_batch_size": max_batch_size,
              "max_wait_ms": max_wait_ms, "log_json": log_json, "torch_threads": torch_threads,
              "omp_wait_policy": omp_wait_policy, "model_process": model_process, "model_replicas": model_replicas,
-             "workers": workers}
+             "workers": int(workers) if workers is not None and workers.isdigit() else workers}
     try:
         settings = Settings(**{k: v for k, v in given.items() if v is not None})
     except ValidationError as e:  # an option or ROUTING_* variable out of range: say which, no traceback

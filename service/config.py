@@ -9,6 +9,8 @@ from typing import Annotated, Literal, get_args
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from service.threads import available_cpus
+
 DType = Literal["auto", "float32", "float16", "bfloat16"]
 DTYPES: tuple[str, ...] = get_args(DType)[1:]  # the precisions a backbone may run in (half: GPU only)
 OTHER_MODELS = "_other"
@@ -18,6 +20,25 @@ CPU_BATCH = (32, 8192)
 GPU_BATCH = (1024, 16384)
 """On a GPU: 16,384 tokens (about 500 tweets), as text-embeddings-inference's default budget, and up to 1,024
 chunks: a batch of fewer tokens leaves the device waiting on the host that launches its kernels."""
+
+
+def on_gpu(settings: Settings) -> bool:
+    """Whether the models compute on a GPU as ``settings`` say (``auto``: when this machine has an NVIDIA driver's
+    device files), without importing torch."""
+    named = settings.devices or [settings.device]
+    return any(d.startswith("cuda") or (d == "auto" and Path("/dev/nvidiactl").exists()) for d in named)
+
+
+def auto_fronts(settings: Settings) -> int:
+    """The fronts ``ROUTING_WORKERS=auto`` chooses. One where the models compute on the CPU: there the fronts take
+    the model's cores (on 2 cores two fronts served 0.95x one at c = 8 and 1.06x at c = 32, and took 134 MiB more:
+    bench-results/serve-fronts-cpu-3.json), and one where a head cache is set (it needs one). On a GPU one for every
+    4 usable CPUs, 2 to 8: there the device waits on the fronts (one front served under 1,000 requests/s on an H200
+    whose engine alone did 15,821 texts/s: bench-results/gpu-h200-2.json); how many pay is for the prepared
+    ``bench gpu`` run to measure (1, 2, 4 and 8 fronts), not measured on a GPU yet."""
+    if settings.head_cache_bytes is not None or not on_gpu(settings):
+        return 1
+    return max(2, min(8, available_cpus() // 4))
 
 
 class Settings(BaseSettings):
@@ -85,8 +106,10 @@ class Settings(BaseSettings):
         default_factory=list, description="Devices to serve every backbone on, one engine process on each (e.g. "
         "cuda:0,cuda:1): each batch goes to the first engine free, so texts go where the queue is shortest; empty: "
         "one engine on ``device``")
-    workers: int = Field(1, ge=1, le=64, description="Front processes on one port (HTTP and gRPC), each validating, "
-                         "tokenizing and rendering, over one engine host that batches every front's texts")
+    workers: Annotated[int, Field(ge=1, le=64)] | Literal["auto"] = Field(
+        "auto", description="Front processes on one port (HTTP and gRPC), each validating, tokenizing and rendering, "
+        "over one engine host that batches every front's texts; auto: one where the models compute on the CPU or a "
+        "head cache is set, on a GPU one for every 4 usable CPUs (2 to 8)")
     omp_wait_policy: Literal["active", "passive"] | None = Field(
         None, description="How idle OpenMP threads wait (OMP_WAIT_POLICY; default: the runtime's own, a short "
         "spin then sleep); applies when set before torch loads, as `routing-service serve` does")
@@ -151,6 +174,8 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _fronts_without_head_cache(self) -> Settings:
+        if self.workers == "auto":
+            self.workers = auto_fronts(self)
         if self.workers > 1 and self.head_cache_bytes is not None:
             raise ValueError("workers > 1 and a head cache: not built yet (a head cache needs one front)")
         return self

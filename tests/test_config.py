@@ -37,3 +37,17 @@ def test_a_server_on_the_cpu_batches_with_the_cpus_limits(tiny_repo: Path) -> No
         limits = c.app.state.app_state.inference.models["tiny"].batcher.limits
         assert (limits.max_batch_size, limits.max_batch_tokens) == CPU_BATCH
         assert c.get("/v1/models/tiny").json()["dtype"] == "float32"  # auto, on a CPU
+
+
+def test_auto_fronts_one_on_the_cpu_several_on_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    from service import config
+
+    assert Settings(device="cpu").workers == 1 and Settings(devices=["cpu", "cpu"]).workers == 1
+    assert Settings(device="cuda", workers=3).workers == 3  # a number is kept
+    for cpus, fronts in ((2, 2), (16, 4), (64, 8)):
+        monkeypatch.setattr(config, "available_cpus", lambda cpus=cpus: cpus)
+        assert Settings(device="cuda:0").workers == fronts
+        assert Settings(devices=["cuda:0", "cuda:1"]).workers == fronts
+        assert Settings(device="cuda", head_cache_bytes=10_000_000).workers == 1  # a head cache needs one front
+    monkeypatch.setenv("ROUTING_WORKERS", "auto")
+    assert Settings(device="cpu").workers == 1
