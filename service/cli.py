@@ -552,13 +552,13 @@ def bench_gpu(
                                                        "turns with this one")] = None,
     served_seconds: Annotated[float, typer.Option(min=0.1, help="Seconds per served level")] = 5.0,
     concurrency: Annotated[str, typer.Option(help="Served single-text concurrencies (16-text requests: c = 64)")
-                           ] = "32,256",
+                           ] = "32,64,256",
     load_processes: Annotated[int, typer.Option(min=1, help="Processes of the load generator")] = 4,
     peers: Annotated[str, typer.Option(help="Peer frameworks serving the same engine, single texts at the peer "
                                             "levels, in turns ('' to skip; those not installed are named and left "
                                             "out): mosec, litserve")] = "mosec,litserve",
     workers: Annotated[str, typer.Option(help="This service also with these numbers of front processes "
-                                              "(ROUTING_WORKERS) at the peer levels ('' to skip)")] = "2,4",
+                                              "(ROUTING_WORKERS) at the peer levels ('' to skip)")] = "2,4,8",
     peer_concurrency: Annotated[str, typer.Option(help="Single-text concurrencies of the peers and fronts")] = (
         "32,64,256"),
     accuracy_texts: Annotated[int, typer.Option(min=1, help="Labelled test texts for the precisions' accuracy")

@@ -14,8 +14,8 @@ fails records its error and the run goes on):
 - ``accuracy``: the test texts' accuracy in float32 and in the default precision (bfloat16 on a GPU), the largest
   probability change between them, and between each text alone and in mixed batches;
 - ``served``: the server started on the device, driven by clients in several processes (one aiohttp process tops
-  out near 3,500 requests/s): single-text requests at the given concurrencies and 16-text requests, requests and
-  texts per second, p50 and p99;
+  out near 3,500 requests/s) with its default fronts (their number recorded): single-text requests at the given
+  concurrencies and 16-text requests, requests and texts per second, p50 and p99;
 - ``beside``: single-text requests at the peer levels to this service with one front and with more (how many
   fronts a device needs), and to mosec and LitServe with this version's engine inside, in turns;
 - ``gpu_tests``: the tests marked ``gpu`` (``pytest -m gpu``), skipped without a GPU.
@@ -190,7 +190,7 @@ def closed_loop(url: str, texts: list[str], concurrency: int, per_request: int, 
 def served(repository: Path, model: str, device: str, texts: list[str], levels: list[tuple[int, int]],
            seconds: float, processes: int, logs: Path) -> dict[str, Any]:
     """This version's server on ``device``, driven at each (concurrency, texts per request) of ``levels``."""
-    from service.bench.server import ServerProcess, free_port
+    from service.bench.server import ServerProcess, free_port, fronts_of
 
     port = free_port()
     command = [sys.executable, "-m", "service", "serve", "--model-repository", str(repository), "--models", model,
@@ -202,7 +202,8 @@ def served(repository: Path, model: str, device: str, texts: list[str], levels: 
     try:
         t0 = time.perf_counter()
         server.wait_ready(300)
-        out: dict[str, Any] = {"ready_s": time.perf_counter() - t0, "levels": []}
+        out: dict[str, Any] = {"ready_s": time.perf_counter() - t0, "fronts": fronts_of(server.proc.pid),
+                               "levels": []}  # the default fronts (ROUTING_WORKERS=auto) on this machine
         closed_loop(server.url, texts, 8, 1, min(1.0, seconds), 1)  # warm-up
         for concurrency, per_request in levels:
             row = closed_loop(server.url, texts, concurrency, per_request, seconds, processes)

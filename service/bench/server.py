@@ -192,9 +192,16 @@ class LocalServer(ServerProcess):
         env.update({f"ROUTING_{k.upper()}": str(v) for k, v in settings.items()})
         if checkout is not None:  # ``-m`` finds the package in the working folder first
             env["PYTHONPATH"] = str(checkout.resolve())
-        self.fronts = int(str(settings.get("workers", 1)))
+        given = str(settings.get("workers", ""))
+        self.fronts = int(given) if given.isdigit() else 0  # 0: as the server chooses (read once it is ready)
         super().__init__(log_dir, [*(wrap or []), sys.executable, "-m", "service", "serve"], env, "server", port,
                          cwd=checkout)
+
+    def wait_ready(self, timeout: float = 300) -> Self:
+        super().wait_ready(timeout)
+        if not self.fronts:
+            self.fronts = fronts_of(self.proc.pid)
+        return self
 
     def cpu(self) -> dict[str, float] | None:
         """CPU seconds used so far by the server's processes (HTTP, tokenizer, batcher: with several fronts, the
@@ -233,6 +240,15 @@ class LocalServer(ServerProcess):
             else:
                 server += size
         return {"server": server, "backbones": backbones}
+
+
+def fronts_of(pid: int) -> int:
+    """How many fronts the server of process ``pid`` runs (its front processes; one where it answers HTTP itself)."""
+    found = 0
+    for child in descendants(pid):
+        with contextlib.suppress(OSError):
+            found += b"service.serving.front" in Path(f"/proc/{child}/cmdline").read_bytes()
+    return max(1, found)
 
 
 BACKBONE_PROCESSES = (b"service.serving.engine.process", b"service.serving.worker")

@@ -46,12 +46,12 @@ def peer_stats(server: PeerServer) -> Stats:
 
 def start(peers: list[str], repository: Path, model: str, device: str, max_batch_size: int, max_wait_ms: float,
           logs: Path, baseline: Path | None, fronts: Sequence[int] = ()) -> list[Contender]:
-    """This service (defaults but the batch settings), with each number of ``fronts`` too, the baseline's and each
-    peer, all up and answering."""
+    """This service (defaults but the batch settings, and one front), with each number of ``fronts`` too, the
+    baseline's and each peer, all up and answering."""
     settings = {"model_repository": repository.resolve(), "models": model, "default_model": model,
                 "max_queue": 100000, "device": device, "max_batch_size": max_batch_size, "max_wait_ms": max_wait_ms}
     local: list[tuple[str, Path | None, dict[str, object]]] = [
-        (THIS, None, {}), *((f"{THIS}, {n} fronts", None, {"workers": n}) for n in fronts),
+        (THIS, None, {"workers": 1}), *((f"{THIS}, {n} fronts", None, {"workers": n}) for n in fronts),
         *([("baseline", baseline, {})] if baseline else [])]
     servers = ready_together([
         *(functools.partial(LocalServer, logs, checkout=checkout, **settings, **more) for _, checkout, more in local),

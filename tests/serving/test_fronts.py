@@ -19,7 +19,7 @@ import pytest
 import tritonclient.grpc as triton
 from pydantic import ValidationError
 
-from service.bench.server import descendants, is_backbone_process
+from service.bench.server import descendants, fronts_of, is_backbone_process
 from service.config import Settings
 from service.serving.supervisor import Backoff
 from tests.conftest import write_tiny_model
@@ -77,6 +77,11 @@ REQUESTS = [
     ("/v1/models/nope/classify", {"inputs": TEXTS}),  # 404
     ("/v1/classify", {"inputs": []}),  # 422
 ]
+
+
+def test_a_server_started_without_a_number_of_fronts_counts_those_auto_chose(servers: tuple[Server, Server]) -> None:
+    one, two = servers  # the first started without workers: auto, one on the CPU
+    assert (one.fronts, two.fronts) == (1, 2) and (fronts_of(one.proc.pid), fronts_of(two.proc.pid)) == (1, 2)
 
 
 def test_every_protocol_answers_as_one_front(servers: tuple[Server, Server]) -> None:
