@@ -206,12 +206,14 @@ class LocalServer(ServerProcess):
     def cpu(self) -> dict[str, float] | None:
         """CPU seconds used so far by the server's processes (HTTP, tokenizer, batcher: with several fronts, the
         supervisor, the fronts and the engine host) and by the backbones' processes (running, or exited and started
-        again); None where ``/proc`` cannot be read."""
+        again); with several fronts also the engine host's alone (``host``, a part of ``server``: it receives every
+        front's texts); None where ``/proc`` cannot be read."""
         server, exited = cpu_seconds(self.proc.pid), cpu_seconds(self.proc.pid, exited_children=True)
         if server is None or exited is None:
             return None
         models = 0.0 if self.fronts > 1 else exited  # the supervisor's exited children are fronts started again
         server += 0.0 if self.fronts == 1 else exited
+        host = 0.0
         for pid in descendants(self.proc.pid):
             own, gone = cpu_seconds(pid), cpu_seconds(pid, exited_children=True)
             if own is None or gone is None:
@@ -221,7 +223,9 @@ class LocalServer(ServerProcess):
             else:
                 server += own
                 models += gone  # the engine host's exited children: backbones' processes
-        return {"server": server, "models": models}
+                if self.fronts > 1 and _runs(pid, b"service.serving.host"):
+                    host += own
+        return {"server": server, "models": models, **({"host": host} if self.fronts > 1 else {})}
 
     def pss(self) -> dict[str, float] | None:
         """Proportional set size (bytes) of the server's processes (with several fronts: the supervisor, the fronts
@@ -242,13 +246,17 @@ class LocalServer(ServerProcess):
         return {"server": server, "backbones": backbones}
 
 
+def _runs(pid: int, module: bytes) -> bool:
+    """Whether process ``pid`` runs ``module`` (its command line names it)."""
+    try:
+        return module in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
 def fronts_of(pid: int) -> int:
     """How many fronts the server of process ``pid`` runs (its front processes; one where it answers HTTP itself)."""
-    found = 0
-    for child in descendants(pid):
-        with contextlib.suppress(OSError):
-            found += b"service.serving.front" in Path(f"/proc/{child}/cmdline").read_bytes()
-    return max(1, found)
+    return max(1, sum(_runs(child, b"service.serving.front") for child in descendants(pid)))
 
 
 BACKBONE_PROCESSES = (b"service.serving.engine.process", b"service.serving.worker")

@@ -69,12 +69,16 @@ def stop(contenders: list[Contender]) -> None:
 
 def _total_cpu(c: Contender) -> Callable[[], dict[str, float] | None]:
     """A contender's CPU seconds as one figure (the parts differ from framework to framework), and for this
-    service's servers the fronts' part too (``front``: every process but the backbones')."""
+    service's servers the fronts' part too (``front``: every process but the backbones'; ``host``: of it, the engine
+    host's, with several fronts)."""
     def read() -> dict[str, float] | None:
         parts = c.cpu()
         if parts is None:
             return None
-        return {"server": sum(parts.values()), **({"front": parts["server"]} if "models" in parts else {})}
+        if "models" not in parts:
+            return {"server": sum(parts.values())}
+        return {"server": parts["server"] + parts["models"], "front": parts["server"],
+                **({"host": parts["host"]} if "host" in parts else {})}
     return read
 
 
@@ -82,7 +86,7 @@ def row(level: Level, **extra: Any) -> dict[str, Any]:
     r = level.row()
     keep = {k: r[k] for k in ("throughput", "p50_ms", "p99_ms", "mean_batch", "errors", "requests")}
     return {**extra, **keep, "server_cpu_ms": r.get("server_cpu_ms"), "front_cpu_ms": r.get("front_cpu_ms"),
-            "load_generator_cpu_ms": r.get("load_generator_cpu_ms")}
+            "host_cpu_ms": r.get("host_cpu_ms"), "load_generator_cpu_ms": r.get("load_generator_cpu_ms")}
 
 
 @contextlib.contextmanager
@@ -133,7 +137,7 @@ def mean_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
     p99 and the median round's p50 (each round's percentiles are over its own requests)."""
     n = len(rows)
     p50 = sorted(r["p50_ms"] for r in rows)[n // 2]
-    cpu = {f"{part}_cpu_ms": sum(r[f"{part}_cpu_ms"] for r in rows) / n for part in ("server", "front")
+    cpu = {f"{part}_cpu_ms": sum(r[f"{part}_cpu_ms"] for r in rows) / n for part in ("server", "front", "host")
            if all(r.get(f"{part}_cpu_ms") is not None for r in rows)}  # per text answered, the rounds' mean
     return {"throughput": sum(r["throughput"] for r in rows) / n, "p50_ms": p50,
             "p99_ms": max(r["p99_ms"] for r in rows), "mean_batch": sum(r["mean_batch"] for r in rows) / n,

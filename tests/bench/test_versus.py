@@ -135,7 +135,8 @@ def test_the_engine_alone_computes_the_clients_batches_and_each_server_gets_its_
 
 def test_this_service_with_several_fronts_is_a_contender_of_its_own(tiny_repo: Path, tmp_path: Path) -> None:
     """``bench serve --workers 2``: the same service with two fronts beside the one-front server, measured in turns;
-    its CPU counts every process of it (supervisor, fronts, engine host: server; backbone: models)."""
+    its CPU counts every process of it (supervisor, fronts, engine host: server; backbone: models), and the engine
+    host's apart."""
     contenders = versus.start([], tiny_repo, "tiny", "cpu", 4, 2.0, tmp_path, None, [2])
     try:
         assert [c.name for c in contenders] == [versus.THIS, f"{versus.THIS}, 2 fronts"]
@@ -143,8 +144,10 @@ def test_this_service_with_several_fronts_is_a_contender_of_its_own(tiny_repo: P
         summary = result["closed"][2]["summary"]
         assert all(m["throughput"] > 0 for m in summary.values())
         assert all(0 < m["front_cpu_ms"] < m["server_cpu_ms"] for m in summary.values())  # per text: fronts, all
+        two = summary[contenders[1].name]
+        assert 0 < two["host_cpu_ms"] < two["front_cpu_ms"] and "host_cpu_ms" not in summary[versus.THIS]
         cpu = contenders[1].cpu()
-        assert cpu is not None and cpu["server"] > 0 and cpu["models"] > 0
+        assert cpu is not None and cpu["server"] > 0 and cpu["models"] > 0 and 0 < cpu["host"] < cpu["server"]
         pss = versus.memory(contenders)
         assert set(pss) == {c.name for c in contenders} and all(m["backbones"] > 0 for m in pss.values())
         assert pss[contenders[1].name]["server"] > pss[versus.THIS]["server"]  # two fronts, a host, a supervisor
