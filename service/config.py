@@ -22,11 +22,16 @@ GPU_BATCH = (1024, 16384)
 chunks: a batch of fewer tokens leaves the device waiting on the host that launches its kernels."""
 
 
+def cuda_here() -> bool:
+    """Whether a device on ``auto`` is a GPU here: this machine has an NVIDIA driver's device files (no torch
+    imported to tell)."""
+    return Path("/dev/nvidiactl").exists()
+
+
 def on_gpu(settings: Settings) -> bool:
-    """Whether the models compute on a GPU as ``settings`` say (``auto``: when this machine has an NVIDIA driver's
-    device files), without importing torch."""
+    """Whether the models compute on a GPU as ``settings`` say (``auto``: see :func:`cuda_here`)."""
     named = settings.devices or [settings.device]
-    return any(d.startswith("cuda") or (d == "auto" and Path("/dev/nvidiactl").exists()) for d in named)
+    return any(d.startswith("cuda") or (d == "auto" and cuda_here()) for d in named)
 
 
 def auto_fronts(settings: Settings) -> int:

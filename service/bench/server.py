@@ -246,12 +246,13 @@ class LocalServer(ServerProcess):
         return {"server": server, "backbones": backbones}
 
 
-def _runs(pid: int, module: bytes) -> bool:
-    """Whether process ``pid`` runs ``module`` (its command line names it)."""
+def _runs(pid: int, *modules: bytes) -> bool:
+    """Whether process ``pid`` runs one of ``modules`` (its command line names it)."""
     try:
-        return module in Path(f"/proc/{pid}/cmdline").read_bytes()
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return False
+    return any(module in cmdline for module in modules)
 
 
 def fronts_of(pid: int) -> int:
@@ -266,11 +267,7 @@ baseline checkout's servers are measured too."""
 
 def is_backbone_process(pid: int) -> bool:
     """Whether process ``pid`` computes a backbone (the main of a module of :data:`BACKBONE_PROCESSES`)."""
-    try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-        return any(module in cmdline for module in BACKBONE_PROCESSES)
-    except OSError:
-        return False
+    return _runs(pid, *BACKBONE_PROCESSES)
 
 
 PEERS = {"mosec": ("service.bench.peers.mosec_server", "/inference", "/"),

@@ -18,11 +18,13 @@ from typing import Any
 from fastapi.routing import APIRoute
 from pydantic import ValidationError
 from starlette.requests import Request
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from service.serving.api.auth import check_key
 from service.serving.api.errors import api_error
+from service.serving.api.middleware import given_first
 from service.serving.api.routes import inference
+from service.serving.api.routes.deps import is_json, media_type
 from service.serving.api.schemas import ClassifyRequest
 from service.serving.core.errors import APIError
 
@@ -30,10 +32,9 @@ DEFAULT, NAMED = "/v1/classify", "/v1/models/{model}/classify"
 PREFIX, SUFFIX = "/v1/models/", "/classify"
 
 
-def _is_json(headers: list[tuple[bytes, bytes]]) -> bool:
-    """Whether the body is sent as JSON, as ``require_json`` decides it."""
-    ctype = next((v for k, v in headers if k == b"content-type"), b"").split(b";")[0].strip().lower()
-    return ctype == b"application/json" or ctype.endswith(b"+json")
+def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> str | None:
+    """A request header's value as the framework reads it (latin-1), None when absent."""
+    return next((v.decode("latin-1") for k, v in headers if k == name), None)
 
 
 class DirectRoutes:
@@ -61,15 +62,15 @@ class DirectRoutes:
             return await self.app(scope, receive, send)
         state = scope["app"].state.app_state
         headers = scope["headers"]
-        if not _is_json(headers):
+        if not is_json(media_type(_header(headers, b"content-type") or "")):
             return await self.app(scope, receive, send)
         try:
-            check_key(state, next((v.decode("latin-1") for k, v in headers if k == b"authorization"), None))
+            check_key(state, _header(headers, b"authorization"))
         except APIError:
             return await self.app(scope, receive, send)  # the framework answers 401 as ever
         message = await receive()
         body = message.get("body", b"")
-        again = _again(message, receive)
+        again = given_first(message, receive)
         if message["type"] != "http.request" or message.get("more_body", False) or not body:
             return await self.app(scope, again, send)
         try:
@@ -83,17 +84,3 @@ class DirectRoutes:
         except APIError as e:
             response = api_error(request, e)
         await response(scope, again, send)
-
-
-def _again(first: Message, receive: Receive) -> Receive:
-    """``receive`` with ``first`` (a message already read) given once more first."""
-    given = False
-
-    async def again() -> Message:
-        nonlocal given
-        if not given:
-            given = True
-            return first
-        return await receive()
-
-    return again

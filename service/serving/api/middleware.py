@@ -138,17 +138,8 @@ class BodyGuard:
         except TimeoutError:
             return await self._reject(scope, receive, send, 408, f"body not received within {self.timeout_s:g} s",
                                       headers={"Connection": "close"})
-        body = b"".join(chunks)
-        delivered = False
-
-        async def replay() -> Message:
-            nonlocal delivered
-            if not delivered:
-                delivered = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
-
-        await self.app(scope, replay, send)
+        body = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+        await self.app(scope, given_first(body, receive), send)
 
     async def _reject(self, scope: Scope, receive: Receive, send: Send, status: int, message: str,
                       headers: dict[str, str] | None = None) -> None:
@@ -156,3 +147,17 @@ class BodyGuard:
         if metrics is not None:
             metrics.failures.labels("validation").inc()
         await errors.error_response(status, message, headers=headers, path=scope["path"])(scope, receive, send)
+
+
+def given_first(first: Message, receive: Receive) -> Receive:
+    """``receive`` with ``first`` (a message already read: the whole body) given once before it."""
+    given = False
+
+    async def again() -> Message:
+        nonlocal given
+        if not given:
+            given = True
+            return first
+        return await receive()
+
+    return again

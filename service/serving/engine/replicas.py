@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from service.config import cuda_here
 from service.serving.core.results import Answer
 from service.serving.core.work import ChunkWork
 from service.serving.engine.compute import Compute, Runner
@@ -17,11 +18,6 @@ from service.serving.engine.process import BackboneProcess, Launches
 from service.threads import available_cpus
 
 log = logging.getLogger("service.replicas")
-
-
-def _cuda_here() -> bool:
-    """Whether a backbone on ``auto`` goes to a GPU (without importing torch here: the driver's device files)."""
-    return Path("/dev/nvidiactl").exists()
 
 
 class Replicas(Compute):
@@ -46,7 +42,7 @@ class Replicas(Compute):
         n = len(devices)
         if n < 2:
             raise ValueError(f"replicas need at least 2 processes, not {n}")
-        on_cpu = sum(d == "cpu" or (d == "auto" and not _cuda_here()) for d in devices)
+        on_cpu = sum(d == "cpu" or (d == "auto" and not cuda_here()) for d in devices)
         threads = torch_threads or max(1, available_cpus() // max(on_cpu, 1))
         first = BackboneProcess(folders, devices[0], dtype, warmup, threads, keys=keys, launches=launches)
         super().__init__(list(first.manifests.values()), first.chunker, first.models)

@@ -34,10 +34,20 @@ async def require_key(request: Request) -> None:
     check_key(await get_state(request), request.headers.get("authorization"))
 
 
+def media_type(content_type: str) -> str:
+    """A Content-Type header's media type, lower case, without its parameters."""
+    return content_type.split(";")[0].strip().lower()
+
+
+def is_json(media: str) -> bool:
+    """Whether a body of ``media`` type is JSON (``application/json``, or any ``+json`` type)."""
+    return media == "application/json" or media.endswith("+json")
+
+
 async def require_json(request: Request) -> None:
     """415 unless the body is sent as JSON."""
-    ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
-    if ctype != "application/json" and not ctype.endswith("+json"):
+    ctype = media_type(request.headers.get("content-type", ""))
+    if not is_json(ctype):
         raise APIError(415, f"send the body as application/json, not {ctype or 'no content type'!r}")
 
 
