@@ -71,13 +71,14 @@ class Classified:
     """One batch's results.
 
     Attributes:
-        probs: ``[b, n_classes]`` class probabilities.
+        logits: ``[b, n_classes]`` the head's scores, float32 (probabilities are the reader's to take: a softmax
+            for one label of all, a sigmoid per label for a multi-label head).
         encoded: the backbone's output (tokens, offsets, hidden states); None from a packed head call (scores only).
         explained: per text, its :class:`Explained` credit or None when none was asked for.
         phi: the head's three credit matrices (batched, padded), or None.
     """
 
-    probs: torch.Tensor
+    logits: torch.Tensor
     encoded: Encoded | None
     explained: list[Explained | None]
     phi: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
@@ -138,7 +139,7 @@ def classify(head: RoutingHead, enc: Encoded, explain: Sequence[CreditRequest | 
     n_texts = len(enc.encodings)
     hidden = enc.hidden.to(dtype=next(head.parameters()).dtype)  # [b n e d]
     out = head(hidden, enc.pad)
-    probs = out.scores.float().softmax(dim=-1)  # [b k]
+    logits = out.scores.float()  # [b k]
     explained: list[Explained | None] = [None] * n_texts
     requests = list(explain or [None] * n_texts)
     groups: dict[tuple[Method, bool], list[int]] = {}
@@ -147,7 +148,7 @@ def classify(head: RoutingHead, enc: Encoded, explain: Sequence[CreditRequest | 
             groups.setdefault((req.method, req.method in SPLITS and req.contrast), []).append(b)
     # the predicted classes are read from the device only where credit needs them (a host sync otherwise)
     needs_predicted = any(requests[b].targets is None for rows in groups.values() for b in rows)  # type: ignore[union-attr]
-    predicted = probs.argmax(dim=-1).tolist() if needs_predicted else []
+    predicted = logits.argmax(dim=-1).tolist() if needs_predicted else []  # softmax and sigmoid keep the order
     for (method, contrast), rows in groups.items():
         wanted = [list(requests[b].targets or (predicted[b],)) for b in rows]  # type: ignore[union-attr]
         idx = torch.tensor(rows, device=hidden.device)  # [b']
@@ -179,7 +180,7 @@ def classify(head: RoutingHead, enc: Encoded, explain: Sequence[CreditRequest | 
             t = len(w)
             explained[b] = Explained(w, values[r, :t, : lengths[r]].permute(1, 2, 0), baseline[r, :t],
                                      logit[r, :t])  # [n e t], [t], [t]
-    return Classified(probs=probs, encoded=enc, explained=explained, phi=out.phi if return_phi else None)
+    return Classified(logits=logits, encoded=enc, explained=explained, phi=out.phi if return_phi else None)
 
 
 def _end_to_end(encoder: PackedEncoder, encodings: list[Encoding], hidden: torch.Tensor, grad: torch.Tensor,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 
 @dataclass(frozen=True)
@@ -31,3 +32,13 @@ class Encoding:
     def n_tokens(self) -> int:
         """Positions the text takes in the head (special tokens of every chunk included)."""
         return sum(map(len, self.chunks))
+
+
+@dataclass(frozen=True)
+class Truncation:
+    """Cut a text to one chunk instead of chunking it whole: keep its first tokens (``side="right"``: the end is cut
+    off) or its last (``"left"``), at most ``tokens`` positions with the special tokens (None: a model's chunk
+    length)."""
+
+    side: Literal["right", "left"] = "right"
+    tokens: int | None = None

@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from service.files import replace_file
 
@@ -33,6 +33,10 @@ class BackboneSpec(BaseModel):
     d_emb: int = Field(gt=0)
 
 
+ProblemType = Literal["single_label_classification", "multi_label_classification"]
+"""What a head's scores mean (Hugging Face's ``problem_type`` names): one label of all (probabilities by softmax), or
+each label on its own (a probability per label by sigmoid, the labels over their thresholds predicted)."""
+
 MODEL_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,199}$")  # a model's name, also its folder's
 NAME_RULE = "lowercase letters, digits, '.', '_' and '-', starting with a letter or digit, at most 200 characters"
 
@@ -55,6 +59,9 @@ class Manifest(BaseModel):
     backbone: BackboneSpec
     head: HeadSpec
     max_length: int = Field(256, gt=2, description="Tokens per chunk, special tokens included")
+    problem_type: ProblemType = "single_label_classification"
+    thresholds: list[float] | None = Field(None, description="Multi-label: each label's probability threshold (chosen "
+                                           "on validation), aligned with ``labels``")
     training: dict[str, Any] = Field(default_factory=dict)
     evaluation: dict[str, Any] = Field(default_factory=dict)
 
@@ -64,6 +71,23 @@ class Manifest(BaseModel):
         if len(set(v)) != len(v):
             raise ValueError("labels must be unique")
         return v
+
+    @model_validator(mode="after")
+    def _thresholds(self) -> Manifest:
+        if self.thresholds is not None and (self.problem_type != "multi_label_classification"
+                                            or len(self.thresholds) != len(self.labels)):
+            raise ValueError("thresholds: one per label, and only for problem_type multi_label_classification")
+        return self
+
+    @property
+    def multi_label(self) -> bool:
+        return self.problem_type == "multi_label_classification"
+
+    def over_threshold(self, probs: list[float]) -> list[str]:
+        """The labels a multi-label model predicts from its probabilities: each at or over its threshold (0.5
+        where none was chosen)."""
+        cut = self.thresholds or [0.5] * len(self.labels)
+        return [label for label, p, c in zip(self.labels, probs, cut, strict=True) if p >= c]
 
 
 def read_manifest(folder: Path) -> Manifest:

@@ -20,7 +20,7 @@ from urllib.parse import urlparse
 
 from tokenizers import Tokenizer
 
-from service.modeling.encoding import Encoding
+from service.modeling.encoding import Encoding, Truncation
 
 
 class BackboneError(ValueError):
@@ -161,11 +161,21 @@ class ChunkTokenizer:
         length = self.cut(max_length)
         return [by_length[length] for by_length in self.encode_lengths(texts, [length])]
 
-    def encode_lengths(self, texts: list[str], max_lengths: Sequence[int]) -> list[dict[int, Encoding]]:
+    @property
+    def n_special(self) -> int:
+        """Special tokens around every chunk."""
+        return len(self.prefix) + len(self.suffix)
+
+    def encode_lengths(self, texts: list[str], max_lengths: Sequence[int], truncation: Truncation | None = None
+                       ) -> list[dict[int, Encoding]]:
         """Tokenize ``texts`` once and cut each into chunks of every length in ``max_lengths`` (capped at the
         limit): per text, chunk length -> its :class:`Encoding`. A text that fits in one chunk of the
         shortest length gets the same chunks at every length (heads of different lengths share its
-        encoder pass then)."""
+        encoder pass then). With ``truncation``, a text longer than one chunk (or than ``truncation.tokens``) is
+        cut to one instead, on the side it says."""
+        if truncation is not None and truncation.tokens is not None and truncation.tokens <= self.n_special:
+            raise BackboneError(f"truncation to {truncation.tokens} tokens leaves no room for text tokens besides "
+                                f"the {self.n_special} special ones")
         with self._lock:
             encoded = self.tokenizer.encode_batch(texts, add_special_tokens=False)
         lengths = sorted({self.cut(m) for m in max_lengths})
@@ -179,6 +189,11 @@ class ChunkTokenizer:
                 body = length - len(self.prefix) - len(self.suffix)
                 if body <= 0:
                     raise BackboneError(f"max_length={length} leaves no room for text tokens")
+                if truncation is not None:
+                    body = min(body, (truncation.tokens or length) - self.n_special)
+                    keep = slice(0, body) if truncation.side == "right" else slice(max(len(ids) - body, 0), len(ids))
+                    by_length[length] = self._chunked(ids[keep], offs[keep], words[keep], body)
+                    continue
                 one = next((e for e in by_length.values() if len(e.chunks) == 1), None)
                 by_length[length] = one if one is not None and len(ids) <= body else self._chunked(ids, offs, words,
                                                                                                     body)

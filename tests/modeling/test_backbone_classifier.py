@@ -52,7 +52,7 @@ def test_batch_invariance_of_scores_and_credit(classifier, request_: CreditReque
     batched = classifier.predict(TEXTS, explain=[request_] * len(TEXTS))
     for b, text in enumerate(TEXTS):
         alone = classifier.predict([text], explain=[request_])
-        assert (batched.probs[b] - alone.probs[0]).abs().max() <= 1e-5
+        assert (batched.logits[b].softmax(-1) - alone.logits[0].softmax(-1)).abs().max() <= 1e-5
         mine, ref = batched.explained[b], alone.explained[0]
         assert mine.credit.shape == ref.credit.shape == (batched.encoded.lengths[b], 3, len(request_.targets))
         assert (mine.credit - ref.credit).abs().max() <= 1e-5
@@ -63,14 +63,14 @@ def test_batch_invariance_of_scores_and_credit(classifier, request_: CreditReque
 def test_credit_only_for_the_texts_that_ask_with_their_own_targets(classifier) -> None:
     pred = classifier.predict(TEXTS, explain=[None, CreditRequest(), None, CreditRequest(targets=(1, 2, 0))])
     assert pred.explained[0] is None and pred.explained[2] is None
-    predicted = int(pred.probs[1].argmax())
+    predicted = int(pred.logits[1].argmax())
     assert pred.explained[1].targets == [predicted] and pred.explained[3].targets == [1, 2, 0]
     for b in (1, 3):
         ex = pred.explained[b]
         assert ex.credit.shape == (pred.encoded.lengths[b], 3, len(ex.targets))
         # completeness: the credit of every position and depth plus the baseline is the contrast logit
         torch.testing.assert_close(ex.credit.sum((0, 1)) + ex.baseline, ex.logit, atol=1e-5, rtol=1e-5)
-    scores = torch.log(pred.probs[3])  # log-softmax: the contrast logits up to a constant per text
+    scores = pred.logits[3].log_softmax(-1)  # log-softmax: the contrast logits up to a constant per text
     torch.testing.assert_close(pred.explained[3].logit, (scores - scores.mean())[[1, 2, 0]], atol=1e-5, rtol=1e-5)
 
 

@@ -33,7 +33,7 @@ def test_loads_and_discovers(tiny_repo: Path) -> None:
     assert discover(tiny_repo) == ["tiny"]
     manifest, clf = load_model(tiny_repo / "tiny")
     assert manifest.labels == clf.labels == ["alpha", "beta", "gamma"]
-    assert clf.predict(["hello"]).probs.shape == (1, 3)
+    assert clf.predict(["hello"]).logits.shape == (1, 3)
 
 
 @pytest.fixture

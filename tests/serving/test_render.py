@@ -36,7 +36,7 @@ def result(method: str = "contribution", targets: tuple[int, ...] = (1,), matrix
         credit.matrix = [[[0.1 * p, -0.1 * p]] * 3 for p in range(len(TOKENS))]
     if phi:
         credit.phi = [[[0.25] * 4] * 21, [[0.5] * 4] * 4, [[0.75] * 2] * 4]
-    return Result("positive", {"negative": 0.3, "positive": 0.7}, credit)
+    return Result("positive", {"negative": 0.3, "positive": 0.7}, [-0.25, 0.6], credit=credit)
 
 
 def exact(model: type[BaseModel], body: Any) -> None:
@@ -50,7 +50,7 @@ def exact(model: type[BaseModel], body: Any) -> None:
 
 @pytest.mark.parametrize("method", ["contribution", "end_to_end", "shares"])
 def test_classify_bodies_are_the_response_models_dumps(method: str) -> None:
-    plain = render.classify_result(Result("negative", {"negative": 0.6, "positive": 0.4}))
+    plain = render.classify_result(Result("negative", {"negative": 0.6, "positive": 0.4}, [0.2, -0.2]))
     explained = render.classify_result(result(method), TOKENS)
     exact(ClassifyResponse, {"model": "m", "results": [plain, explained]})
     view = PredictedExplanation.model_validate(explained["explanation"])

@@ -1,11 +1,15 @@
-"""One JSON error shape for every 4xx/5xx of the HTTP API: ``{"error": {"code", "message", "details"?}}``, and under
-``/v2`` the Open Inference Protocol's own, ``{"error": "message"}`` (same status codes); the handlers that give every
-error (ours, the framework's, an unexpected one) that shape and count it."""
+"""One JSON error shape for every 4xx/5xx of the HTTP API: ``{"error": {"code", "message", "details"?}}``, and on the
+routes of the other APIs the service speaks their own: under ``/v2`` the Open Inference Protocol's,
+``{"error": "message"}`` (same status codes); on TEI's routes (and Hugging Face's ``POST /``) TEI's,
+``{"error", "error_type"}`` with TEI's status codes (429 overloaded, 424 a backend failure); on vLLM's
+``/classify`` vLLM's, ``{"error": {"message", "type", "param", "code"}}`` (400 for an invalid request). The handlers
+give every error (ours, the framework's, an unexpected one) its route's shape and count it."""
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from http import HTTPStatus
+from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -17,16 +21,61 @@ from service.serving.core.errors import ERROR_CODES, REASONS, APIError
 log = logging.getLogger("service.errors")
 
 
+Dialect = Literal["ours", "oip", "tei", "vllm"]
+TEI_PATHS = ("/predict", "/info", "/")
+VLLM_PATHS = ("/classify",)
+
+
 def is_v2(path: str) -> bool:
     """Whether ``path`` belongs to the Open Inference Protocol v2 routes."""
     return path == "/v2" or path.startswith("/v2/")
 
 
-def error_response(status: int, message: str, code: str | None = None, headers: dict[str, str] | None = None,
-                   details: list[dict[str, Any]] | None = None, path: str = "") -> JSONResponse:
-    """The error answer for a request to ``path``."""
+def dialect(path: str) -> Dialect:
+    """Whose API the route at ``path`` speaks (whose error shape it answers with)."""
     if is_v2(path):
+        return "oip"
+    if path in TEI_PATHS or path.startswith("/models/"):  # /models/{model}/predict, and Hugging Face's /models/{model}
+        return "tei"
+    return "vllm" if path in VLLM_PATHS else "ours"
+
+
+TEI_ERRORS = {413: "Validation", 422: "Validation", 400: "Empty", 424: "Backend", 429: "Overloaded", 503: "Unhealthy"}
+"""TEI's ``error_type`` for its status codes (the service's other 4xx say ``Validation``)."""
+
+
+def _tei(status: int, message: str, why: str | None) -> tuple[int, dict[str, Any]]:
+    """TEI's status and body for an error the service answers ``status``: overloaded is 429, a failure of the model
+    424 (a deadline passed too, as TEI has none)."""
+    if status == 503 and why == "overloaded":
+        status = 429
+    elif status in (500, 504):
+        status = 424
+    return status, {"error": message, "error_type": TEI_ERRORS.get(status, "Validation")}
+
+
+def _vllm(status: int, message: str) -> tuple[int, dict[str, Any]]:
+    """vLLM's status and body: an invalid request is 400, the type named from the status as vLLM names it."""
+    if status == 422:
+        status = 400
+    try:
+        phrase = HTTPStatus(status).phrase.replace(" ", "").replace("-", "")
+    except ValueError:  # 499: a client that left (no one reads it)
+        phrase = "ClientClosedRequest"
+    kind = phrase if phrase.endswith("Error") else phrase + "Error"
+    return status, {"error": {"message": message, "type": kind, "param": None, "code": status}}
+
+
+def error_response(status: int, message: str, code: str | None = None, headers: dict[str, str] | None = None,
+                   details: list[dict[str, Any]] | None = None, path: str = "", why: str | None = None
+                   ) -> JSONResponse:
+    """The error answer for a request to ``path`` (``why``: a 503's cause, see :attr:`APIError.why`)."""
+    shape = dialect(path)
+    if shape == "oip":
         return JSONResponse({"error": message}, status_code=status, headers=headers)
+    if shape in ("tei", "vllm"):
+        status, plain = _tei(status, message, why) if shape == "tei" else _vllm(status, message)
+        return JSONResponse(plain, status_code=status, headers=headers)
     body: dict[str, Any] = {"code": code or ERROR_CODES.get(status, "error"), "message": message}
     if details is not None:
         body["details"] = details
@@ -49,7 +98,7 @@ def api_error(request: Request, exc: APIError) -> JSONResponse:
     _count(request, exc.reason)
     if exc.reason == "internal":
         log.error("%s %s: %s", request.method, request.url.path, exc.message)
-    return error_response(exc.status, exc.message, exc.code, exc.headers, exc.details, request.url.path)
+    return error_response(exc.status, exc.message, exc.code, exc.headers, exc.details, request.url.path, exc.why)
 
 
 def install(app: FastAPI) -> None:

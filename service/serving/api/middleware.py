@@ -78,7 +78,8 @@ class Observe:
         m.in_flight.inc()
         traced = tracing.start_request(scope["headers"], method, path, request_id)  # None: tracing is off
         try:
-            if life.draining and (path.startswith("/v1/") or errors.is_v2(path)):
+            if life.draining and (path.startswith("/v1/") or (errors.dialect(path) != "ours"
+                                                             and (path != "/" or method == "POST"))):
                 # requests that arrived before the drain began finish; new ones are turned away
                 m.failures.labels("draining").inc()
                 response = errors.error_response(503, SHUTTING_DOWN, headers=retry_after("draining"),

@@ -13,6 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel
 
 from service import __version__
+from service.modeling.encoding import Truncation
 from service.serving.api.schemas import json_kind
 from service.serving.core.errors import APIError
 from service.serving.core.work import METHODS, SPLITS, CreditSpec
@@ -33,6 +34,9 @@ PARAMETERS = {
               "the encoder) or 'shares' (eq. 15 routing shares)",
     "contrast": "bool: explain logit_k - mean of the logits (default true) or logit_k",
     "timeout": "int: the request's deadline in microseconds (capped by the server's maximum)",
+    "raw_scores": "bool: the head's logits in `probabilities` instead of probabilities (default false)",
+    "truncate": "bool: cut a text longer than the model's chunk length to one chunk (default false: read whole)",
+    "truncation_direction": "string: with truncate, 'right' (default: keep the beginning) or 'left' (keep the end)",
 }
 
 
@@ -96,8 +100,11 @@ async def infer_tensors(inf: Inference, model: str, texts: list[str], params: di
     if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0):
         raise APIError(422, "parameters.timeout must be a positive number of microseconds")
     deadline = inf.deadline(timeout / 1e6 if timeout is not None else None)
-    (scored,) = await inf.run([model], texts, [spec if explain else None], deadline, gone)
-    outputs = _outputs(scored, labels, explain)
+    raw = params.get("raw_scores", False)
+    if not isinstance(raw, bool):
+        raise APIError(422, "parameters.raw_scores must be a bool")
+    (scored,) = await inf.run([model], texts, [spec if explain else None], deadline, gone, _truncation(params))
+    outputs = _outputs(scored, labels, explain, raw)
     names = wanted or (available if explain else list(BASIC))
     return [outputs[n] for n in names]
 
@@ -165,13 +172,24 @@ def _credit_spec(inf: Inference, model: str, params: dict[str, Any]) -> CreditSp
     return inf.credit_spec(model, wanted, method, contrast)
 
 
-def _outputs(scored: list[Scored], labels: list[str], explain: bool) -> dict[str, TensorOut]:
+def _truncation(params: dict[str, Any]) -> Truncation | None:
+    """The request's ``truncate`` and ``truncation_direction`` parameters (422 for another kind of value)."""
+    truncate, side = params.get("truncate", False), params.get("truncation_direction", "right")
+    if not isinstance(truncate, bool):
+        raise APIError(422, "parameters.truncate must be a bool")
+    if side not in ("right", "left"):
+        raise APIError(422, f"parameters.truncation_direction must be 'right' or 'left', not {side!r}")
+    return Truncation(side) if truncate else None
+
+
+def _outputs(scored: list[Scored], labels: list[str], explain: bool, raw: bool = False) -> dict[str, TensorOut]:
     results = [s.result for s in scored]
     n = len(results)
     out = {
         "label": TensorOut(name="label", datatype="BYTES", shape=[n], data=[r.label for r in results]),
         "probabilities": TensorOut(name="probabilities", datatype="FP32", shape=[n, len(labels)],
-                                   data=[r.scores[lab] for r in results for lab in labels]),
+                                   data=[v for r in results for v in r.logits] if raw else
+                                   [r.scores[lab] for r in results for lab in labels]),
     }
     if not explain:
         return out

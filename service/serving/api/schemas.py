@@ -7,6 +7,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictFloat, StringConstraints
 from pydantic_core import PydanticCustomError
 
+from service.modeling.encoding import Truncation
+from service.modeling.manifest import ProblemType
 from service.serving.core.lifecycle import Status
 from service.serving.core.work import Method
 
@@ -81,15 +83,29 @@ class CreditOptions(BaseModel):
         '(phi1 @ phi2 @ phi3 at unit variance): how much of each token\'s data the routings pass to a class, '
         'not whether it raises the score')
     contrast: StrictBool = Field(True, description="With method contribution: explain logit_k - mean of all "
-                                 "logits (what moves the probabilities) instead of logit_k alone")
+                                 "logits (what moves the probabilities) instead of logit_k alone (multi-label "
+                                 "models: always logit_k alone, each label's probability is its own)")
 
 
-class ClassifyRequest(CreditOptions, _Request):
+class ScoreOptions(BaseModel):
+    raw_scores: StrictBool = Field(False, description="Answer the head's raw scores (logits) in `score` and `scores` "
+                                   "instead of probabilities")
+    truncate: StrictBool = Field(False, description="Cut a text longer than the model's chunk length to one chunk "
+                                 "(on the side `truncation_direction` says) instead of reading it whole in chunks")
+    truncation_direction: Literal["right", "left"] = Field(
+        "right", description='With `truncate`: "right" keeps the beginning of the text, "left" its end')
+
+    def truncation(self) -> Truncation | None:
+        """What the tokenizer cuts (None: nothing, a long text is read whole)."""
+        return Truncation(self.truncation_direction) if self.truncate else None
+
+
+class ClassifyRequest(ScoreOptions, CreditOptions, _Request):
     explain: StrictBool = Field(False, description="Also return token-level credit for each predicted label")
     models: ModelNames = None
 
 
-class ExplainRequest(CreditOptions, _Request):
+class ExplainRequest(ScoreOptions, CreditOptions, _Request):
     target: Labels = Field(
         None, description='Label(s) to explain: a label, a list of labels, or "all" (default: the predicted one); '
         'with several models, "all" or none, for each model')
@@ -125,9 +141,12 @@ class PredictedExplanation(BaseModel):
 
 
 class ClassifyResult(BaseModel):
-    label: str = Field(description="Predicted label")
-    score: float = Field(description="Probability of the predicted label")
-    scores: dict[str, float] = Field(description="Probability of every label")
+    label: str = Field(description="Predicted label (multi-label models: the label of the highest score)")
+    score: float = Field(description="Probability of the predicted label (with `raw_scores`: its logit)")
+    scores: dict[str, float] = Field(description="Probability of every label (with `raw_scores`: its logit; "
+                                     "multi-label models: each label's own, by sigmoid)")
+    labels: list[str] | None = Field(None, exclude_if=lambda v: v is None, description="Multi-label models only: "
+                                     "every label whose probability reaches its threshold (`label` is the highest)")
     explanation: PredictedExplanation | None = None
 
 
@@ -164,6 +183,8 @@ class ExplainResult(BaseModel):
     label: str
     score: float
     scores: dict[str, float]
+    labels: list[str] | None = Field(None, exclude_if=lambda v: v is None, description="Multi-label models only: "
+                                     "every label whose probability reaches its threshold (`label` is the highest)")
     method: Method
     contrast: bool
     tokens: list[Token]
@@ -195,6 +216,9 @@ class ModelInfo(BaseModel):
     task: str
     description: str
     labels: list[str]
+    problem_type: ProblemType = Field("single_label_classification", description="multi_label_classification: each "
+                                      "label's probability on its own (sigmoid), the labels over their thresholds "
+                                      "predicted")
     backbone: dict[str, Any]
     head: dict[str, Any]
     max_length: int

@@ -29,14 +29,18 @@ class APIError(Exception):
     """An error with its HTTP status, code, message and optional headers and reason."""
 
     def __init__(self, status: int, message: str, code: str | None = None, headers: dict[str, str] | None = None,
-                 reason: str | None = None, details: list[dict[str, Any]] | None = None) -> None:
+                 reason: str | None = None, details: list[dict[str, Any]] | None = None, why: str | None = None
+                 ) -> None:
         super().__init__(message)
         self.status, self.message, self.code = status, message, code or ERROR_CODES.get(status, "error")
         self.headers, self.details = headers, details
         self.reason = reason or REASONS.get(status)
+        self.why = why
+        """For a 503: ``overloaded``, ``loading`` or ``draining`` (APIs that tell them apart answer each its way)."""
 
 
 def unavailable(message: str, why: str) -> APIError:
     """A 503 with the ``Retry-After`` for ``why`` (``overloaded``, ``loading`` or ``draining``), counted as
     ``draining`` when shutting down and ``overloaded`` otherwise."""
-    return APIError(503, message, headers=retry_after(why), reason="draining" if why == "draining" else "overloaded")
+    return APIError(503, message, headers=retry_after(why), reason="draining" if why == "draining" else "overloaded",
+                    why=why)

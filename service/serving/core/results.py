@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from service.serving.core.work import ChunkWork, Method
@@ -55,12 +55,16 @@ class Credit:
 
 @dataclass
 class Result:
-    """One text's answer from one head; ``error`` (the scores were not finite, or the device could not compute it)
-    replaces everything else; ``unavailable``: the error is the device's state, not the text's (out of memory even
-    alone): the client may retry."""
+    """One text's answer from one head: the label of the highest score, every label's probability (``scores``: a
+    softmax over the labels; for a multi-label head a sigmoid each) and the head's raw scores (``logits``, in the
+    labels' order); for a multi-label head, ``labels``: those at or over their thresholds. ``error`` (the scores
+    were not finite, or the device could not compute it) replaces everything else; ``unavailable``: the error is
+    the device's state, not the text's (out of memory even alone): the client may retry."""
 
     label: str
     scores: dict[str, float]
+    logits: list[float] = field(default_factory=list)
+    labels: list[str] | None = None
     credit: Credit | None = None
     error: str | None = None
     unavailable: bool = False

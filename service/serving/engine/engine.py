@@ -94,13 +94,13 @@ class PlannedCall:
 @dataclass
 class Submitted:
     """A batch whose kernels are launched (see :meth:`Engine.submit`): ``size`` chunks, the texts completed in it by
-    position, the head calls, every call's probabilities flat on the host (in pinned memory on a GPU, filled once
+    position, the head calls, every call's scores (logits) flat on the host (in pinned memory on a GPU, filled once
     ``ready``: None where they are there already)."""
 
     size: int
     done: dict[int, TextJob]
     calls: list[HeadCall]
-    probs: torch.Tensor | None
+    logits: torch.Tensor | None
     ready: Any
 
 
@@ -243,7 +243,7 @@ class Engine(Compute):
         m, clf = self.manifests[model], self.classifiers[model]
         return {
             "name": m.name, "task": m.task, "description": m.description,
-            "labels": m.labels, "backbone": m.backbone.model_dump(),
+            "labels": m.labels, "problem_type": m.problem_type, "backbone": m.backbone.model_dump(),
             "head": m.head.model_dump(), "max_length": self.max_length(model),
             "parameters": {"head": sum(p.numel() for p in clf.head.parameters()),
                            "backbone": sum(p.numel() for p in self.backbone.parameters())},
@@ -340,7 +340,7 @@ class Engine(Compute):
                 submitted.ready.synchronize()
                 self.clock.forward_s += time.perf_counter() - t0
             with _phase("engine.results"):
-                results = read_results(submitted.calls, submitted.done, submitted.probs, self.manifests)
+                results = read_results(submitted.calls, submitted.done, submitted.logits, self.manifests)
             done = submitted.done
             return [[results[(pos, a)] for a in range(len(done[pos].asks))] if pos in done else None
                     for pos in range(submitted.size)]
@@ -409,22 +409,22 @@ class Engine(Compute):
             calls.append((call.chosen, heads, pred))
         for job in done.values():
             job.states = []  # the hidden states are no longer needed
-        live = [c[2].probs.flatten() for c in calls if c[2] is not None]
-        probs, ready = None, None
-        if live:  # every call's probabilities to the host in one copy (heads differ in labels: flat, one after another)
+        live = [c[2].logits.flatten() for c in calls if c[2] is not None]
+        logits, ready = None, None
+        if live:  # every call's scores to the host in one copy (heads differ in labels: flat, one after another)
             on_device = torch.cat(live)  # [sum b k]
             if on_device.is_cuda:  # begun now, waited for in finish
-                probs = torch.empty(on_device.shape, dtype=on_device.dtype, pin_memory=True)  # [sum b k]
-                probs.copy_(on_device, non_blocking=True)
+                logits = torch.empty(on_device.shape, dtype=on_device.dtype, pin_memory=True)  # [sum b k]
+                logits.copy_(on_device, non_blocking=True)
                 ready = torch.cuda.Event()
                 ready.record()
             else:
-                probs = on_device
+                logits = on_device
         for pos, job in failed.items():  # answered with why, no head run
             job.states = []
             calls.append(([(pos, a) for a in range(len(job.asks))], [a.model or self.default for a in job.asks], None))
             done[pos] = job
-        return Submitted(len(works), done, calls, probs, ready)
+        return Submitted(len(works), done, calls, logits, ready)
 
     def _plan_calls(self, done: dict[int, TextJob]) -> list[PlannedCall]:
         """The head calls for the texts completed in a batch (by position): the texts that share a head call (see
@@ -481,9 +481,9 @@ class Engine(Compute):
         t0 = time.perf_counter()
         with _phase("engine.heads"):
             hidden = texts.hidden.to(dtype=next(clf.head.parameters()).dtype)  # [T e d]
-            probs = clf.head.scores_packed(hidden, texts.n_t).float().softmax(dim=-1)  # [b k]
+            logits = clf.head.scores_packed(hidden, texts.n_t).float()  # [b k]
         self.clock.forward_s += time.perf_counter() - t0
-        return Classified(probs=probs, encoded=None, explained=[None] * len(texts.n_t))
+        return Classified(logits=logits, encoded=None, explained=[None] * len(texts.n_t))
 
     def _bucket(self, key: str) -> object:
         """What texts asking for head ``key`` share a head call with: the texts of the same head, or with

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from service.modeling.encoding import Encoding
+from service.modeling.encoding import Encoding, Truncation
 from service.modeling.manifest import Manifest
 from service.modeling.tokenizer import ChunkTokenizer
 from service.serving.core.keys import backbone_key, group_name
@@ -60,10 +60,12 @@ class Planner:
         """Tokens per chunk for ``model`` (its manifest's, capped at the backbone's limit)."""
         return self.chunker.cut(self.manifests[model].max_length)
 
-    def encode(self, texts: list[str], models: Sequence[str]) -> list[dict[int, Encoding]]:
+    def encode(self, texts: list[str], models: Sequence[str], truncation: Truncation | None = None
+               ) -> list[dict[int, Encoding]]:
         """Tokenize ``texts`` once and cut each for every chunk length the ``models`` use (see
-        :meth:`ChunkTokenizer.encode_lengths`): per text, chunk length -> encoding."""
-        return self.chunker.encode_lengths(texts, [self.max_length(m) for m in models])
+        :meth:`ChunkTokenizer.encode_lengths`; ``truncation``: to one chunk each): per text, chunk length ->
+        encoding."""
+        return self.chunker.encode_lengths(texts, [self.max_length(m) for m in models], truncation)
 
     def tokens(self, encoding: Encoding) -> list[TokenSpan]:
         """The positions of ``encoding`` as a response shows them (special tokens included)."""

@@ -1,6 +1,7 @@
-"""A batch's head outputs read into plain answers: each text's label and probabilities from one copy of every head
-call's probabilities on the host, and its credit's numbers where it asked for credit (the views a response shows
-are built from them by the front, off the model's thread)."""
+"""A batch's head outputs read into plain answers: each text's label, probabilities and raw scores from one copy of
+every head call's scores (logits) on the host (the probabilities taken there, as each head's problem type says),
+and its credit's numbers where it asked for credit (the views a response shows are built from them by the front,
+off the model's thread)."""
 
 from __future__ import annotations
 
@@ -31,10 +32,10 @@ def unloaded(key: str) -> Result:
     return Result(label="", scores={}, error=f"model {model_of(key)} was unloaded")
 
 
-def read_results(calls: list[HeadCall], done: dict[int, TextJob], probs: torch.Tensor | None,
+def read_results(calls: list[HeadCall], done: dict[int, TextJob], logits: torch.Tensor | None,
                  manifests: dict[str, Manifest]) -> dict[tuple[int, int], Result]:
-    """Each (position, ask)'s result from the head ``calls`` (``probs``: every call's probabilities flat on the host,
-    one call's after another; ``done``: the texts completed in the batch, by position; ``manifests``: by head key)."""
+    """Each (position, ask)'s result from the head ``calls`` (``logits``: every call's scores flat on the host, one
+    call's after another; ``done``: the texts completed in the batch, by position; ``manifests``: by head key)."""
     results: dict[tuple[int, int], Result] = {}
     at = 0
     for chosen, keys, pred in calls:
@@ -44,28 +45,35 @@ def read_results(calls: list[HeadCall], done: dict[int, TextJob], probs: torch.T
                 results[place] = (Result(label="", scores={}, error=why, unavailable=True) if why else
                                   unloaded(keys[0]))
             continue
-        assert probs is not None
-        b, k = pred.probs.shape
-        mine = probs[at : at + b * k].view(b, k)  # [b k]
+        assert logits is not None
+        b, k = pred.logits.shape
+        mine = logits[at : at + b * k].view(b, k)  # [b k]
         at += b * k
-        scores, best = mine.tolist(), mine.argmax(-1).tolist()
+        found = [manifests.get(key) for key in keys]
+        multi = [m is not None and m.multi_label for m in found]
+        probs = mine.softmax(dim=-1)  # [b k]
+        if any(multi):  # heads of one shape share a call: each row as its own head reads it
+            probs = torch.where(torch.tensor(multi)[:, None], mine.sigmoid(), probs)  # [b k]
+        raw, scores, best = mine.tolist(), probs.tolist(), mine.argmax(-1).tolist()
         finite = torch.isfinite(mine).all(dim=-1).tolist()
         specs = [done[pos].asks[a].credit for pos, a in chosen]
-        for r, (place, key, spec) in enumerate(zip(chosen, keys, specs, strict=True)):
-            manifest = manifests.get(key)
+        for r, (place, key, manifest, spec) in enumerate(zip(chosen, keys, found, specs, strict=True)):
             if manifest is None:
                 results[place] = unloaded(key)
                 continue
-            results[place] = result(manifest.name, manifest.labels, pred, scores[r], finite[r], best[r], r, spec)
+            results[place] = result(manifest, pred, raw[r], scores[r], finite[r], best[r], r, spec)
     return results
 
 
-def result(name: str, labels: list[str], pred: Classified, scores: list[float], finite: bool, k: int, b: int,
-           spec: CreditSpec | None) -> Result:
-    """Text ``b``'s result: its ``scores`` (``k``: the highest) when all are ``finite``, else an error."""
+def result(manifest: Manifest, pred: Classified, logits: list[float], scores: list[float], finite: bool, k: int,
+           b: int, spec: CreditSpec | None) -> Result:
+    """Text ``b``'s result: its ``logits`` and probabilities ``scores`` (``k``: the highest) when all are
+    ``finite``, else an error."""
     if not finite:
-        return Result(label="", scores={}, error=f"model {name} produced non-finite scores for this text")
-    res = Result(label=labels[k], scores=dict(zip(labels, scores, strict=True)))
+        return Result(label="", scores={}, error=f"model {manifest.name} produced non-finite scores for this text")
+    labels = manifest.labels
+    res = Result(label=labels[k], scores=dict(zip(labels, scores, strict=True)), logits=logits,
+                 labels=manifest.over_threshold(scores) if manifest.multi_label else None)
     explained = pred.explained[b]
     if spec is not None and explained is not None:
         res.credit = credit(labels, pred, b, explained, spec, k)

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 from service.config import Settings
-from service.modeling.encoding import Encoding
+from service.modeling.encoding import Encoding, Truncation
+from service.modeling.tokenizer import BackboneError
 from service.serving.core import errors
 from service.serving.core.errors import APIError
 from service.serving.core.lifecycle import Lifecycle
@@ -142,8 +143,11 @@ class Inference:
     def credit_spec(self, model: str, target: Target = None, method: Method = "contribution", contrast: bool = True,
                     detail: Detail = "tokens", matrix: bool = False, phi: bool = False) -> CreditSpec:
         """The credit of ``model`` a request asks for, its target labels turned into class indices (422 for an
-        unknown label)."""
+        unknown label). A multi-label model's labels are each scored on their own: its credit splits each label's own
+        logit (``contrast`` does not apply)."""
         labels = self.labels(model)
+        if self.group_of(model).planner.manifests[self.heads[model]].multi_label:
+            contrast = False
         methods = credit_methods(self.group_of(model), self.heads[model])
         if method not in methods:
             raise APIError(422, f"method {method!r}: model {model} answers {methods}; end-to-end credit needs an "
@@ -181,8 +185,10 @@ class Inference:
     # --- the pipeline ---
 
     async def run(self, models: Sequence[str], texts: list[str], specs: Sequence[CreditSpec | None],
-                  deadline: float, gone: Gone | None = None) -> list[list[Scored]]:
-        """Every text on every model (``specs[m]``: the credit model ``m`` computes, None: scores only).
+                  deadline: float, gone: Gone | None = None, truncation: Truncation | None = None
+                  ) -> list[list[Scored]]:
+        """Every text on every model (``specs[m]``: the credit model ``m`` computes, None: scores only), each text
+        cut to one chunk as ``truncation`` says (None: a long text is chunked whole).
 
         Returns:
             ``[model][text]`` answers, in the order asked.
@@ -195,7 +201,7 @@ class Inference:
         started = time.perf_counter()
         try:
             with self.registry.holding(keys):
-                out = await self._run(groups, keys, texts, specs, deadline, gone)
+                out = await self._run(groups, keys, texts, specs, deadline, gone, truncation)
         except BaseException:
             self.stats.answered(models, time.perf_counter() - started, ok=False)
             raise
@@ -206,7 +212,8 @@ class Inference:
         return out
 
     async def _run(self, groups: list[BackboneGroup], keys: list[str], texts: list[str],
-                   specs: Sequence[CreditSpec | None], deadline: float, gone: Gone | None) -> list[list[Scored]]:
+                   specs: Sequence[CreditSpec | None], deadline: float, gone: Gone | None,
+                   truncation: Truncation | None) -> list[list[Scored]]:
         """:meth:`run` on the heads ``keys[m]`` of ``groups[m]``."""
         by_group: dict[str, list[int]] = {}  # group -> the indices of its heads in ``keys``
         for m, group in enumerate(groups):
@@ -225,10 +232,14 @@ class Inference:
             planner = group.planner
             heads = [keys[m] for m in ms]
             with tracing.span("tokenize", **{"routing.backbone": name, "routing.texts": len(texts)}):
-                if sum(map(len, texts)) <= INLINE_CHARS:  # a thread hop would cost more than the tokenizing
-                    per_text = planner.encode(texts, heads)
-                else:
-                    per_text = await loop.run_in_executor(None, planner.encode, texts, heads)
+                try:
+                    if sum(map(len, texts)) <= INLINE_CHARS:  # a thread hop would cost more than the tokenizing
+                        per_text = planner.encode(texts, heads, truncation)
+                    else:
+                        per_text = await loop.run_in_executor(None, planner.encode, texts, heads, truncation)
+                except BackboneError as e:  # a truncation the tokenizer cannot make
+                    raise APIError(422, str(e), details=[{"field": "truncate", "message": str(e),
+                                                          "type": "value_error"}]) from None
             jobs: list[TextJob] = []
             places: list[int] = []
             for t, by_length in enumerate(per_text):
@@ -317,22 +328,33 @@ class Inference:
                                ) from e
         return [t.result() for t in tasks]
 
+    async def score(self, model: str, texts: list[str], timeout_s: float | None = None, gone: Gone | None = None,
+                    truncation: Truncation | None = None) -> list[Scored]:
+        """Each text's answer from ``model``, scores only (the other APIs' routes shape them)."""
+        await self.require([model])  # brought in (and counted: once a request)
+        (scored,) = await self.run([model], texts, [None], self.deadline(timeout_s), gone, truncation)
+        return scored
+
     async def classify(self, models: Sequence[str], texts: list[str], explain: bool = False,
                        method: Method = "contribution", contrast: bool = True, timeout_s: float | None = None,
-                       gone: Gone | None = None) -> list[list[Body]]:
-        """Label and probabilities of each text on each model; with ``explain``, token credit of the predicted
-        label. Returns ``[model][text]`` bodies of :class:`~service.serving.api.schemas.ClassifyResult`."""
+                       gone: Gone | None = None, raw_scores: bool = False, truncation: Truncation | None = None
+                       ) -> list[list[Body]]:
+        """Label and probabilities (``raw_scores``: the head's logits) of each text on each model; with ``explain``,
+        token credit of the predicted label. Returns ``[model][text]`` bodies of
+        :class:`~service.serving.api.schemas.ClassifyResult`."""
         await self.require(models, count=False)  # the route has brought them in (and counted)
         until = self.deadline(timeout_s)
         specs = [self.credit_spec(m, method=method, contrast=contrast) if explain else None for m in models]
-        scored = await self.run(models, texts, specs, until, gone)
-        build = lambda: [[render.classify_result(s.result, s.tokens) for s in per] for per in scored]  # noqa: E731
+        scored = await self.run(models, texts, specs, until, gone, truncation)
+        build = lambda: [[render.classify_result(s.result, s.tokens, raw_scores) for s in per]  # noqa: E731
+                         for per in scored]
         with tracing.span("render", **{"routing.texts": len(texts)}):
             return build() if not explain else await render.off_loop(build)
 
     async def explain(self, models: Sequence[str], texts: list[str], target: Target = None,
                       method: Method = "contribution", contrast: bool = True, matrix: bool = False, phi: bool = False,
-                      timeout_s: float | None = None, gone: Gone | None = None) -> list[list[Body]]:
+                      timeout_s: float | None = None, gone: Gone | None = None, raw_scores: bool = False,
+                      truncation: Truncation | None = None) -> list[list[Body]]:
         """Credit per token, word, sentence and depth of the ``target`` label(s) of each text on each model
         (with several models, ``target`` is ``"all"`` or None: each model's own labels). Returns ``[model][text]``
         bodies of :class:`~service.serving.api.schemas.ExplainResult`."""
@@ -343,10 +365,10 @@ class Inference:
         await self.require(models, count=False)  # the route has brought them in (and counted)
         until = self.deadline(timeout_s)
         specs = [self.credit_spec(m, target, method, contrast, "full", matrix, phi) for m in models]
-        scored = await self.run(models, texts, specs, until, gone)
+        scored = await self.run(models, texts, specs, until, gone, truncation)
         with tracing.span("render", **{"routing.texts": len(texts)}):
             return await render.off_loop(lambda: [[render.explain_result(s.result, s.text, s.tokens or [],
-                                                                         s.encoding.word_ids) for s in per]
+                                                                         s.encoding.word_ids, raw_scores) for s in per]
                                                   for per in scored])
 
 

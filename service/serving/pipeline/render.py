@@ -36,20 +36,35 @@ def predicted(credit: Credit, tokens: list[TokenSpan]) -> Body:
                        for tok, c in zip(tokens, target.tokens, strict=True) if not tok.special]}
 
 
-def classify_result(res: Result, tokens: list[TokenSpan] | None = None) -> Body:
-    """Label and probabilities; with credit, the predicted label's token credit (``tokens``: the text's)
-    (:class:`~service.serving.api.schemas.ClassifyResult`)."""
+def scores(res: Result, raw: bool = False) -> dict[str, float]:
+    """Every label's probability, or (``raw``) the head's logit for it."""
+    return dict(zip(res.scores, res.logits, strict=True)) if raw else res.scores
+
+
+def _scored(res: Result, raw: bool) -> Body:
+    """The label, its score and every label's; a multi-label model's predicted labels too."""
+    every = scores(res, raw)
+    body = {"label": res.label, "score": every[res.label], "scores": every}
+    if res.labels is not None:
+        body["labels"] = res.labels
+    return body
+
+
+def classify_result(res: Result, tokens: list[TokenSpan] | None = None, raw: bool = False) -> Body:
+    """Label and probabilities (``raw``: logits); with credit, the predicted label's token credit (``tokens``: the
+    text's) (:class:`~service.serving.api.schemas.ClassifyResult`)."""
     explanation = None
     if res.credit is not None:
         if tokens is None:
             raise ValueError("a result with credit needs its tokens")
         explanation = predicted(res.credit, tokens)
-    return {"label": res.label, "score": res.scores[res.label], "scores": res.scores, "explanation": explanation}
+    return {**_scored(res, raw), "explanation": explanation}
 
 
-def explain_result(res: Result, text: str, tokens: list[TokenSpan], word_ids: tuple[int, ...] | list[int]) -> Body:
-    """Tokens, and per target credit per token, word, sentence and depth (plus matrix and phi)
-    (:class:`~service.serving.api.schemas.ExplainResult`)."""
+def explain_result(res: Result, text: str, tokens: list[TokenSpan], word_ids: tuple[int, ...] | list[int],
+                   raw: bool = False) -> Body:
+    """Tokens, and per target credit per token, word, sentence and depth (plus matrix and phi); probabilities or
+    (``raw``) logits (:class:`~service.serving.api.schemas.ExplainResult`)."""
     c = res.credit
     if c is None:
         raise ValueError("an explain result needs its credit")
@@ -66,7 +81,7 @@ def explain_result(res: Result, text: str, tokens: list[TokenSpan], word_ids: tu
                            "words": spans(words, views.span_credit(t.tokens, words)),
                            "sentences": spans(sents, views.span_credit(t.tokens, sents)), "depth": t.depth or []}
                  for t in c.targets}
-    return {"label": res.label, "score": res.scores[res.label], "scores": res.scores, "method": c.method,
+    return {**_scored(res, raw), "method": c.method,
             "contrast": c.contrast,
             "tokens": [{"token": t.token, "start": t.start, "end": t.end, "special": t.special} for t in tokens],
             "targets": [t.label for t in c.targets], "credit": by_target, "matrix": c.matrix, "phi": c.phi}

@@ -47,7 +47,7 @@ async def classify(request: Request, state: AppState, models: list[str], body: C
     """Each model's classify response for ``body`` (a :class:`ClassifyResponse`'s body)."""
     await state.inference.require(models)
     results = await state.inference.classify(models, body.inputs, body.explain, body.method, body.contrast,
-                                             body.timeout_s, client_gone(request))
+                                             body.timeout_s, client_gone(request), body.raw_scores, body.truncation())
     return [{"model": m, "results": r} for m, r in zip(models, results, strict=True)]
 
 
@@ -57,7 +57,8 @@ async def explain(request: Request, state: AppState, models: list[str], body: Ex
     await inf.require(models)
     labels = [inf.labels(m) for m in models]
     results = await inf.explain(models, body.inputs, body.target, body.method, body.contrast, body.include_matrix,
-                                body.include_phi, body.timeout_s, client_gone(request))
+                                body.include_phi, body.timeout_s, client_gone(request), body.raw_scores,
+                                body.truncation())
     return [{"model": m, "labels": ls, "results": r} for m, ls, r in zip(models, labels, results, strict=True)]
 
 

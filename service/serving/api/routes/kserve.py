@@ -12,7 +12,16 @@ from service.serving.api.errors import not_allowed
 from service.serving.api.responses import JSONBody
 from service.serving.api.routes import inference
 from service.serving.api.routes.deps import State, require_json, require_key
-from service.serving.api.schemas import ClassifyRequest, CreditOptions, ExplainRequest, ExplainResult, Labels, NonBlank
+from service.serving.api.schemas import (
+    ClassifyRequest,
+    ClassifyResult,
+    CreditOptions,
+    ExplainRequest,
+    ExplainResult,
+    Labels,
+    NonBlank,
+    ScoreOptions,
+)
 from service.serving.core.errors import APIError
 
 router = APIRouter(prefix="/v1", tags=["kserve v1"], dependencies=[Depends(require_key), Depends(require_json)],
@@ -29,7 +38,7 @@ class TextInstance(BaseModel):
 Instance = Annotated[NonBlank | TextInstance, Field(description='A text, or {"text": "..."}')]
 
 
-class PredictRequest(BaseModel):
+class PredictRequest(ScoreOptions):
     model_config = ConfigDict(extra="forbid")
     instances: list[Instance] = Field(min_length=1, examples=[["I love this!", {"text": "That was terrible."}]])
     timeout_s: StrictFloat | None = Field(None, ge=0.1, le=3600, description="Deadline in seconds (capped)")
@@ -47,6 +56,7 @@ class Prediction(BaseModel):
     label: str
     score: float
     scores: dict[str, float]
+    labels: list[str] | None = ClassifyResult.model_fields["labels"]
 
 
 class PredictResponse(BaseModel):
@@ -60,17 +70,18 @@ class ExplainInstancesResponse(BaseModel):
 @router.post("/models/{model}:predict", response_model=PredictResponse, summary="KServe V1 predict")
 async def predict(request: Request, state: State, model: str, body: PredictRequest) -> JSONBody:
     """The same as `/v1/models/{model}/classify` (without credit), in KServe V1's envelope."""
-    (res,) = await inference.classify(request, state, [model], ClassifyRequest(inputs=body.texts(),
-                                                                              timeout_s=body.timeout_s))
-    return JSONBody({"predictions": [{"label": r["label"], "score": r["score"], "scores": r["scores"]}
-                                     for r in res["results"]]})
+    req = ClassifyRequest(inputs=body.texts(), timeout_s=body.timeout_s, raw_scores=body.raw_scores,
+                          truncate=body.truncate, truncation_direction=body.truncation_direction)
+    (res,) = await inference.classify(request, state, [model], req)
+    return JSONBody({"predictions": [{k: v for k, v in r.items() if k != "explanation"} for r in res["results"]]})
 
 
 @router.post("/models/{model}:explain", response_model=ExplainInstancesResponse, summary="KServe V1 explain")
 async def explain(request: Request, state: State, model: str, body: ExplainInstancesRequest) -> JSONBody:
     """The same as `/v1/models/{model}/explain`, in KServe V1's envelope."""
     req = ExplainRequest(inputs=body.texts(), timeout_s=body.timeout_s, target=body.target, method=body.method,
-                         contrast=body.contrast)
+                         contrast=body.contrast, raw_scores=body.raw_scores, truncate=body.truncate,
+                         truncation_direction=body.truncation_direction)
     (res,) = await inference.explain(request, state, [model], req)
     return JSONBody({"explanations": res["results"]})
 

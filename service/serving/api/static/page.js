@@ -15,6 +15,11 @@ const EXAMPLES = {
     "The new handheld console will let gamers download films and music as well as play online. The company " +
       "said its software would be updated over broadband connections.",
   ],
+  "bbc-news-digests": [
+    "Chancellor unveils budget: the chancellor set out tax cuts for families ahead of the election. " +
+      "Arsenal beat Chelsea: the striker scored twice in the second half at Highbury.",
+    "Box office record for new film: the fantasy sequel took more in its first weekend than any film before it.",
+  ],
 };
 const GENERIC = ["This is a short example text.", "Another example, with two sentences. Here is the second."];
 const NEG = [178, 24, 43];

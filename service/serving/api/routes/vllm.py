@@ -1,0 +1,106 @@
+"""vLLM's classification API, ``POST /classify`` (at the root, as vLLM serves it; ``/v1/classify`` is this service's
+own), over the same pipeline and batcher as ``/v1``: ``model`` (absent: the default one), ``input`` (a text or a
+list), ``truncate_prompt_tokens`` (the last k tokens, special tokens included; -1: the model's chunk length),
+``use_activation`` (false: the logits). Fields vLLM accepts and this service has no use for (``user``,
+``priority``, ...) are ignored, as vLLM ignores the ones it does not know. Errors are vLLM's,
+``{"error": {"message", "type", "param", "code"}}`` (see :mod:`service.serving.api.errors`)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Request
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictInt, StringConstraints
+from pydantic_core import PydanticCustomError
+
+from service.modeling.encoding import Truncation
+from service.serving.api.responses import JSONBody
+from service.serving.api.routes.deps import State, client_gone, require_json, require_key
+from service.serving.api.schemas import json_kind
+from service.serving.pipeline.render import scores
+
+Text = Annotated[str, StringConstraints(min_length=1, pattern=r"\S")]
+
+
+def _input(value: Any) -> Any:
+    """``value`` when it is a text or a non-empty list of texts, else one clear error (not one per union branch)."""
+    texts = value if isinstance(value, list) else [value]
+    bad = next((k for k, v in enumerate(texts) if not isinstance(v, str)), None)
+    if not texts or bad is not None:
+        raise PydanticCustomError("vllm_input", "a text or a list of texts; got {got}",
+                                  {"got": "an empty list" if not texts else json_kind(value) if not isinstance(
+                                      value, list) else f"item {bad}: {json_kind(texts[bad])}"})
+    return value
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: int
+
+
+class VLLMError(BaseModel):
+    error: ErrorInfo
+
+
+router = APIRouter(tags=["vllm"], dependencies=[Depends(require_key), Depends(require_json)],
+                   responses={s: {"model": VLLMError} for s in (400, 401, 404, 413, 415, 503, 504)})
+
+
+class ClassificationRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = Field(None, description="The model (absent: the default one)")
+    input: Annotated[Text | Annotated[list[Text], Field(min_length=1)], BeforeValidator(_input)] = Field(
+        description="A text, or a list of texts", examples=[["I love this!"]])
+    truncate_prompt_tokens: StrictInt | None = Field(
+        None, ge=-1, description="Keep only the last k tokens of a text (special tokens included); -1: the model's "
+        "chunk length. Absent: a long text is read whole, in chunks")
+    use_activation: StrictBool | None = Field(None, description="false: the logits in `probs` (default: "
+                                              "probabilities, the model's softmax or sigmoid)")
+
+    def truncation(self) -> Truncation | None:
+        k = self.truncate_prompt_tokens
+        return None if k is None else Truncation("left", None if k == -1 else k)
+
+
+class ClassificationData(BaseModel):
+    index: int
+    label: str
+    probs: list[float]
+    num_classes: int
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+    completion_tokens: int = 0
+    prompt_tokens_details: dict[str, Any] | None = None
+
+
+class ClassificationResponse(BaseModel):
+    id: str
+    object: str = "list"
+    created: int
+    model: str
+    data: list[ClassificationData]
+    usage: Usage
+
+
+@router.post("/classify", response_model=ClassificationResponse, summary="vLLM classify")
+async def classify(request: Request, state: State, body: ClassificationRequest) -> JSONBody:
+    """vLLM's `/classify`: each text's label and every label's probability (the logits with `use_activation`
+    false), in the model's label order, and the tokens read."""
+    model = body.model or state.default()
+    texts = [body.input] if isinstance(body.input, str) else body.input
+    scored = await state.inference.score(model, texts, None, client_gone(request), body.truncation())
+    raw = body.use_activation is False
+    data = [{"index": k, "label": s.result.label, "probs": list(scores(s.result, raw).values()),
+             "num_classes": len(s.result.scores)} for k, s in enumerate(scored)]
+    tokens = sum(s.encoding.n_tokens for s in scored)
+    return JSONBody({"id": f"classify-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
+                     "model": model, "data": data,
+                     "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0,
+                               "prompt_tokens_details": None}})

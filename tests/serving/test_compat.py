@@ -1,0 +1,342 @@
+"""The clients people already have: TEI's ``/predict`` and ``/info``, Hugging Face's ``POST /`` (through
+``huggingface_hub.InferenceClient`` itself), vLLM's ``/classify``; raw scores and truncation on every API; a
+multi-label head served on every API. Scores are checked against ``/v1/classify``'s for the same text and model."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import tritonclient.http as triton_http
+from huggingface_hub import InferenceClient
+
+from tests.conftest import edit_manifest, write_tiny_model
+from tests.serving.server import Server, metric, running
+
+WORDS = ["one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven", "twelve",
+         "thirteen", "fourteen", "fifteen", "sixteen", "seventeen", "eighteen", "nineteen", "twenty"]
+LONG = " ".join(WORDS)  # 20 tokens; the tiny models read 14 a chunk (16 with [CLS] and [SEP])
+TEXTS = ["a short text", "another text that is somewhat longer than the first one"]
+THRESHOLDS = [0.4, 0.5, 0.6]
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory: pytest.TempPathFactory, tiny_backbone_dir: Path) -> Path:
+    """The tiny model, and a multi-label one on the same backbone (its heads share batches with the tiny one's)."""
+    repo = tmp_path_factory.mktemp("repo-compat")
+    write_tiny_model(repo, tiny_backbone_dir)
+    multi = write_tiny_model(repo, tiny_backbone_dir, name="tiny-multi", seed=3)
+    edit_manifest(multi, problem_type="multi_label_classification", thresholds=THRESHOLDS)
+    return repo
+
+
+@pytest.fixture(scope="module")
+def server(repo: Path, logs: Path) -> Iterator[Server]:
+    yield from running(logs, model_repository=repo, default_model="tiny", max_inputs=8, max_wait_ms=150)
+
+
+def v1(server: Server, text: str, model: str = "tiny", **options: object) -> dict:
+    r = httpx.post(f"{server.url}/v1/models/{model}/classify", json={"inputs": [text], **options})
+    assert r.status_code == 200, r.text
+    return r.json()["results"][0]
+
+
+def as_dict(ranked: list[dict]) -> dict[str, float]:
+    return {item["label"]: item["score"] for item in ranked}
+
+
+def close(got: dict[str, float], want: dict[str, float], tol: float = 1e-6) -> None:
+    assert got.keys() == want.keys()
+    assert max(abs(got[k] - want[k]) for k in want) <= tol, (got, want)
+
+
+# --- TEI ---
+
+def test_tei_predict_one_text_and_a_batch_sorted_equal_v1(server: Server) -> None:
+    one = httpx.post(f"{server.url}/predict", json={"inputs": TEXTS[0]})
+    assert one.status_code == 200, one.text
+    ranked = one.json()
+    assert [set(x) for x in ranked] == [{"score", "label"}] * 3
+    assert [x["score"] for x in ranked] == sorted((x["score"] for x in ranked), reverse=True)  # highest first
+    close(as_dict(ranked), v1(server, TEXTS[0])["scores"])
+    batch = httpx.post(f"{server.url}/predict", json={"inputs": [[t] for t in TEXTS]}).json()
+    assert len(batch) == 2
+    for text, got in zip(TEXTS, batch, strict=True):
+        close(as_dict(got), v1(server, text)["scores"])
+    raw = httpx.post(f"{server.url}/predict", json={"inputs": TEXTS[1], "raw_scores": True}).json()
+    close(as_dict(raw), v1(server, TEXTS[1], raw_scores=True)["scores"])
+    assert abs(sum(as_dict(raw).values()) - 1) > 1e-3  # logits, not probabilities
+
+
+def test_tei_model_by_path_and_by_header(server: Server) -> None:
+    want = v1(server, TEXTS[0], "tiny-multi")["scores"]
+    by_path = httpx.post(f"{server.url}/models/tiny-multi/predict", json={"inputs": TEXTS[0]}).json()
+    by_header = httpx.post(f"{server.url}/predict", json={"inputs": TEXTS[0]}, headers={"X-Model": "tiny-multi"})
+    close(as_dict(by_path), want)
+    close(as_dict(by_header.json()), want)
+
+
+def test_tei_truncation_keeps_the_side_asked(server: Server) -> None:
+    first, last = " ".join(WORDS[:14]), " ".join(WORDS[-14:])
+    right = httpx.post(f"{server.url}/predict", json={"inputs": LONG, "truncate": True}).json()
+    left = httpx.post(f"{server.url}/predict", json={"inputs": LONG, "truncate": True,
+                                                     "truncation_direction": "Left"}).json()
+    close(as_dict(right), v1(server, first)["scores"])
+    close(as_dict(left), v1(server, last)["scores"])
+    whole = as_dict(httpx.post(f"{server.url}/predict", json={"inputs": LONG}).json())
+    close(whole, v1(server, LONG)["scores"])  # without truncate, read whole in chunks as /v1 reads it
+    assert max(abs(whole[k] - as_dict(right)[k]) for k in whole) > 1e-6
+    close(v1(server, LONG, truncate=True, truncation_direction="left")["scores"], as_dict(left))  # /v1 too
+
+
+def test_tei_info_describes_the_model(server: Server) -> None:
+    info = httpx.get(f"{server.url}/info").json()
+    assert info["model_id"] == "tiny" and info["model_dtype"] == "float32" and info["max_input_length"] == 16
+    labels = httpx.get(f"{server.url}/v1/models/tiny").json()["labels"]
+    assert info["model_type"]["classifier"] == {"id2label": {str(k): v for k, v in enumerate(labels)},
+                                                "label2id": {v: k for k, v in enumerate(labels)}}
+    assert info["max_client_batch_size"] == 8
+    assert httpx.get(f"{server.url}/info", headers={"X-Model": "tiny-multi"}).json()["model_id"] == "tiny-multi"
+
+
+@pytest.mark.parametrize(("body", "status", "kind", "says"), [
+    ({"inputs": ["query", "document"]}, 422, "Validation", "pair"),
+    ({"inputs": [["a", "b"], ["c"]]}, 422, "Validation", "item 0 is a pair"),
+    ({"inputs": 3}, 422, "Validation", "a number"),
+    ({"inputs": []}, 422, "Validation", "empty list"),
+    ({"inputs": "   "}, 422, "Validation", "empty"),
+    ({"inputs": ["a", "b", "c"]}, 422, "Validation", "one-text lists"),
+    ({"inputs": [[t] for t in "abcdefghi"]}, 413, "Validation", "too many inputs"),
+    ({"inputs": "x", "truncation_direction": "Up"}, 422, "Validation", "truncation_direction"),
+    ({"inputs": "x", "extra": 1}, 422, "Validation", "extra"),
+])
+def test_tei_errors_are_tei_shaped(server: Server, body: dict, status: int, kind: str, says: str) -> None:
+    r = httpx.post(f"{server.url}/predict", json=body)
+    assert r.status_code == status, r.text
+    assert r.json().keys() == {"error", "error_type"} and r.json()["error_type"] == kind
+    assert says in r.json()["error"]
+
+
+def test_tei_unknown_model_wrong_type_and_method(server: Server) -> None:
+    r = httpx.post(f"{server.url}/models/nope/predict", json={"inputs": "x"})
+    assert r.status_code == 404 and "nope" in r.json()["error"] and r.json()["error_type"] == "Validation"
+    r = httpx.post(f"{server.url}/predict", content=b"inputs=x", headers={"Content-Type": "text/plain"})
+    assert r.status_code == 415 and r.json()["error_type"] == "Validation"
+    r = httpx.get(f"{server.url}/predict")
+    assert r.status_code == 405 and set(r.json()) == {"error", "error_type"}
+    r = httpx.post(f"{server.url}/predict", content=b"{not json", headers={"Content-Type": "application/json"})
+    assert r.status_code == 422 and r.json()["error_type"] == "Validation"
+
+
+# --- Hugging Face's client ---
+
+def test_huggingface_inference_client(server: Server) -> None:
+    client = InferenceClient(base_url=server.url)
+    want = v1(server, TEXTS[0])
+    got = client.text_classification(TEXTS[0])
+    assert len(got) == 3  # every label (TEI's flat answer gives this client one)
+    close({e.label: e.score for e in got}, want["scores"])
+    assert got[0].label == want["label"]
+    (top,) = client.text_classification(TEXTS[0], top_k=1)
+    assert top.label == want["label"]
+    raw = v1(server, TEXTS[0], raw_scores=True)["scores"]
+    close({e.label: e.score for e in client.text_classification(TEXTS[0], function_to_apply="none")}, raw)
+    sig = {e.label: e.score for e in client.text_classification(TEXTS[0], function_to_apply="sigmoid")}
+    close(sig, {k: 1 / (1 + math.exp(-v)) for k, v in raw.items()})
+    soft = {e.label: e.score for e in client.text_classification(TEXTS[0], function_to_apply="softmax", top_k=2)}
+    assert len(soft) == 2 and all(abs(soft[k] - want["scores"][k]) <= 1e-6 for k in soft)
+    one = InferenceClient(base_url=f"{server.url}/models/tiny-multi")  # a model by its path
+    close({e.label: e.score for e in one.text_classification(TEXTS[1])}, v1(server, TEXTS[1], "tiny-multi")["scores"])
+
+
+def test_huggingface_route_errors(server: Server) -> None:
+    for body in ({"inputs": ""}, {"inputs": "x", "parameters": {"top_k": 0}},
+                 {"inputs": "x", "parameters": {"function_to_apply": "tanh"}}, {"text": "x"}):
+        r = httpx.post(f"{server.url}/", json=body)
+        assert r.status_code == 422 and r.json()["error_type"] == "Validation", (body, r.text)
+    r = httpx.post(f"{server.url}/models/nope", json={"inputs": "x"})
+    assert r.status_code == 404 and r.json()["error_type"] == "Validation"
+    assert httpx.get(f"{server.url}/").headers["content-type"].startswith("text/html")  # the page stays
+
+
+# --- vLLM ---
+
+def test_vllm_classify(server: Server) -> None:
+    r = httpx.post(f"{server.url}/classify", json={"model": "tiny", "input": TEXTS})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "list" and body["model"] == "tiny" and body["id"].startswith("classify-")
+    labels = httpx.get(f"{server.url}/v1/models/tiny").json()["labels"]
+    for k, (text, row) in enumerate(zip(TEXTS, body["data"], strict=True)):
+        want = v1(server, text)
+        assert row["index"] == k and row["label"] == want["label"] and row["num_classes"] == 3
+        close(dict(zip(labels, row["probs"], strict=True)), want["scores"])
+    tokens = [len(httpx.post(f"{server.url}/v1/explain", json={"inputs": [t]}).json()["results"][0]["tokens"])
+              for t in TEXTS]
+    assert body["usage"]["prompt_tokens"] == body["usage"]["total_tokens"] == sum(tokens)
+    one = httpx.post(f"{server.url}/classify", json={"input": TEXTS[0], "use_activation": False}).json()
+    close(dict(zip(labels, one["data"][0]["probs"], strict=True)), v1(server, TEXTS[0], raw_scores=True)["scores"])
+    cut = httpx.post(f"{server.url}/classify", json={"input": LONG, "truncate_prompt_tokens": 8}).json()
+    assert cut["usage"]["prompt_tokens"] == 8  # the last 6 words, [CLS] and [SEP]
+    close(dict(zip(labels, cut["data"][0]["probs"], strict=True)), v1(server, " ".join(WORDS[-6:]))["scores"])
+    whole = httpx.post(f"{server.url}/classify", json={"input": LONG, "truncate_prompt_tokens": -1}).json()
+    assert whole["usage"]["prompt_tokens"] == 16
+
+
+@pytest.mark.parametrize(("body", "status", "says"), [
+    ({"input": 3}, 400, "a text or a list of texts"),
+    ({"input": []}, 400, "empty list"),
+    ({"input": ["x", None]}, 400, "item 1"),
+    ({"model": "nope", "input": "x"}, 404, "nope"),
+    ({"input": "x", "truncate_prompt_tokens": 2}, 400, "no room"),
+    ({"input": "x", "truncate_prompt_tokens": -2}, 400, "truncate_prompt_tokens"),
+    ({"input": ["x"] * 9}, 413, "too many inputs"),
+])
+def test_vllm_errors_are_vllm_shaped(server: Server, body: dict, status: int, says: str) -> None:
+    r = httpx.post(f"{server.url}/classify", json=body)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error.keys() == {"message", "type", "param", "code"} and error["code"] == status
+    assert error["type"] == {400: "BadRequestError", 404: "NotFoundError", 413: "RequestEntityTooLargeError"}[status]
+    assert says in error["message"]
+
+
+# --- one batcher, metrics, documentation ---
+
+@pytest.mark.parametrize(("path", "body"), [("/predict", {"inputs": "from tei"}),
+                                          ("/classify", {"input": "from vllm"})])
+def test_a_tei_or_vllm_and_a_v1_text_sent_together_share_a_batch(server: Server, path: str, body: dict) -> None:
+    bb = "tiny-bert@random"
+    page = httpx.get(f"{server.url}/metrics").text
+    batches, chunks = (metric(page, f"routing_batch_size_{s}", backbone=bb) for s in ("count", "sum"))
+
+    async def both() -> None:
+        async with httpx.AsyncClient(base_url=server.url) as http:
+            other, ours = await asyncio.gather(http.post(path, json=body),
+                                               http.post("/v1/classify", json={"inputs": ["from v1"]}))
+            assert [r.status_code for r in (other, ours)] == [200] * 2
+
+    asyncio.run(both())  # the server waits up to 150 ms for a batch to fill: both texts arrive within it
+    page = httpx.get(f"{server.url}/metrics").text
+    assert metric(page, "routing_batch_size_count", backbone=bb) == batches + 1
+    assert metric(page, "routing_batch_size_sum", backbone=bb) == chunks + 2
+
+
+def test_metrics_count_the_new_routes_as_v1(server: Server) -> None:
+    def counted(endpoint: str, status: str) -> float:
+        return metric(httpx.get(f"{server.url}/metrics").text, "routing_requests_total", endpoint=endpoint,
+                      status=status)
+
+    cases = [("/predict", {"inputs": "x"}, "200"), ("/predict", {"inputs": ["a", "b"]}, "422"),
+             ("/classify", {"input": "x"}, "200"), ("/classify", {"input": 1}, "400"), ("/", {"inputs": "x"}, "200")]
+    for path, body, status in cases:
+        before = counted(path, status)
+        assert str(httpx.post(f"{server.url}{path}", json=body).status_code) == status
+        assert counted(path, status) == before + 1, (path, status)
+
+
+def test_openapi_documents_the_new_routes(server: Server) -> None:
+    paths = httpx.get(f"{server.url}/openapi.json").json()["paths"]
+    for path in ("/predict", "/models/{model}/predict", "/info", "/classify", "/", "/models/{model}"):
+        assert path in paths, path
+    assert "424" in paths["/predict"]["post"]["responses"] and "400" in paths["/classify"]["post"]["responses"]
+    props = httpx.get(f"{server.url}/openapi.json").json()["components"]["schemas"]["ClassifyRequest"]["properties"]
+    assert {"raw_scores", "truncate", "truncation_direction"} <= set(props)
+
+
+# --- raw scores and truncation on the other protocols ---
+
+def test_oip_and_kserve_raw_scores_and_truncation(server: Server) -> None:
+    client = triton_http.InferenceServerClient(server.url.removeprefix("http://"))
+    labels = httpx.get(f"{server.url}/v1/models/tiny").json()["labels"]
+
+    def infer(text: str, **parameters: object) -> np.ndarray:
+        inp = triton_http.InferInput("text", [1], "BYTES")
+        inp.set_data_from_numpy(np.array([text.encode()], dtype=object))
+        return client.infer("tiny", [inp], parameters=parameters or None).as_numpy("probabilities")[0]
+
+    close(dict(zip(labels, infer(TEXTS[0], raw_scores=True).tolist(), strict=True)),
+          v1(server, TEXTS[0], raw_scores=True)["scores"], 1e-5)
+    close(dict(zip(labels, infer(LONG, truncate=True, truncation_direction="left").tolist(), strict=True)),
+          v1(server, " ".join(WORDS[-14:]))["scores"], 1e-5)
+    bad = httpx.post(f"{server.url}/v2/models/tiny/infer", json={
+        "inputs": [{"name": "text", "datatype": "BYTES", "shape": [1], "data": ["x"]}],
+        "parameters": {"raw_scores": "yes"}})
+    assert bad.status_code == 422 and bad.json() == {"error": "parameters.raw_scores must be a bool"}
+    pred = httpx.post(f"{server.url}/v1/models/tiny:predict", json={"instances": [LONG], "raw_scores": True,
+                                                                    "truncate": True}).json()["predictions"][0]
+    close(pred["scores"], v1(server, " ".join(WORDS[:14]), raw_scores=True)["scores"])
+
+
+# --- a multi-label head on every API ---
+
+def sigmoid(x: float) -> float:
+    return 1 / (1 + math.exp(-x))
+
+
+def test_a_multi_label_model_answers_independent_probabilities_everywhere(server: Server) -> None:
+    assert httpx.get(f"{server.url}/v1/models/tiny-multi").json()["problem_type"] == "multi_label_classification"
+    assert httpx.get(f"{server.url}/v1/models/tiny").json()["problem_type"] == "single_label_classification"
+    for text in [*TEXTS, LONG]:
+        got, raw = v1(server, text, "tiny-multi"), v1(server, text, "tiny-multi", raw_scores=True)["scores"]
+        close(got["scores"], {k: sigmoid(v) for k, v in raw.items()})
+        assert got["labels"] == [k for k, t in zip(got["scores"], THRESHOLDS, strict=True) if got["scores"][k] >= t]
+        assert got["label"] == max(got["scores"], key=got["scores"].__getitem__)
+        assert "labels" not in v1(server, text)  # a single-label model's answer is as before
+        close(as_dict(httpx.post(f"{server.url}/models/tiny-multi/predict", json={"inputs": text}).json()),
+              got["scores"])
+        vllm = httpx.post(f"{server.url}/classify", json={"model": "tiny-multi", "input": text}).json()
+        close(dict(zip(got["scores"], vllm["data"][0]["probs"], strict=True)), got["scores"])
+        kserve = httpx.post(f"{server.url}/v1/models/tiny-multi:predict", json={"instances": [text]}).json()
+        assert kserve["predictions"][0]["labels"] == got["labels"]
+        close(kserve["predictions"][0]["scores"], got["scores"])
+    assert any(abs(sum(v1(server, t, "tiny-multi")["scores"].values()) - 1) > 1e-3 for t in TEXTS)
+
+
+def test_a_multi_label_models_credit_splits_each_labels_own_logit(server: Server) -> None:
+    body = {"inputs": [TEXTS[1]], "target": "all"}  # contrast (the default) does not apply to a multi-label head
+    r = httpx.post(f"{server.url}/v1/models/tiny-multi/explain", json=body)
+    assert r.status_code == 200, r.text
+    res = r.json()["results"][0]
+    raw = v1(server, TEXTS[1], "tiny-multi", raw_scores=True)["scores"]
+    assert res["contrast"] is False
+    for label, c in res["credit"].items():
+        assert abs(sum(c["tokens"]) + c["baseline"] - c["logit"]) <= 1e-4
+        assert abs(c["logit"] - raw[label]) <= 1e-4  # the label's own logit, not a contrast of labels
+    assert res["labels"] == v1(server, TEXTS[1], "tiny-multi")["labels"]
+
+
+def test_the_same_answers_from_two_fronts(server: Server, repo: Path, logs: Path) -> None:
+    """Behind two fronts (the engine host computes; the wire carries the logits and a multi-label head's labels)
+    every one of these APIs answers as one front does."""
+    calls = [("/predict", {"inputs": [[t] for t in TEXTS], "raw_scores": True}, {}),
+             ("/models/tiny-multi/predict", {"inputs": LONG, "truncate": True}, {}),
+             ("/", {"inputs": TEXTS[0], "parameters": {"function_to_apply": "sigmoid"}}, {"X-Model": "tiny-multi"}),
+             ("/v1/models/tiny-multi/classify", {"inputs": TEXTS}, {}),
+             ("/v1/models/tiny-multi:predict", {"instances": TEXTS, "raw_scores": True}, {})]
+
+    def answers(s: Server) -> list[object]:
+        got = []
+        for path, body, headers in calls:
+            r = httpx.post(f"{s.url}{path}", json=body, headers=headers)
+            assert r.status_code == 200, (path, r.text)
+            got.append(r.json())
+        vllm = httpx.post(f"{s.url}/classify", json={"model": "tiny-multi", "input": TEXTS}).json()
+        return [*got, vllm["data"], vllm["usage"]]
+
+    def near(a: object, b: object) -> bool:
+        if isinstance(a, float) and isinstance(b, float):
+            return abs(a - b) <= 1e-5
+        if isinstance(a, dict) and isinstance(b, dict):
+            return a.keys() == b.keys() and all(near(a[k], b[k]) for k in a)
+        if isinstance(a, list) and isinstance(b, list):
+            return len(a) == len(b) and all(near(x, y) for x, y in zip(a, b, strict=True))
+        return a == b
+
+    for two in running(logs, model_repository=repo, default_model="tiny", max_inputs=8, workers=2):
+        assert near(answers(two), answers(server))
