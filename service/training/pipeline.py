@@ -26,14 +26,16 @@ from service.modeling.repository import (
     save_model,
     write_manifest,
 )
-from service.training.data import Dataset, DatasetError, make_dataset, preset_path, read_examples
+from service.training.data import Dataset, DatasetError, Split, make_dataset, preset_dataset, read_examples
 from service.training.features import Features, extract
 from service.training.search import search as search_grid
 from service.training.trainer import (
     SIGNIFICANCE,
     TrainConfig,
     compare,
+    evaluate_multi_label,
     logistic_probe,
+    multi_label_probe,
     predict_features,
     train_head,
 )
@@ -51,19 +53,21 @@ class DataSpec:
     text_column: str = "text"
     label_column: str = "label"
     encoding: str = "utf-8"
+    separator: str | None = None
+    """Multi-label: the separator of a text's labels in the label column (None: one label a text)."""
 
     def load(self) -> Dataset:
         if self.preset:
-            path, opts = preset_path(self.preset)
-            return make_dataset(read_examples(path, **opts), f"preset:{self.preset}")
+            return preset_dataset(self.preset)
         if self.path is None:
             raise ValueError("give a preset or a data path")
         pairs = read_examples(self.path, self.text_column, self.label_column, self.encoding)
-        return make_dataset(pairs, str(self.path))
+        return make_dataset(pairs, str(self.path), self.separator)
 
     def as_dict(self) -> dict[str, Any]:
         return {"preset": self.preset, "path": str(self.path) if self.path else None,
-                "text_column": self.text_column, "label_column": self.label_column, "encoding": self.encoding}
+                "text_column": self.text_column, "label_column": self.label_column, "encoding": self.encoding,
+                **({"label_separator": self.separator} if self.separator is not None else {})}
 
 
 def train_sample(ds: Dataset, max_train: int | None, seed: int) -> list[int]:
@@ -77,10 +81,13 @@ def train_sample(ds: Dataset, max_train: int | None, seed: int) -> list[int]:
 RARE = 5  # fewer training texts than this for a label: its scores are unreliable, and the user is told
 
 
-def rare_labels(ds: Dataset, y_train: list[int]) -> list[str]:
-    """A line for each label with fewer than ``RARE`` training texts (``y_train``: the labels of those used)."""
-    train = collections.Counter(y_train)
-    val, test = collections.Counter(ds.validation.labels), collections.Counter(ds.test.labels)
+def rare_labels(ds: Dataset, train_idx: list[int]) -> list[str]:
+    """A line for each label with fewer than ``RARE`` training texts (``train_idx``: those used)."""
+    def count(split: Split, idx: list[int] | None = None) -> collections.Counter[int]:
+        sets = split.sets if split.sets is not None else [(k,) for k in split.labels]
+        return collections.Counter(k for t in (idx if idx is not None else range(len(sets))) for k in sets[t])
+
+    train, val, test = count(ds.train, train_idx), count(ds.validation), count(ds.test)
     return [f"label {label!r} has {train[k]} training text{'s' * (train[k] != 1)} ({val[k]} validation, {test[k]} "
             f"test): the head can hardly learn it; add examples" for k, label in enumerate(ds.labels)
             if train[k] < RARE]
@@ -120,7 +127,7 @@ def train_model(name: str, data: DataSpec, out_dir: Path, backbone_source: str =
                if n]
     if dropped:
         print(f"{name}: dropped {', '.join(dropped)}", flush=True)
-    for warning in rare_labels(ds, y_train):
+    for warning in rare_labels(ds, train_idx):
         print(f"warning: {warning}", file=sys.stderr, flush=True)
 
     backbone = Backbone(backbone_source, max_length=max_length, device=dev, dtype=dt)
@@ -135,10 +142,16 @@ def train_model(name: str, data: DataSpec, out_dir: Path, backbone_source: str =
         return RoutingHead(backbone.d_depth, backbone.d_emb, len(ds.labels), n_hid=n_hid, d_hid=d_hid,
                            n_iters=n_iters)
 
+    k = len(ds.labels)
+    targets, val_targets = ((ds.train.targets(k)[train_idx], ds.validation.targets(k)) if ds.multi_label else
+                            (y_train, ds.validation.labels))
     if search:
+        if ds.multi_label:
+            raise DatasetError("--search trains single-label heads only (its grid is chosen on accuracy); train a "
+                               "multi-label head without it")
         head, summary = search_grid(make_head, f_train, y_train, f_val, ds.validation.labels, cfg, dev)
     else:
-        head, summary = train_head(make_head(), f_train, y_train, f_val, ds.validation.labels, cfg, dev)
+        head, summary = train_head(make_head(), f_train, targets, f_val, val_targets, cfg, dev)
 
     label, package = BACKBONE_NAMES.get(backbone_source, (backbone_source, "local"))
     manifest = Manifest(
@@ -147,6 +160,7 @@ def train_model(name: str, data: DataSpec, out_dir: Path, backbone_source: str =
                               d_depth=backbone.d_depth, d_emb=backbone.d_emb),
         head=HeadSpec(n_hid=n_hid, d_hid=head.d_hid, n_iters=n_iters),
         max_length=backbone.max_length,
+        problem_type="multi_label_classification" if ds.multi_label else "single_label_classification",
         training={**summary, "data": {**ds.describe(), **data.as_dict(), "n_train_used": len(train_idx),
                                       "max_train": max_train},
                   "feature_seconds": round(feature_seconds, 1), "device": str(dev),
@@ -154,12 +168,13 @@ def train_model(name: str, data: DataSpec, out_dir: Path, backbone_source: str =
     )
     folder = out_dir / name
     try:
-        evaluation = evaluate_features(head, ds, f_train, y_train, f_val, f_test, dev)
+        evaluation = evaluate_features(head, ds, f_train, train_idx, f_val, f_test, dev)
     except Exception:  # the trained head is kept all the same; `routing-service evaluate` adds the evaluation later
         save_model(folder, manifest, head)
         print(f"{name}: evaluation failed; the head is written to {folder} without it", file=sys.stderr, flush=True)
         raise
     manifest.evaluation = evaluation
+    manifest.thresholds = evaluation.get("thresholds")
     manifest.training["wall_seconds"] = round(time.time() - t_start, 1)
     save_model(folder, manifest, head)  # once, complete: a server watching the repository loads it once
     _print_evaluation(name, evaluation)
@@ -167,12 +182,21 @@ def train_model(name: str, data: DataSpec, out_dir: Path, backbone_source: str =
     return folder
 
 
-def evaluate_features(head: RoutingHead, ds: Dataset, f_train: Features, y_train: list[int], f_val: Features,
+def evaluate_features(head: RoutingHead, ds: Dataset, f_train: Features, train_idx: list[int], f_val: Features,
                       f_test: Features, device: torch.device | None = None) -> dict[str, Any]:
     """Head metrics on the test split (the head run on ``device``, default where it is) beside two linear probes'
     (mean-pooled last layer: ``baseline``; every layer: ``probe_all_layers``), the margins, and McNemar's test of
-    the head against the all-layer probe."""
+    the head against the all-layer probe. A multi-label head: its thresholds chosen on validation, its micro- and
+    macro-F1 beside a probe's (:func:`~service.training.trainer.evaluate_multi_label`)."""
     n = len(ds.labels)
+    if ds.multi_label:
+        y_val, y_test = ds.validation.targets(n), ds.test.targets(n)
+        probe = multi_label_probe(f_train, ds.train.targets(n)[train_idx], f_val, y_val, f_test, y_test)
+        evaluation = evaluate_multi_label(head.to(device) if device else head, f_val, y_val, f_test, y_test, probe,
+                                          device)
+        head.cpu()
+        return evaluation
+    y_train = [ds.train.labels[k] for k in train_idx]
     head_pred = predict_features(head.to(device) if device else head, f_test).argmax(1).tolist()
     head.cpu()
     probes = {layers: logistic_probe(f_train, y_train, f_val, ds.validation.labels, f_test, ds.test.labels, n, layers)
@@ -195,7 +219,7 @@ def evaluate_model(folder: Path, cache: Path | None = None, max_train: int | Non
     d = manifest.training.get("data", {})
     spec = DataSpec(preset=d.get("preset"), path=Path(d["path"]) if d.get("path") else None,
                     text_column=d.get("text_column", "text"), label_column=d.get("label_column", "label"),
-                    encoding=d.get("encoding", "utf-8"))
+                    encoding=d.get("encoding", "utf-8"), separator=d.get("label_separator"))
     if data is not None:
         if spec.preset:
             raise DatasetError(f"{folder.name} was trained on the bundled preset {spec.preset!r}; --data is for a "
@@ -222,14 +246,22 @@ def evaluate_model(folder: Path, cache: Path | None = None, max_train: int | Non
     backbone = Backbone(manifest.backbone.source, max_length=manifest.max_length, device=dev,
                         dtype=resolve_dtype(dtype, dev))
     f_train, f_val, f_test = split_features(backbone, manifest.backbone.source, ds, train_idx, cache)
-    evaluation = evaluate_features(head, ds, f_train, [ds.train.labels[k] for k in train_idx], f_val, f_test, dev)
+    evaluation = evaluate_features(head, ds, f_train, train_idx, f_val, f_test, dev)
     manifest.evaluation = evaluation
+    manifest.thresholds = evaluation.get("thresholds")
     write_manifest(folder, manifest)
     _print_evaluation(manifest.name, evaluation)
     return evaluation
 
 
 def _print_evaluation(name: str, ev: dict[str, Any]) -> None:
+    if "thresholds" in ev:  # multi-label
+        h, a = ev["head"], ev["probe_all_layers"]["test"]
+        print(f"{name} (test, n={h['n']}): routing head micro-F1 {h['micro_f1']:.4f} macro-F1 {h['macro_f1']:.4f} "
+              f"(all labels right on {h['exact_match']:.1%} of texts) | per-label probe {a['micro_f1']:.4f} / "
+              f"{a['macro_f1']:.4f}: margin {ev['margin_micro_f1']:+.4f}; thresholds (chosen on validation) "
+              f"{ev['thresholds']}", flush=True)
+        return
     h, b, a, c = ev["head"], ev["baseline"]["test"], ev["probe_all_layers"]["test"], ev["comparison"]
     print(f"{name} (test, n={h['n']}): routing head accuracy {h['accuracy']:.4f} macro-F1 {h['macro_f1']:.4f} | "
           f"last-layer probe {b['accuracy']:.4f} / {b['macro_f1']:.4f} | all-layer probe {a['accuracy']:.4f} / "

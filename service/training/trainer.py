@@ -88,8 +88,9 @@ def mixup(hidden: torch.Tensor, pad: torch.Tensor, y: torch.Tensor, alpha: float
 
 @torch.no_grad()
 def predict_features(head: RoutingHead, feats: Features, batch_size: int = 64, max_positions: int = 16384,
-                     device: torch.device | None = None) -> np.ndarray:
-    """Class probabilities ``[T, k]`` for cached features, computed on ``device`` (default: where ``head`` is)."""
+                     device: torch.device | None = None, multi_label: bool = False) -> np.ndarray:
+    """Class probabilities ``[T, k]`` for cached features (a softmax; ``multi_label``: a sigmoid each), computed on
+    ``device`` (default: where ``head`` is)."""
     head.eval()
     device = device or next(head.parameters()).device
     lengths = feats.lengths()
@@ -97,7 +98,8 @@ def predict_features(head: RoutingHead, feats: Features, batch_size: int = 64, m
     probs = np.zeros((len(feats), head.n_classes), dtype=np.float32)
     for idx in budget_batches(order, lengths, batch_size, max_positions):
         hidden, pad = pad_batch(feats, idx)  # [b n e d], [b n]
-        probs[idx] = head(hidden.to(device), pad.to(device)).scores.softmax(-1).cpu().numpy()  # [b k]
+        scores = head(hidden.to(device), pad.to(device)).scores  # [b k]
+        probs[idx] = (scores.sigmoid() if multi_label else scores.softmax(-1)).cpu().numpy()  # [b k]
     return probs
 
 
@@ -106,6 +108,40 @@ def validation_scores(probs: np.ndarray, y: list[int]) -> tuple[float, float]:
     y_arr = np.asarray(y)
     p_true = probs[np.arange(len(y_arr)), y_arr]  # [T]
     return float((probs.argmax(1) == y_arr).mean()), float(-np.log(np.clip(p_true, 1e-12, None)).mean())
+
+
+def multi_label_scores(probs: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+    """Micro-F1 at a threshold of 0.5 and mean binary cross-entropy (per text and label) of probabilities ``[T, k]``
+    against multi-hot targets ``y [T, k]``."""
+    p = np.clip(probs, 1e-7, 1 - 1e-7)
+    loss = float(-(y * np.log(p) + (1 - y) * np.log(1 - p)).mean())
+    return f1_scores(y, probs >= 0.5)["micro_f1"], loss
+
+
+def f1_scores(y: np.ndarray, predicted: np.ndarray) -> dict[str, Any]:
+    """Micro- and macro-F1 of multi-label predictions ``[T, k]`` (bool) against targets ``y [T, k]``, each label's
+    F1, and the share of texts whose labels are all right."""
+    y, predicted = y.astype(bool), predicted.astype(bool)
+    tp, fp, fn = ((y & predicted).sum(0), (~y & predicted).sum(0), (y & ~predicted).sum(0))  # [k] each
+    per_label = [0.0 if t == 0 else float(2 * t / (2 * t + f + n)) for t, f, n in zip(tp, fp, fn, strict=True)]
+    micro = 0.0 if tp.sum() == 0 else float(2 * tp.sum() / (2 * tp.sum() + fp.sum() + fn.sum()))
+    return {"n": len(y), "micro_f1": micro, "macro_f1": float(np.mean(per_label)), "per_label_f1": per_label,
+            "exact_match": float((y == predicted).all(1).mean())}
+
+
+THRESHOLDS = np.round(np.arange(0.05, 0.96, 0.05), 2)
+"""The thresholds a multi-label model's labels are chosen among (on validation)."""
+
+
+def choose_thresholds(probs: np.ndarray, y: np.ndarray) -> list[float]:
+    """Each label's threshold of :data:`THRESHOLDS` with the best F1 on ``probs [T, k]`` against ``y [T, k]`` (the
+    middle one of equals), the threshold over which the label is predicted."""
+    chosen = []
+    for k in range(y.shape[1]):
+        f1 = [f1_scores(y[:, k : k + 1], probs[:, k : k + 1] >= t)["micro_f1"] for t in THRESHOLDS]
+        best = [t for t, f in zip(THRESHOLDS, f1, strict=True) if f == max(f1)]
+        chosen.append(float(best[len(best) // 2]))
+    return chosen
 
 
 def improves(acc: float, loss: float, best: tuple[float, float] | None, select: str = "loss") -> bool:
@@ -149,12 +185,14 @@ class Training:
     """One head's training: one-cycle schedules run one after another on the same weights, optimizer state and moving
     average, validated as they go; the best checkpoint of all of them is kept (see :func:`train_head`)."""
 
-    def __init__(self, head: RoutingHead, train: Features, y_train: list[int], val: Features, y_val: list[int],
-                 cfg: TrainConfig, device: torch.device) -> None:
+    def __init__(self, head: RoutingHead, train: Features, y_train: list[int] | np.ndarray, val: Features,
+                 y_val: list[int] | np.ndarray, cfg: TrainConfig, device: torch.device) -> None:
         self.head, self.train, self.val, self.y_val, self.cfg, self.device = head, train, val, y_val, cfg, device
+        self.multi_label = isinstance(y_train, np.ndarray)  # multi-hot targets: a sigmoid per label
         self.rng = random.Random(cfg.seed)
         self.gen = torch.Generator().manual_seed(cfg.seed)
-        self.y_all = nn.functional.one_hot(torch.tensor(y_train), head.n_classes).float()  # [T k]
+        self.y_all = (torch.as_tensor(y_train, dtype=torch.float32) if isinstance(y_train, np.ndarray) else
+                      nn.functional.one_hot(torch.tensor(y_train), head.n_classes).float())  # [T k]
         self.lengths = train.lengths()  # [T]
         self.opt = torch.optim.RAdam(head.parameters(), lr=cfg.max_lr)
         # the weights validated and kept: the trained ones, or their exponential moving average
@@ -198,7 +236,9 @@ class Training:
             hidden, pad = pad_batch(self.train, idx, spans)  # [b n e d], [b n]
             hidden, pad, y = hidden.to(dev), pad.to(dev), self.y_all[idx].to(dev)  # [b n e d], [b n], [b k]
             hidden, pad, y = mixup(hidden, pad, y, cfg.mixup_alpha, self.gen)
-            loss = -(y * self.head(hidden, pad).scores.log_softmax(-1)).sum(-1).mean()  # []
+            scores = self.head(hidden, pad).scores  # [b k]
+            loss = (nn.functional.binary_cross_entropy_with_logits(scores, y) if self.multi_label else
+                    -(y * scores.log_softmax(-1)).sum(-1).mean())  # []
             self.opt.zero_grad(set_to_none=True)
             loss.backward()
             self.opt.step()
@@ -215,14 +255,19 @@ class Training:
         """Validate the current weights (or their average), keep them when :func:`improves` says so; True when
         ``patience`` validations in a row have not improved (and ``may_stop``)."""
         cfg = self.cfg
-        acc, val_loss = validation_scores(predict_features(self.validated, self.val, device=self.device), self.y_val)
+        probs = predict_features(self.validated, self.val, device=self.device, multi_label=self.multi_label)
+        if isinstance(self.y_val, np.ndarray):
+            acc, val_loss = multi_label_scores(probs, self.y_val)
+        else:
+            acc, val_loss = validation_scores(probs, self.y_val)
+        what = "val_micro_f1" if self.multi_label else "val_accuracy"  # micro-F1 at 0.5 where labels are several
         self.validations += 1
         self.head.train()
-        self.history.append({"epoch": self.epoch, "step": self.step, "train_loss": train_loss, "val_accuracy": acc,
-                            "val_loss": val_loss})
+        self.history.append({"epoch": self.epoch, "step": self.step, "train_loss": train_loss, what: acc,
+                             "val_loss": val_loss})
         print(f"step {self.step}/{self.planned} (epoch {self.epoch}): train loss {train_loss:.4f}, validation "
-              f"accuracy {acc:.4f}, validation loss {val_loss:.4f}; {time_so_far(self.t0, self.step, self.planned)}",
-              flush=True)
+              f"{what.removeprefix('val_').replace('_', '-')} {acc:.4f}, validation loss {val_loss:.4f}; "
+              f"{time_so_far(self.t0, self.step, self.planned)}", flush=True)
         if improves(acc, val_loss, self.best, cfg.select):
             self.best, self.best_step, self.best_epoch, self.since_best = (acc, val_loss), self.step, self.epoch, 0
             self.best_state = {k: v.detach().to("cpu", copy=True) for k, v in self.validated.state_dict().items()}
@@ -245,10 +290,13 @@ HOLD = 0.5
 learning rate has risen to the peak again and come back to about half of it."""
 
 
-def train_head(head: RoutingHead, train: Features, y_train: list[int], val: Features, y_val: list[int],
-               cfg: TrainConfig, device: torch.device | str = "cpu") -> tuple[RoutingHead, dict[str, Any]]:
+def train_head(head: RoutingHead, train: Features, y_train: list[int] | np.ndarray, val: Features,
+               y_val: list[int] | np.ndarray, cfg: TrainConfig, device: torch.device | str = "cpu"
+               ) -> tuple[RoutingHead, dict[str, Any]]:
     """Train ``head`` on ``device`` (features stay on the host; each batch goes over as it is used); return the
-    checkpoint chosen by :func:`improves` on validation, on the CPU, and a summary.
+    checkpoint chosen by :func:`improves` on validation, on the CPU, and a summary. Labels ``y_train``, ``y_val``:
+    each text's class, or multi-hot ``[T, k]`` arrays for a multi-label head (a sigmoid and binary cross-entropy
+    per label; validation's "accuracy" is then micro-F1 at 0.5).
 
     When a step budget (not ``epochs``, a length asked for) ends with validation still improving and ``cfg.extend``,
     training goes on from where it is (the weights, the optimizer's state, the moving average) under a second
@@ -276,11 +324,13 @@ def train_head(head: RoutingHead, train: Features, y_train: list[int], val: Feat
         schedules.append(_schedule_summary(run, run.planned - first, still_improving))
     if still_improving:
         print(f"validation {cfg.select} was still improving at the last step ({run.step})"
-              + (f"; a longer budget ({_longer_flag(cfg, run.planned, 2)}) or --search may train a better head"
-                 if not cfg.epochs else ""), flush=True)
+              + (f"; a longer budget ({_longer_flag(cfg, run.planned, 2)})"
+               f"{'' if run.multi_label else ' or --search'} may train a better head" if not cfg.epochs else ""),
+              flush=True)
     assert run.best is not None and run.best_state is not None
     head.load_state_dict(run.best_state)
-    summary = {"best_step": run.best_step, "best_epoch": run.best_epoch, "best_val_accuracy": run.best[0],
+    summary = {"best_step": run.best_step, "best_epoch": run.best_epoch,
+               "best_val_micro_f1" if run.multi_label else "best_val_accuracy": run.best[0],
                "best_val_loss": run.best[1], "steps_run": run.step, "stopped_early": stopped,
                "still_improving": still_improving,
                "train_seconds": round(time.time() - run.t0, 1), "history": run.history, "steps": run.planned,
@@ -306,7 +356,8 @@ def _schedule_summary(run: Training, steps: int, still_improving: bool) -> dict[
     """Where one schedule of ``run`` ended: its budget, the steps run so far, the best checkpoint so far."""
     assert run.best is not None
     return {"steps": steps, "steps_run": run.step, "best_step": run.best_step, "best_val_loss": run.best[1],
-            "best_val_accuracy": run.best[0], "still_improving": still_improving,
+            "best_val_micro_f1" if run.multi_label else "best_val_accuracy": run.best[0],
+            "still_improving": still_improving,
             "train_seconds": round(time.time() - run.t0, 1)}
 
 
@@ -362,6 +413,43 @@ def logistic_probe(train: Features, y_train: list[int], val: Features, y_val: li
     predicted = best[2].predict(Xte)
     return {"method": PROBES[layers], "C": best[1], "val_accuracy": best[0],
             "test": classification_metrics(y_test, predicted, n_classes), "predicted": predicted.tolist()}
+
+
+MULTI_LABEL_PROBE = ("one logistic regression per label on every depth mean-pooled and concatenated (standardised), "
+                     "C tuned on validation micro-F1, each label's threshold chosen on validation")
+
+
+def multi_label_probe(train: Features, y_train: np.ndarray, val: Features, y_val: np.ndarray, test: Features,
+                      y_test: np.ndarray) -> dict[str, Any]:
+    """The linear probe of a multi-label head (:data:`MULTI_LABEL_PROBE`): its test micro- and macro-F1."""
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.multiclass import OneVsRestClassifier
+    from sklearn.preprocessing import StandardScaler
+
+    scaler = StandardScaler().fit(mean_pooled(train, "all"))
+    Xtr, Xva, Xte = (scaler.transform(mean_pooled(f, "all")) for f in (train, val, test))
+    best = None
+    for C in (0.01, 0.1, 1.0, 10.0):
+        clf = OneVsRestClassifier(LogisticRegression(C=C, max_iter=3000)).fit(Xtr, y_train)
+        f1 = f1_scores(y_val, clf.predict_proba(Xva) >= 0.5)["micro_f1"]
+        if best is None or f1 > best[0]:
+            best = (f1, C, clf)
+    assert best is not None
+    thresholds = choose_thresholds(best[2].predict_proba(Xva), y_val)
+    return {"method": MULTI_LABEL_PROBE, "C": best[1], "val_micro_f1": best[0], "thresholds": thresholds,
+            "test": f1_scores(y_test, best[2].predict_proba(Xte) >= np.array(thresholds))}
+
+
+def evaluate_multi_label(head: RoutingHead, f_val: Features, y_val: np.ndarray, f_test: Features, y_test: np.ndarray,
+                         probe: dict[str, Any], device: torch.device | None = None) -> dict[str, Any]:
+    """A multi-label head's thresholds chosen on validation (:func:`choose_thresholds`) and its test micro- and
+    macro-F1 with them, beside the ``probe``'s (:func:`multi_label_probe`), and the margins."""
+    thresholds = choose_thresholds(predict_features(head, f_val, device=device, multi_label=True), y_val)
+    metrics = f1_scores(y_test, predict_features(head, f_test, device=device, multi_label=True)
+                        >= np.array(thresholds))
+    return {"split": "test", "thresholds": thresholds, "head": metrics, "probe_all_layers": probe,
+            "margin_micro_f1": metrics["micro_f1"] - probe["test"]["micro_f1"],
+            "margin_macro_f1": metrics["macro_f1"] - probe["test"]["macro_f1"]}
 
 
 SIGNIFICANCE = 0.05

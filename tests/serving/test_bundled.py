@@ -1,6 +1,6 @@
 """The bundled models, served as the README's main command serves them (real backbone, CPU): one backbone
-process for both, each model as accurate on a sample of its test split as its manifest says, and several
-models in one request answering as each alone."""
+process for all three, each model as accurate on a sample of its test split as its manifest says (the multi-label
+one's micro-F1 too), and several models in one request answering as each alone."""
 
 import math
 import random
@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from service.bench.server import children
-from service.training.data import make_dataset, preset_path, read_examples
+from service.training.data import make_dataset, preset_dataset, preset_path, read_examples
 from tests.serving.server import Server, running
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -24,17 +24,21 @@ def bundled(logs: Path) -> Iterator[Server]:
     yield from running(logs, model_repository=ROOT / "models")
 
 
-def test_default_is_tweet_sentiment_and_both_models_are_listed(bundled: Server) -> None:
+def test_default_is_tweet_sentiment_and_every_model_is_listed(bundled: Server) -> None:
     body = httpx.get(f"{bundled.url}/v1/models").json()
     assert body["default"] == "tweet-sentiment"
     names = {m["name"]: m for m in body["models"]}
-    assert set(names) == {"tweet-sentiment", "bbc-news-topics"}
+    assert set(names) == {"tweet-sentiment", "bbc-news-topics", "bbc-news-digests"}
     for m in names.values():
         assert m["backbone"]["name"] == "sentence-transformers/all-MiniLM-L6-v2"
         ev = m["evaluation"]
+        if m["problem_type"] == "multi_label_classification":
+            assert {"micro_f1", "macro_f1"} <= set(ev["head"]) and "micro_f1" in ev["probe_all_layers"]["test"]
+            continue
         assert {"accuracy", "macro_f1", "confusion_matrix"} <= set(ev["head"])
         assert "accuracy" in ev["baseline"]["test"]
-    assert len(children(bundled.proc.pid)) == 1  # one process holds the backbone and both heads
+    assert names["bbc-news-digests"]["problem_type"] == "multi_label_classification"
+    assert len(children(bundled.proc.pid)) == 1  # one process holds the backbone and every head
 
 
 @pytest.mark.parametrize(("model", "n"), [("tweet-sentiment", 300), ("bbc-news-topics", 60)])
@@ -57,11 +61,30 @@ def test_each_model_is_as_accurate_as_its_manifest_says(bundled: Server, model: 
     assert abs(right / n - claimed) <= 3 * se, (right / n, claimed)
 
 
-def test_both_models_in_one_request_answer_as_each_alone(bundled: Server) -> None:
+def test_the_multi_label_model_is_as_good_as_its_manifest_says(bundled: Server) -> None:
+    """Every test text of the multi-label model, classified by the server: the labels it answers (each label's
+    probability at or over the threshold its manifest gives) reach the manifest's micro-F1, and every label's
+    probability is its own (they need not sum to one)."""
+    test = preset_dataset("bbc-news-digests").test
+    info = httpx.get(f"{bundled.url}/v1/models/bbc-news-digests").json()
+    labels = info["labels"]
+    tp = fp = fn = 0
+    for k in range(0, len(test.texts), 32):
+        r = httpx.post(f"{bundled.url}/v1/models/bbc-news-digests/classify", json={"inputs": test.texts[k : k + 32]},
+                       timeout=120)
+        assert r.status_code == 200, r.text[:300]
+        for res, want in zip(r.json()["results"], (test.sets or [])[k : k + 32], strict=True):
+            got, true = set(res["labels"]), {labels[j] for j in want}
+            tp, fp, fn = tp + len(got & true), fp + len(got - true), fn + len(true - got)
+    micro = 2 * tp / (2 * tp + fp + fn)
+    assert abs(micro - info["evaluation"]["head"]["micro_f1"]) <= 0.01, (micro, info["evaluation"]["head"])
+
+
+def test_models_in_one_request_answer_as_each_alone(bundled: Server) -> None:
     texts = ["I absolutely love this, best day ever!", SPORT[:600]]  # one fits a chunk of either; one does not
     both = httpx.post(f"{bundled.url}/v1/classify", json={"inputs": texts, "models": "all", "explain": True},
                       timeout=120).json()
-    assert both["models"] == ["bbc-news-topics", "tweet-sentiment"]  # every loaded model, in loading order
+    assert both["models"] == ["bbc-news-digests", "bbc-news-topics", "tweet-sentiment"]  # in loading order
     for model, got in zip(both["models"], both["responses"], strict=True):
         alone = httpx.post(f"{bundled.url}/v1/models/{model}/classify", json={"inputs": texts, "explain": True},
                            timeout=120).json()
@@ -98,11 +121,12 @@ def test_bbc_news_topics_long_article_is_chunked_and_explained(bundled: Server) 
 
 
 @pytest.mark.parametrize(("model", "text"), [("tweet-sentiment", "I absolutely love this, best day ever! So happy :)"),
-                                             ("bbc-news-topics", SPORT)])
+                                             ("bbc-news-topics", SPORT), ("bbc-news-digests", SPORT[:800])])
 def test_end_to_end_credit_of_the_bundled_models_adds_up_to_their_logits(bundled: Server, model: str, text: str
                                                                         ) -> None:
     """Over the input tokens of every chunk (the article's several), for every label: credit plus baseline is the
-    contrast logit within 1e-4, the same logit the value path explains; by depth, the depths sum to each token's."""
+    contrast logit (a multi-label model's: each label's own) within 1e-4, the same logit the value path explains; by
+    depth, the depths sum to each token's."""
     url = f"{bundled.url}/v1/models/{model}/explain"
     body = {"inputs": [text], "target": "all"}
     e2e = httpx.post(url, json={**body, "method": "end_to_end"}, timeout=120).json()["results"][0]

@@ -295,6 +295,10 @@ def test_a_multi_label_model_answers_independent_probabilities_everywhere(server
         kserve = httpx.post(f"{server.url}/v1/models/tiny-multi:predict", json={"instances": [text]}).json()
         assert kserve["predictions"][0]["labels"] == got["labels"]
         close(kserve["predictions"][0]["scores"], got["scores"])
+        oip = httpx.post(f"{server.url}/v2/models/tiny-multi/infer", json={
+            "inputs": [{"name": "text", "datatype": "BYTES", "shape": [1], "data": [text]}]}).json()
+        probabilities = next(o for o in oip["outputs"] if o["name"] == "probabilities")["data"]
+        close(dict(zip(got["scores"], probabilities, strict=True)), got["scores"])
     assert any(abs(sum(v1(server, t, "tiny-multi")["scores"].values()) - 1) > 1e-3 for t in TEXTS)
 
 

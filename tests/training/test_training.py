@@ -28,7 +28,9 @@ from service.training.features import Features, extract
 from service.training.pipeline import rare_labels
 from service.training.progress import progress
 from service.training.trainer import (
+    choose_thresholds,
     classification_metrics,
+    f1_scores,
     improves,
     mixup,
     predict_features,
@@ -86,15 +88,19 @@ def said(res: Result) -> str:
     return " ".join(res.output.replace("│", " ").split())
 
 
+def write_toy_csv(path: Path, rows: list[tuple[str, str]], n: int, label_column: str = "label") -> None:
+    """``n`` rows of a CSV file, the ``rows`` (text, label) in turn, each text numbered."""
+    with path.open("w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(["text", label_column])
+        for k in range(n):
+            text, label = rows[k % len(rows)]
+            w.writerow([f"{text} number {k}", label])
+
+
 def toy_args(tmp_path: Path, backbone: Path) -> list[str]:
     """Options of ``train`` for 120 two-label texts written to ``tmp_path`` and the tiny backbone."""
-    rows = [("good great fine lovely", "pos"), ("bad awful terrible poor", "neg")]
-    with (tmp_path / "data.csv").open("w", newline="") as fh:
-        w = csv.writer(fh)
-        w.writerow(["text", "label"])
-        for k in range(120):
-            text, label = rows[k % 2]
-            w.writerow([f"{text} number {k}", label])
+    write_toy_csv(tmp_path / "data.csv", [("good great fine lovely", "pos"), ("bad awful terrible poor", "neg")], 120)
     return ["--data", str(tmp_path / "data.csv"), "--backbone", str(backbone), "--max-length", "16",
             "--n-hid", "4", "--d-hid", "8", "--epochs", "2", "--batch-size", "16", "--cache", str(tmp_path / "cache")]
 
@@ -618,10 +624,11 @@ def test_labels_with_few_training_texts_are_named_before_training() -> None:
     pairs += [("the one rare text", "rare")]
     ds = make_dataset(pairs, "x")
     y_train = list(ds.train.labels)
-    (line,) = rare_labels(ds, y_train)
+    (line,) = rare_labels(ds, list(range(len(y_train))))
     n = y_train.count(ds.labels.index("rare"))
     assert line.startswith(f"label 'rare' has {n} training text") and "add examples" in line
-    assert rare_labels(ds, [k for k in y_train if ds.labels[k] != "common"])[0].startswith("label 'common' has 0")
+    others = [t for t, k in enumerate(y_train) if ds.labels[k] != "common"]  # the training texts used
+    assert rare_labels(ds, others)[0].startswith("label 'common' has 0")
 
 
 def test_feature_cache_survives_a_file_cut_short(tmp_path: Path, tiny_backbone_dir: Path,
@@ -681,3 +688,69 @@ def test_a_training_setting_out_of_range_exits_2_before_any_work(tmp_path: Path,
     res = CliRunner().invoke(app, ["train", "x", "--out", str(tmp_path / "repo"), "--data", str(tmp_path / "d.csv"),
                                    option, value])
     assert res.exit_code == 2 and f"Invalid value for '{option}'" in said(res), res.output
+
+
+def multi_label_args(tmp_path: Path, backbone: Path) -> list[str]:
+    """Options of ``train --multi-label`` for 180 texts with one or two of three labels (``|``-separated)."""
+    rows = [("good great fine lovely", "pos"), ("bad awful terrible poor", "neg"),
+            ("good great loud noisy", "loud|pos"), ("bad awful loud noisy", "neg|loud")]
+    write_toy_csv(tmp_path / "multi.csv", rows, 180, "tags")
+    return ["--data", str(tmp_path / "multi.csv"), "--label-column", "tags", "--multi-label", "--label-separator",
+            "|", "--backbone", str(backbone), "--max-length", "16", "--n-hid", "4", "--d-hid", "8", "--epochs", "3",
+            "--batch-size", "16", "--cache", str(tmp_path / "cache")]
+
+
+def test_train_multi_label(tmp_path: Path, tiny_backbone_dir: Path) -> None:
+    runner = CliRunner()
+    res = runner.invoke(app, ["train", "tags", "--out", str(tmp_path / "repo"), *multi_label_args(tmp_path,
+                                                                                                  tiny_backbone_dir)])
+    assert res.exit_code == 0, res.output
+    assert "validation micro-f1" in res.output and "routing head micro-F1" in res.output
+    folder = tmp_path / "repo" / "tags"
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert manifest["problem_type"] == "multi_label_classification" and manifest["labels"] == ["loud", "neg", "pos"]
+    ev = manifest["evaluation"]
+    assert manifest["thresholds"] == ev["thresholds"] and len(ev["thresholds"]) == 3
+    assert all(0 < t < 1 for t in ev["thresholds"])
+    assert {"micro_f1", "macro_f1", "per_label_f1", "exact_match"} <= set(ev["head"])
+    assert ev["head"]["n"] == ev["probe_all_layers"]["test"]["n"] > 0
+    assert ev["margin_micro_f1"] == ev["head"]["micro_f1"] - ev["probe_all_layers"]["test"]["micro_f1"]
+    assert "val_micro_f1" in manifest["training"]["history"][0] and "best_val_micro_f1" in manifest["training"]
+    assert manifest["training"]["data"]["label_separator"] == "|"
+    res = runner.invoke(app, ["evaluate", str(folder), "--cache", str(tmp_path / "cache")])  # re-evaluated alike
+    assert res.exit_code == 0, res.output
+    again = json.loads((folder / "manifest.json").read_text())
+    assert again["evaluation"]["head"] == ev["head"] and again["thresholds"] == manifest["thresholds"]
+    for extra, says in ((["--search"], "--search trains single-label heads only"),):
+        bad = runner.invoke(app, ["train", "tags2", "--out", str(tmp_path / "repo"),
+                                  *multi_label_args(tmp_path, tiny_backbone_dir), *extra])
+        assert bad.exit_code == 2 and says in said(bad), bad.output
+    bad = runner.invoke(app, ["train", "x", "--out", str(tmp_path / "repo"), "--preset", "tweet-sentiment",
+                              "--multi-label"])
+    assert bad.exit_code == 2 and "is single-label: leave out --multi-label" in said(bad), bad.output
+    bad = runner.invoke(app, ["train", "x", "--out", str(tmp_path / "repo"), "--preset", "bbc-news-digests"])
+    assert bad.exit_code == 2 and "is multi-label: add --multi-label" in said(bad), bad.output
+
+
+def test_multi_label_dataset_sets_conflicts_and_targets() -> None:
+    pairs = [(f"text {k}", ["a", "b|a", "c", "a| b "][k % 4]) for k in range(200)]
+    pairs += [("same set", "a|b"), ("same set", "b|a"), ("two sets", "a"), ("two sets", "a|c")]
+    ds = make_dataset(pairs, "x", "|")
+    assert ds.labels == ["a", "b", "c"] and ds.multi_label and ds.dropped_conflicts == 1  # "two sets" only
+    everything = {t: s for split in (ds.train, ds.validation, ds.test)
+                  for t, s in zip(split.texts, split.sets or [], strict=True)}
+    assert everything["same set"] == (0, 1) and everything["text 3"] == (0, 1) and everything["text 2"] == (2,)
+    y = ds.train.targets(3)
+    assert y.shape == (len(ds.train.texts), 3) and y.sum() == sum(len(s) for s in ds.train.sets or [])
+
+
+def test_f1_scores_and_thresholds_chosen_on_validation() -> None:
+    y = np.array([[1, 0], [1, 1], [0, 1], [0, 0]], dtype=np.float32)
+    got = f1_scores(y, np.array([[1, 0], [1, 0], [0, 1], [1, 0]], dtype=bool))
+    assert got["micro_f1"] == pytest.approx(2 * 3 / (2 * 3 + 1 + 1))  # tp 3, fp 1, fn 1
+    assert got["per_label_f1"] == pytest.approx([2 * 2 / (2 * 2 + 1), 2 * 1 / (2 * 1 + 1)])
+    assert got["exact_match"] == 0.5
+    probs = np.array([[0.3, 0.1], [0.35, 0.9], [0.1, 0.8], [0.2, 0.7]], dtype=np.float32)
+    low, high = choose_thresholds(probs, y)
+    assert 0.2 < low <= 0.3 and 0.7 < high <= 0.8  # the cuts that separate each label's texts
+    assert f1_scores(y, probs >= np.array([low, high]))["micro_f1"] == 1.0
