@@ -5,6 +5,7 @@ multi-label head served on every API. Scores are checked against ``/v1/classify`
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +16,7 @@ import pytest
 import tritonclient.http as triton_http
 from huggingface_hub import InferenceClient
 
+from service.serving.api.errors import error_response
 from tests.conftest import edit_manifest, write_tiny_model
 from tests.serving.server import Server, metric, running
 
@@ -344,3 +346,26 @@ def test_the_same_answers_from_two_fronts(server: Server, repo: Path, logs: Path
 
     for two in running(logs, model_repository=repo, default_model="tiny", max_inputs=8, workers=2):
         assert near(answers(two), answers(server))
+
+
+@pytest.mark.parametrize(("path", "status", "why", "want_status", "want"), [
+    ("/predict", 503, "overloaded", 429, {"error_type": "Overloaded"}),
+    ("/models/m/predict", 503, "loading", 503, {"error_type": "Unhealthy"}),
+    ("/", 503, "draining", 503, {"error_type": "Unhealthy"}),
+    ("/predict", 500, None, 424, {"error_type": "Backend"}),
+    ("/info", 504, None, 424, {"error_type": "Backend"}),
+    ("/predict", 413, None, 413, {"error_type": "Validation"}),
+    ("/classify", 503, "overloaded", 503, {"error": {"message": "m", "type": "ServiceUnavailableError",
+                                                     "param": None, "code": 503}}),
+    ("/classify", 500, None, 500, {"error": {"message": "m", "type": "InternalServerError", "param": None,
+                                             "code": 500}}),
+    ("/classify", 422, None, 400, {"error": {"message": "m", "type": "BadRequestError", "param": None, "code": 400}}),
+    ("/v1/classify", 503, "overloaded", 503, {"error": {"code": "service_unavailable", "message": "m"}}),
+])
+def test_each_api_answers_a_failure_with_its_own_status_and_shape(path: str, status: int, why: str | None,
+                                                                   want_status: int, want: dict) -> None:
+    """What the service's failures become on each API's routes (TEI: overloaded is 429, a model failure 424)."""
+    response = error_response(status, "m", headers={"Retry-After": "1"}, path=path, why=why)
+    body = json.loads(response.body)
+    assert response.status_code == want_status and response.headers["retry-after"] == "1"
+    assert body == ({"error": "m", **want} if "error_type" in want else want)

@@ -196,3 +196,18 @@ async def test_a_model_named_twice_loads_once(tiny_repo: Path, monkeypatch: pyte
     assert settings.models == ["tiny"]
     async with loaded(settings) as state:
         assert list(state.inference.models) == ["tiny"]
+
+
+def test_overload_on_teis_route_is_429_in_teis_shape(slow: Server) -> None:
+    """TEI's clients retry on 429 (their overloaded), with the same Retry-After as our 503."""
+    async def burst() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=slow.url, timeout=30) as client:
+            return await asyncio.gather(*(client.post("/predict", json={"inputs": [["a"], ["b"]]}) for _ in range(12)))
+
+    rs = asyncio.run(burst())
+    codes = sorted(r.status_code for r in rs)
+    assert set(codes) == {200, 429} and codes.count(200) == 3, codes  # 3 requests x 2 texts fill max_queue=6
+    for r in rs:
+        if r.status_code == 429:
+            assert r.headers["retry-after"] == "1" and r.json()["error_type"] == "Overloaded"
+            assert r.json()["error"].startswith("overloaded")
