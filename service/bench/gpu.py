@@ -13,6 +13,8 @@ fails records its error and the run goes on):
 - ``latency``: one text a batch, p50 and p90 milliseconds, both versions;
 - ``accuracy``: the test texts' accuracy in float32 and in the default precision (bfloat16 on a GPU), the largest
   probability change between them, and between each text alone and in mixed batches;
+- ``head_precision``: the same for the heads' scores in float32 against bfloat16 (``Engine.head_dtype``), the
+  backbone in its default precision (``--variant head_dtype=bfloat16`` measures their speed in the engine's turns);
 - ``served``: the server started on the device, driven by clients in several processes (one aiohttp process tops
   out near 3,500 requests/s) with its default fronts (their number recorded): single-text requests at the given
   concurrencies and 16-text requests, requests and texts per second, p50 and p99;
@@ -160,6 +162,37 @@ def accuracy(make: Callable[[str], EngineWorker], labels: list[str], dtypes: lis
     out[f"largest_probability_change_alone_vs_mixed_{last}"] = _largest(alone, mixed)
     out[f"label_flips_alone_vs_mixed_{last}"] = sum(_argmax(a) != _argmax(m) for a, m in zip(alone, mixed,
                                                                                                  strict=True))
+    return out
+
+
+def head_precision(make: Callable[[dict[str, Any]], EngineWorker], labels: list[str], budget: int,
+                   max_texts: int) -> dict[str, Any]:
+    """The heads' scores in float32 against bfloat16 (``Engine.head_dtype``), the backbone in its default precision:
+    each one's accuracy on the labelled texts, the points between them, the largest probability change and the
+    labels changed; in bfloat16, each text alone against in batches of ``budget`` tokens."""
+    out: dict[str, Any] = {"texts": len(labels)}
+    probs: dict[str, list[list[float]]] = {}
+    alone: list[list[float]] = []
+    for head_dtype in ("float32", "bfloat16"):
+        w = make({"head_dtype": head_dtype})
+        try:
+            names = w.loaded["labels"]
+            probs[head_dtype] = w.ask("predict", alone=False, budget=budget, max_texts=max_texts)["probs"]
+            if head_dtype == "bfloat16":
+                alone = w.ask("predict", alone=True)["probs"]
+        finally:
+            w.close()
+        best = [names[_argmax(p)] for p in probs[head_dtype]]
+        out[f"accuracy_heads_{head_dtype}"] = sum(b == t for b, t in zip(best, labels, strict=True)) / len(labels)
+    fp32, bf16 = probs["float32"], probs["bfloat16"]
+    out["accuracy_points_heads_bfloat16_minus_float32"] = 100 * (out["accuracy_heads_bfloat16"]
+                                                                 - out["accuracy_heads_float32"])
+    out["largest_probability_change_heads_float32_vs_bfloat16"] = _largest(fp32, bf16)
+    out["labels_changed_heads_float32_vs_bfloat16"] = sum(_argmax(a) != _argmax(b) for a, b in zip(fp32, bf16,
+                                                                                                      strict=True))
+    out["largest_probability_change_alone_vs_mixed_heads_bfloat16"] = _largest(alone, bf16)
+    out["label_flips_alone_vs_mixed_heads_bfloat16"] = sum(_argmax(a) != _argmax(m) for a, m in zip(alone, bf16,
+                                                                                                       strict=True))
     return out
 
 
@@ -316,6 +349,9 @@ def run(device: str, model: str, repository: Path, n_texts: int, budgets: list[i
     dtypes = ["float32", "bfloat16"] if cuda else ["float32"]
     step("accuracy", lambda: accuracy(lambda dt: worker(ROOT, "accuracy", dt, labelled_file),
                                                   labels[:accuracy_texts], dtypes, default_budget, max_texts))
+    step("head_precision", lambda: head_precision(lambda engine: worker(ROOT, f"heads-{engine['head_dtype']}",
+                                                                          path=labelled_file, engine=engine),
+                                                  labels[:accuracy_texts], default_budget, max_texts))
     levels = [(c, 1) for c in concurrencies] + [(64, 16)]
     step("served", lambda: served(repository, model, device, texts, levels, served_seconds,
                                               load_processes, logs))
@@ -372,6 +408,7 @@ def summarize(results: dict[str, Any], budget: int) -> dict[str, Any]:
     out["baseline_batch1_p50_ms"] = get("latency", "baseline", "p50_ms")
     out["accuracy"] = {k: v for k, v in (get("accuracy") or {}).items()
                        if k != "traceback" and not k.startswith("probs")} or None
+    out["head_precision"] = {k: v for k, v in (get("head_precision") or {}).items() if k != "traceback"} or None
     levels = get("served", "levels") or []
     out["served"] = {f"c{r['concurrency']}x{r['texts_per_request']}": {
         "requests_per_s": r["requests_per_s"], "texts_per_s": r["texts_per_s"], "p99_ms": r["p99_ms"],

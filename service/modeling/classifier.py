@@ -13,6 +13,7 @@ Three kinds of credit (see ``service.routing.credit`` and ``service.modeling.dec
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -130,18 +131,35 @@ class RoutingClassifier(torch.nn.Module):
         return classify(self.head, enc, explain, return_phi, self.backbone.stream)
 
 
+def scoring(device: torch.device, score_dtype: torch.dtype | None) -> contextlib.AbstractContextManager[object]:
+    """Where a head's scores are computed with their matrix products in ``score_dtype`` (bfloat16: on tensor cores
+    on a GPU, accumulating in float32; ``torch.autocast`` keeps norms, softmaxes and reductions in float32); None:
+    in the head's own precision."""
+    if score_dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=score_dtype)
+
+
 @torch.inference_mode()
 def classify(head: RoutingHead, enc: Encoded, explain: Sequence[CreditRequest | None] | None = None,
-             return_phi: bool = False, encoder: PackedEncoder | None = None) -> Classified:
+             return_phi: bool = False, encoder: PackedEncoder | None = None,
+             score_dtype: torch.dtype | None = None) -> Classified:
     """Scores and the credit ``explain[b]`` asks of each text ``b`` (None: none) from ``head`` (a stacked head: row
     ``b`` on its head ``b``) on hidden states ``enc`` the backbone has computed (with ``encoder``, which end-to-end
-    credit needs). Credit is computed only for the texts that ask for it, one batched pass per method."""
+    credit needs). Credit is computed only for the texts that ask for it, one batched pass per method. With
+    ``score_dtype`` the scores come from a pass in that precision (see :func:`scoring`) and credit from a pass in
+    the head's own (float32), run only where credit or ``phi`` is asked for: a text's scores do not depend on
+    whether its neighbours asked for credit."""
     n_texts = len(enc.encodings)
     hidden = enc.hidden.to(dtype=next(head.parameters()).dtype)  # [b n e d]
-    out = head(hidden, enc.pad)
-    logits = out.scores.float()  # [b k]
-    explained: list[Explained | None] = [None] * n_texts
     requests = list(explain or [None] * n_texts)
+    with scoring(hidden.device, score_dtype):
+        scored = head(hidden, enc.pad)
+    logits = scored.scores.float()  # [b k]
+    out = scored
+    if score_dtype is not None and (return_phi or any(r is not None for r in requests)):
+        out = head(hidden, enc.pad)  # credit and phi from a float32 pass
+    explained: list[Explained | None] = [None] * n_texts
     groups: dict[tuple[Method, bool], list[int]] = {}
     for b, req in enumerate(requests):
         if req is not None:

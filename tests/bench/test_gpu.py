@@ -28,7 +28,8 @@ def test_every_section_runs_and_every_field_is_written_on_the_cpu(tiny_repo: Pat
     doc = json.loads(out.read_text())
     results, summary = doc["results"], doc["summary"]
     assert summary["failed_sections"] == [], {k: v.get("error") for k, v in results.items() if "error" in v}
-    assert set(results) == {"load", "engine", "profile", "latency", "accuracy", "served", "beside", "gpu_tests"}
+    assert set(results) == {"load", "engine", "profile", "latency", "accuracy", "head_precision", "served", "beside",
+                            "gpu_tests"}
     empty = {k for k, v in summary.items() if v is None}
     assert all(k.startswith("device_busy_share") for k in empty), empty  # a CPU has no device to be busy
     assert summary["kernels_per_batch"] == 0 and summary["torch_ops_per_batch"] > 0
@@ -39,6 +40,9 @@ def test_every_section_runs_and_every_field_is_written_on_the_cpu(tiny_repo: Pat
     assert sorted(results["engine"]["current"]) == ["64", "8192"]  # the CPU's default budget is added
     assert summary["accuracy"]["texts"] == 20 and 0 <= summary["accuracy"]["accuracy_float32"] <= 1
     assert summary["accuracy"]["largest_probability_change_alone_vs_mixed_float32"] <= 1e-5  # batch invariance
+    heads = summary["head_precision"]  # float32 against bfloat16 heads, both measured
+    assert heads["texts"] == 20 and 0 <= heads["accuracy_heads_bfloat16"] <= 1
+    assert 0 < heads["largest_probability_change_heads_float32_vs_bfloat16"] < 0.1
     served = summary["served"]
     assert set(served) == {"c4x1", "c64x16"} and all(v["errors"] == 0 and v["texts_per_s"] > 0
                                                       for v in served.values())

@@ -25,7 +25,7 @@ from torch.profiler import record_function
 
 from service.allocator import keep_freed_memory
 from service.modeling.backbone import Backbone, BackboneError, Encoded
-from service.modeling.classifier import Classified, RoutingClassifier, classify
+from service.modeling.classifier import Classified, RoutingClassifier, classify, scoring
 from service.modeling.device import resolve_device, resolve_dtype
 from service.modeling.encoder import to_device
 from service.modeling.grouping import lay_out, length_groups
@@ -48,25 +48,30 @@ def _phase(name: str) -> contextlib.AbstractContextManager[object]:
 log = logging.getLogger("service.engine")
 
 
-def _packed_agrees(head: RoutingHead, device: torch.device) -> bool:
+def _packed_agrees(head: RoutingHead, device: torch.device, score_dtype: torch.dtype | None = None) -> bool:
     """Whether ``head`` runs packed on ``device`` (the grouped product it needs runs for its dtype and shapes) and
-    gives each of two small random texts the scores it gives the text alone. On a GPU only in bfloat16: torch's
-    grouped kernels are written for it (other dtypes fall back to a product per text, reading the offsets back)."""
+    gives each of two small random texts the scores it gives the text alone (both with its scores' products in
+    ``score_dtype``, see :func:`scoring`). On a GPU only in bfloat16: torch's grouped kernels are written for it
+    (other dtypes fall back to a product per text, reading the offsets back)."""
     dtype = next(head.parameters()).dtype
     if device.type == "cuda" and dtype != torch.bfloat16:
         return False
     lengths = [3, 5]
     hidden = torch.randn(sum(lengths), head.d_depth, head.d_emb, generator=torch.Generator().manual_seed(0))
     hidden = hidden.to(device=device, dtype=dtype)  # [T e d]
-    with torch.inference_mode():
+    with torch.inference_mode(), scoring(device, score_dtype):
         try:
             packed = head.scores_packed(hidden, torch.tensor(lengths, device=device)).float()  # [b k]
         except (RuntimeError, TypeError, ValueError) as e:  # no grouped product here, or not for these operands
             log.debug("packed head: %s", e)
             return False
         alone = torch.cat([head(h[None]).scores.float() for h in hidden.split(lengths)])  # [b k]
-    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    tol = 1e-4 if dtype == torch.float32 and score_dtype is None else 5e-2
     return bool(torch.allclose(packed, alone, rtol=tol, atol=tol))
+
+
+HEAD_DTYPES: dict[str, torch.dtype | None] = {"float32": None, "bfloat16": torch.bfloat16}
+"""The precisions of the heads' scores (:attr:`Engine.head_dtype`): None, no autocast."""
 
 
 def device_memory() -> list[dict[str, float | str]]:
@@ -171,7 +176,13 @@ class Engine(Compute):
         contractions over each text's inputs as grouped matrix products), where that product runs on this device
         and dtype (:meth:`_packs`); otherwise, and for credit (which reads padded tensors), in padded length groups.
         """
-        self._packable: dict[tuple[int, ...], bool] = {}  # head shape -> whether the packed head runs and agrees
+        self.head_dtype = "float32"
+        """The precision of the heads' scores: ``"float32"``, or ``"bfloat16"``: their matrix products in bfloat16
+        with float32 accumulation (``torch.autocast``; norms, softmaxes and reductions stay in float32), on tensor
+        cores on a GPU. Credit is computed from a float32 pass whatever this says, so it still adds up to the
+        logits it explains (a text asking for credit costs one more head pass). ``routing-service bench gpu
+        --variant head_dtype=bfloat16`` measures it against float32; the tests state how far its scores move."""
+        self._packable: dict[tuple[tuple[int, ...], str], bool] = {}  # (head shape, head_dtype) -> packed agrees
         self.clock = EngineClock()
         self.head_batch_positions = backbone.chunk_batch_tokens * (1 if device.type == "cpu" else 4)
         """Padded positions (texts x their longest) per head call. On a GPU larger than the encoder's budget: a
@@ -460,17 +471,24 @@ class Engine(Compute):
 
     def _packs(self, key: str) -> bool:
         """Whether head ``key`` runs packed here (``packed_heads`` on, and the grouped product runs on this device and
-        dtype and agrees with the padded head: tried once per head shape on two small texts)."""
+        dtype and agrees with the padded head: tried once per head shape and :attr:`head_dtype` on two small texts)."""
         clf = self.classifiers.get(key)
         if not self.packed_heads or clf is None:
             return False
-        shape = head_shape(clf.head)
-        if shape not in self._packable:
-            self._packable[shape] = _packed_agrees(clf.head, self.device)
-            if not self._packable[shape]:
-                log.info("backbone %s: heads of shape %s run padded (the packed head does not run here)",
-                         self.name, shape)
-        return self._packable[shape]
+        tried = (head_shape(clf.head), self.head_dtype)
+        if tried not in self._packable:
+            self._packable[tried] = _packed_agrees(clf.head, self.device, self.score_dtype)
+            if not self._packable[tried]:
+                log.info("backbone %s: heads of shape %s run padded with %s scores (the packed head does not run "
+                         "here)", self.name, tried[0], tried[1])
+        return self._packable[tried]
+
+    @property
+    def score_dtype(self) -> torch.dtype | None:
+        """What :attr:`head_dtype` asks of the heads' scores: None for float32 (no autocast), else its dtype."""
+        if self.head_dtype not in HEAD_DTYPES:
+            raise ValueError(f"head_dtype {self.head_dtype!r}: one of {sorted(HEAD_DTYPES)}")
+        return HEAD_DTYPES[self.head_dtype]
 
     def _heads_packed(self, key: str, texts: Stream) -> Classified | None:
         """Head ``key`` on texts back to back (no credit; see :meth:`RoutingHead.scores_packed`), left on the device;
@@ -481,7 +499,8 @@ class Engine(Compute):
         t0 = time.perf_counter()
         with _phase("engine.heads"):
             hidden = texts.hidden.to(dtype=next(clf.head.parameters()).dtype)  # [T e d]
-            logits = clf.head.scores_packed(hidden, texts.n_t).float()  # [b k]
+            with scoring(self.device, self.score_dtype):
+                logits = clf.head.scores_packed(hidden, texts.n_t).float()  # [b k]
         self.clock.forward_s += time.perf_counter() - t0
         return Classified(logits=logits, encoded=None, explained=[None] * len(texts.n_t))
 
@@ -511,7 +530,7 @@ class Engine(Compute):
         t0 = time.perf_counter()
         with _phase("engine.heads"):
             pred = classify(head, enc, requests, return_phi=any(s is not None and s.phi for s in specs),
-                            encoder=self.backbone.stream)
+                            encoder=self.backbone.stream, score_dtype=self.score_dtype)
         self.clock.forward_s += time.perf_counter() - t0
         return pred
 
