@@ -90,6 +90,9 @@ def test_tei_truncation_keeps_the_side_asked(server: Server) -> None:
                                                      "truncation_direction": "Left"}).json()
     close(as_dict(right), v1(server, first)["scores"])
     close(as_dict(left), v1(server, last)["scores"])
+    lower = httpx.post(f"{server.url}/predict", json={"inputs": LONG, "truncate": True,
+                                                      "truncation_direction": "left"}).json()
+    close(as_dict(lower), as_dict(left))  # TEI's documentation spells it in lower case
     whole = as_dict(httpx.post(f"{server.url}/predict", json={"inputs": LONG}).json())
     close(whole, v1(server, LONG)["scores"])  # without truncate, read whole in chunks as /v1 reads it
     assert max(abs(whole[k] - as_dict(right)[k]) for k in whole) > 1e-6

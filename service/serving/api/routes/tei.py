@@ -92,7 +92,9 @@ class PredictRequest(BaseModel):
     raw_scores: StrictBool = Field(False, description="The head's logits instead of probabilities")
     truncate: StrictBool | None = Field(False, description="Cut a text longer than the model's chunk length to one "
                                         "chunk; without it a long text is read whole, in chunks")
-    truncation_direction: Literal["Right", "Left"] = Field("Right", description="Right keeps the beginning")
+    truncation_direction: Literal["Right", "Left", "right", "left"] = Field(
+        "Right", description="Right keeps the beginning, Left the end (TEI's names; its documentation's lower-case "
+        "spelling is taken too)")
 
     def texts(self) -> tuple[list[str], bool]:
         """The texts, and whether they came as a batch."""
@@ -103,7 +105,7 @@ class PredictRequest(BaseModel):
         return [self.inputs[0]], False  # type: ignore[list-item]
 
     def truncation(self) -> Truncation | None:
-        return Truncation("right" if self.truncation_direction == "Right" else "left") if self.truncate else None
+        return Truncation("left" if self.truncation_direction.lower() == "left" else "right") if self.truncate else None
 
 
 class Prediction(BaseModel):
