@@ -40,14 +40,12 @@ from service.modeling.head import RoutingHead
 from service.training.config import TrainConfig
 from service.training.data import DatasetError, make_dataset, news_digests, package_dir, preset_path, read_examples
 from service.training.features import Features, extract
-from service.training.pipeline import DEFAULT_BACKBONE
+from service.training.pipeline import DEFAULT_BACKBONE, evaluate_features, split_features
 from service.training.trainer import (
     SIGNIFICANCE,
     compare,
-    evaluate_multi_label,
     improves,
     logistic_probe,
-    multi_label_probe,
     predict_features,
     train_head,
 )
@@ -284,24 +282,21 @@ def measure(pairs: Pairs, folds: int | None, backbone: Backbone, source: str, cf
 
 def measure_multi_label(pairs: Pairs, separator: str, backbone: Backbone, source: str, cfg: TrainConfig,
                         cache: Path | None, device: torch.device | str = "cpu") -> dict[str, Any]:
-    """A multi-label head trained on the sha1 split's train texts (thresholds chosen on validation) and a per-label
-    linear probe on the same features (:func:`~service.training.trainer.multi_label_probe`): their micro- and
-    macro-F1 on the test texts."""
+    """A multi-label head trained on the sha1 split's train texts and evaluated as ``train`` evaluates one
+    (:func:`~service.training.pipeline.evaluate_features`: thresholds chosen on validation, a per-label linear probe
+    on the same features): their micro- and macro-F1 on the test texts."""
     ds = make_dataset(pairs, "bench", separator)
     k = len(ds.labels)
+    every = list(range(len(ds.train.texts)))
     t0 = time.perf_counter()
-    f_train, f_val, f_test = (extract(backbone, split.texts, cache_dir=cache, source=source, desc=f"{name} features")
-                              for name, split in (("train", ds.train), ("validation", ds.validation),
-                                                  ("test", ds.test)))
+    f_train, f_val, f_test = split_features(backbone, source, ds, every, cache)
     feature_s = time.perf_counter() - t0
-    y_train, y_val, y_test = ds.train.targets(k), ds.validation.targets(k), ds.test.targets(k)
     torch.manual_seed(cfg.seed)
     t1 = time.perf_counter()
-    head, summary = train_head(RoutingHead(backbone.d_depth, backbone.d_emb, k), f_train, y_train, f_val, y_val, cfg,
-                               device)
+    head, summary = train_head(RoutingHead(backbone.d_depth, backbone.d_emb, k), f_train, ds.train.targets(k), f_val,
+                               ds.validation.targets(k), cfg, device)
     train_s = time.perf_counter() - t1
-    probe = multi_label_probe(f_train, y_train, f_val, y_val, f_test, y_test)
-    result = evaluate_multi_label(head, f_val, y_val, f_test, y_test, probe)
+    result = evaluate_features(head, ds, f_train, every, f_val, f_test)  # thresholds, the head's and probe's F1
     return {"texts": len(ds.train.texts) + len(ds.validation.texts) + len(ds.test.texts), "labels": ds.labels,
             "multi_label": True, "parts": [[len(ds.train.texts), len(ds.validation.texts), len(ds.test.texts)]],
             "feature_seconds": feature_s, "train_seconds": train_s,

@@ -290,3 +290,17 @@ def test_only_folds_that_are_not_there_fail_before_any_training(tmp_path: Path,
                                        "--device", "cpu", *given])
         assert told in (res.output if res.exit_code == 2 else str(res.exception)), res.output
     assert not (tmp_path / "t.json").exists()
+
+
+def test_a_multi_label_dataset_is_measured_as_train_evaluates_it_and_reported_apart(tiny_backbone_dir: Path,
+                                                                                      tmp_path: Path) -> None:
+    pairs = [(f"good great number {k}", "pos") if k % 3 else (f"bad loud number {k}", "loud,neg") for k in range(150)]
+    backbone = Backbone(str(tiny_backbone_dir), max_length=16)
+    got = train.measure_multi_label(pairs, ",", backbone, str(tiny_backbone_dir), TrainConfig(epochs=2, batch_size=16),
+                                    tmp_path / "cache")
+    assert got["multi_label"] and got["labels"] == ["loud", "neg", "pos"] and len(got["thresholds"]) == 3
+    assert got["texts"] == sum(got["parts"][0]) == 150 and got["head"]["n"] == got["parts"][0][2]
+    assert got["margin_micro_f1"] == got["head"]["micro_f1"] - got["probe_all_layers"]["test"]["micro_f1"]
+    summary = train.report({"toy": {"description": "toy", **got}}, tmp_path / "train.json", {})
+    assert summary["datasets"] == 0 and summary["goal_met"] is None  # the single-label goal is not this one's
+    assert summary["multi_label_micro_f1_margin"] == {"toy": got["margin_micro_f1"]}

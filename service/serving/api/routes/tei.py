@@ -26,7 +26,7 @@ from service import __version__
 from service.modeling.encoding import Truncation
 from service.serving.api.responses import JSONBody
 from service.serving.api.routes.deps import State, client_gone, require_json, require_key
-from service.serving.api.schemas import json_kind
+from service.serving.api.schemas import NonBlank, json_kind
 from service.serving.core.results import Result
 from service.serving.pipeline.render import scores
 from service.serving.state import AppState
@@ -151,9 +151,7 @@ class HFParameters(BaseModel):
 
 class HFRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    inputs: Annotated[str, Field(min_length=1, pattern=r"\S")] | list[Annotated[str, Field(min_length=1,
-                                                                                          pattern=r"\S")]] = Field(
-        description="A text, or a list of texts", examples=["I love this!"])
+    inputs: NonBlank | list[NonBlank] = Field(description="A text, or a list of texts", examples=["I love this!"])
     parameters: HFParameters | None = None
 
 

@@ -12,16 +12,14 @@ import uuid
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictInt, StringConstraints
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictInt
 from pydantic_core import PydanticCustomError
 
 from service.modeling.encoding import Truncation
 from service.serving.api.responses import JSONBody
 from service.serving.api.routes.deps import State, client_gone, require_json, require_key
-from service.serving.api.schemas import json_kind
+from service.serving.api.schemas import NonBlank, json_kind
 from service.serving.pipeline.render import scores
-
-Text = Annotated[str, StringConstraints(min_length=1, pattern=r"\S")]
 
 
 def _input(value: Any) -> Any:
@@ -53,7 +51,7 @@ router = APIRouter(tags=["vllm"], dependencies=[Depends(require_key), Depends(re
 class ClassificationRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: str | None = Field(None, description="The model (absent: the default one)")
-    input: Annotated[Text | Annotated[list[Text], Field(min_length=1)], BeforeValidator(_input)] = Field(
+    input: Annotated[NonBlank | Annotated[list[NonBlank], Field(min_length=1)], BeforeValidator(_input)] = Field(
         description="A text, or a list of texts", examples=[["I love this!"]])
     truncate_prompt_tokens: StrictInt | None = Field(
         None, ge=-1, description="Keep only the last k tokens of a text (special tokens included); -1: the model's "
