@@ -199,15 +199,24 @@ async def test_a_model_named_twice_loads_once(tiny_repo: Path, monkeypatch: pyte
 
 
 def test_overload_on_teis_route_is_429_in_teis_shape(slow: Server) -> None:
-    """TEI's clients retry on 429 (their overloaded), with the same Retry-After as our 503."""
+    """TEI's clients retry on 429 (their overloaded), with the same Retry-After as our 503, counted as overloaded.
+    How many of a burst fit depends on whether a batch leaves the queue while the burst still arrives (these requests
+    go through the framework's routing, slower than /v1/classify's direct route: a CI run saw 6 of 12 answered where
+    the /v1 burst above always gets 3); at least the queue's 3 requests are, and the rest are refused."""
+    before = metric(httpx.get(f"{slow.url}/metrics").text, "routing_failures_total", reason="overloaded")
+
     async def burst() -> list[httpx.Response]:
         async with httpx.AsyncClient(base_url=slow.url, timeout=30) as client:
-            return await asyncio.gather(*(client.post("/predict", json={"inputs": [["a"], ["b"]]}) for _ in range(12)))
+            return await asyncio.gather(*(client.post("/predict", json={"inputs": [["a"], ["b"]]}) for _ in range(24)))
 
     rs = asyncio.run(burst())
     codes = sorted(r.status_code for r in rs)
-    assert set(codes) == {200, 429} and codes.count(200) == 3, codes  # 3 requests x 2 texts fill max_queue=6
+    assert set(codes) == {200, 429} and codes.count(200) >= 3, codes  # 3 requests x 2 texts fill max_queue=6
     for r in rs:
         if r.status_code == 429:
             assert r.headers["retry-after"] == "1" and r.json()["error_type"] == "Overloaded"
             assert r.json()["error"].startswith("overloaded")
+        else:
+            assert [len(answer) for answer in r.json()] == [3, 3]  # both texts' every label
+    after = metric(httpx.get(f"{slow.url}/metrics").text, "routing_failures_total", reason="overloaded")
+    assert after - before == codes.count(429)  # what the clients got
