@@ -162,14 +162,17 @@ class EfficientVectorRouting(nn.Module):
             "D_use": D_use, "D_ign": D_ign, "phi": phi, "x_out_raw": x_out_raw, "x_out": x_out,
         }
 
-    def forward_packed(self, x_inp: torch.Tensor, segments: seg.Segments) -> torch.Tensor:
+    def forward_packed(self, x_inp: torch.Tensor, segments: seg.Segments, slots: seg.Slots | None = None
+                       ) -> torch.Tensor:
         """Route samples of different lengths lying back to back (see :mod:`service.routing.segments`), each as
         :meth:`forward` routes it alone: the same ``x_out`` up to float rounding, no padding, one call for the batch.
-        Variable ``n`` and one routing's parameters only (not stacked).
+        With a fixed ``n`` every sample has ``n_inp`` inputs.
 
         Args:
             x_inp: ``[I, d_inp]`` every sample's input vectors, sample after sample.
             segments: where each sample's inputs lie.
+            slots: with stacked parameters (every parameter ``[S, ...]``, see ``service.modeling.head.stack_heads``),
+                the slot each sample routes with (the samples sorted by slot); None with one routing's parameters.
 
         Returns:
             ``x_out [B, n_out, d_out]``.
@@ -177,26 +180,69 @@ class EfficientVectorRouting(nn.Module):
         Raises:
             RuntimeError: the grouped product does not run here (see :func:`service.routing.segments.contract`).
         """
-        if self.n_inp != -1 or self.W_A.dim() != 2:
-            raise ValueError("a packed routing needs variable n_inp and one routing's parameters")
+        stacked = self.W_F1.dim() == 3
+        if stacked != (slots is not None) or self.W_F1.dim() not in (2, 3):
+            raise ValueError("a packed routing takes slots exactly when its parameters are stacked")
         if x_inp.dim() != 2 or x_inp.shape[-1] != self.d_inp:
             raise ValueError(f"x_inp must be [I, d_inp={self.d_inp}], got {list(x_inp.shape)}")
-        beta_use, beta_ign = self._betas(x_inp)  # [ij], [ij]
         scale = segments.n.rsqrt()  # [B]
-        a_inp = torch.addcmul(self.B_A, self._activations(x_inp), scale[segments.index])  # [i]
+        beta_use, beta_ign, a_inp, W_S, B_S = self._packed_inputs(x_inp, segments, slots, scale)  # [ij] [ij] [i] ..
+        if slots is None:
+            W_F1, B_F2, W_G2, B_G2 = self.W_F1, self.B_F2, self.W_G2, self.B_G2
+
+            def times_F2(y: torch.Tensor) -> torch.Tensor:
+                return y @ self.W_F2  # [Bjh]
+
+            def times_G1(y: torch.Tensor) -> torch.Tensor:
+                return y @ self.W_G1  # [Bjd]
+        else:
+            W_F1, B_F2, W_G2, B_G2 = (p[slots.slot] for p in (self.W_F1, self.B_F2, self.W_G2, self.B_G2))  # [Bj.]
+            rows = slots.sample_ends * self.n_out  # [S] each slot's rows of a [B * j, ...] flattening
+
+            def times_F2(y: torch.Tensor) -> torch.Tensor:
+                return seg.times_slot(y, self.W_F2, slots, rows)  # [Bjh]
+
+            def times_G1(y: torch.Tensor) -> torch.Tensor:
+                return seg.times_slot(y, self.W_G1, slots, rows)  # [Bjd]
         f_a = torch.sigmoid(a_inp)[:, None]  # [i1]
         R = self.CONST_ones_over_n_out  # [j] E-step of iteration 1: flat prior
         for iteration in range(self.n_iters):
             D_use, D_ign = d_step(f_a, R, None)  # [ij], [ij]
             phi = beta_use * D_use - beta_ign * D_ign  # [ij]
             phi_x = seg.contract(phi, x_inp, segments)  # [Bjd] each sample's inputs contracted
-            x_out = torch.einsum("bjd,jd,dh->bjh", phi_x, self.W_F1, self.W_F2)  # [Bjh]
-            x_out = torch.addcmul(seg.sum_by_sample(phi, segments)[..., None] * self.B_F2, x_out,
+            x_out = times_F2(phi_x * W_F1)  # [Bjh]
+            x_out = torch.addcmul(seg.sum_by_sample(phi, segments)[..., None] * B_F2, x_out,
                                   scale[:, None, None])  # [Bjh] scaled, + bias
             if iteration + 1 < self.n_iters:
-                x_hat = torch.einsum("bjh,hd->bjd", self.N(x_out), self.W_G1)  # [Bjd]
-                pred_x_inp = x_hat * self.W_G2 + self.B_G2  # [Bjd]
+                pred_x_inp = times_G1(self.N(x_out)) * W_G2 + B_G2  # [Bjd]
                 dots = seg.per_sample(x_inp, pred_x_inp.transpose(-1, -2), segments)  # [ij] against its sample's
-                S = nn.functional.logsigmoid(dots * self.W_S + self.B_S)  # [ij]
+                S = nn.functional.logsigmoid(dots * W_S + B_S)  # [ij]
                 R = route(S, None)  # [ij]
         return self.N(x_out) if self.normalize else x_out  # [Bjh]
+
+    def _packed_inputs(self, x_inp: torch.Tensor, segments: seg.Segments, slots: seg.Slots | None,
+                       scale: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """What :meth:`forward_packed` reads per input: ``beta_use [I, j]``, ``beta_ign [I, j]``, the activations
+        ``a_inp [I]``, and ``W_S``, ``B_S`` (``[I, j]``, or ``[1, j]`` shared by every input). With variable ``n``
+        and :class:`~service.routing.segments.Slots`, the three products with each input's slot's weights are one
+        grouped product (its columns padded to a multiple of 8, as the grouped kernels need); with a fixed ``n``,
+        input ``i`` of a sample is position ``i mod n`` of its parameters."""
+        own = None if slots is None else slots.slot[segments.index]  # [i] each input's slot
+        if self.n_inp > 0:  # per position: every sample has n_inp inputs
+            pos = torch.arange(x_inp.shape[0], device=x_inp.device) % self.n_inp  # [i]
+            at = pos if own is None else (own, pos)
+            a_inp = torch.addcmul(self.B_A[at], (x_inp * self.W_A[at]).sum(dim=-1), scale[segments.index])  # [i]
+            return self.beta_use[at], self.beta_ign[at], a_inp, self.W_S[at], self.B_S[at]
+        if own is None or slots is None:
+            beta_use, beta_ign = self._betas(x_inp)  # [ij], [ij]
+            a_inp = torch.addcmul(self.B_A, self._activations(x_inp), scale[segments.index])  # [i]
+            return beta_use, beta_ign, a_inp, self.W_S, self.B_S
+        use, ign = self.compute_beta_use, self.compute_beta_ign
+        j = self.n_out
+        spare = -(2 * j + 1) % 8
+        weights = torch.cat([use.weight, ign.weight, self.W_A,
+                             self.W_A.new_zeros(self.W_A.shape[0], spare, self.d_inp)], dim=-2)  # [S (2j+1+pad) d]
+        y = seg.by_slot(x_inp, weights.transpose(-1, -2), slots.input_ends)  # [i (2j+1+pad)]
+        a_inp = torch.addcmul(self.B_A[own, 0], y[:, 2 * j], scale[segments.index])  # [i]
+        return (y[:, :j] + use.bias[own], y[:, j : 2 * j] + ign.bias[own], a_inp,  # [ij], [ij], [i]
+                self.W_S[own, 0], self.B_S[own, 0])  # [ij], [ij]

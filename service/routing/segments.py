@@ -23,11 +23,14 @@ class Segments:
         ends: int32 ``[B]`` each sample's end in the stream (exclusive, cumulative; the grouped product's ``offs``).
         index: int64 ``[I]`` each input's sample.
         n: ``[B]`` each sample's inputs, as the routing's float dtype (each at least 1).
+        width: where every sample has the same number of inputs, that number (then the contractions below are
+            batched products over ``[B, width, ...]`` views, which need no grouped kernel); else None.
     """
 
     ends: torch.Tensor
     index: torch.Tensor
     n: torch.Tensor
+    width: int | None = None
 
     @classmethod
     def of(cls, counts: torch.Tensor, total: int, dtype: torch.dtype) -> Segments:
@@ -38,16 +41,23 @@ class Segments:
         index = torch.repeat_interleave(torch.arange(B, device=counts.device), counts, output_size=total)  # [I]
         return cls(ends=ends, index=index, n=counts.to(dtype))
 
+    @classmethod
+    def fixed(cls, B: int, width: int, dtype: torch.dtype, device: torch.device) -> Segments:
+        """The segments of ``B`` samples of ``width`` inputs each."""
+        counts = torch.full((B,), width, dtype=torch.int64, device=device)  # [B]
+        return cls(ends=(counts.cumsum(0)).to(torch.int32),
+                   index=torch.arange(B, device=device).repeat_interleave(width), n=counts.to(dtype), width=width)
+
     @property
     def samples(self) -> int:
         return self.ends.shape[0]
 
 
-def _grouped_mm(a: torch.Tensor, b: torch.Tensor, segments: Segments) -> torch.Tensor:
+def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     grouped = getattr(torch.nn.functional, "grouped_mm", None)
     if grouped is None:
         raise RuntimeError(f"torch {torch.__version__} has no grouped matrix product")
-    return grouped(a, b, offs=segments.ends)
+    return grouped(a, b, offs=offs)
 
 
 def contract(a: torch.Tensor, b: torch.Tensor, segments: Segments) -> torch.Tensor:
@@ -58,7 +68,10 @@ def contract(a: torch.Tensor, b: torch.Tensor, segments: Segments) -> torch.Tens
         RuntimeError: the grouped product does not run here (this torch, device or dtype, or rows not aligned to 16
             bytes); callers then pad.
     """
-    return _grouped_mm(a.transpose(0, 1), b, segments)  # [Bmn]
+    if segments.width is not None:
+        w = segments.width
+        return torch.einsum("bim,bin->bmn", a.view(-1, w, a.shape[-1]), b.view(-1, w, b.shape[-1]))  # [Bmn]
+    return _grouped_mm(a.transpose(0, 1), b, segments.ends)  # [Bmn]
 
 
 def per_sample(a: torch.Tensor, m: torch.Tensor, segments: Segments) -> torch.Tensor:
@@ -67,9 +80,61 @@ def per_sample(a: torch.Tensor, m: torch.Tensor, segments: Segments) -> torch.Te
     Raises:
         RuntimeError: as :func:`contract`.
     """
-    return _grouped_mm(a, m, segments)  # [In]
+    if segments.width is not None:
+        return torch.bmm(a.view(-1, segments.width, a.shape[-1]), m).flatten(0, 1)  # [In]
+    return _grouped_mm(a, m, segments.ends)  # [In]
 
 
 def sum_by_sample(a: torch.Tensor, segments: Segments) -> torch.Tensor:
     """``[B, ...]``: the sum of ``a [I, ...]`` over each sample's inputs."""
+    if segments.width is not None:
+        return a.view(-1, segments.width, *a.shape[1:]).sum(dim=1)  # [B...]
     return a.new_zeros(segments.samples, *a.shape[1:]).index_add_(0, segments.index, a)  # [B...]
+
+
+@dataclass(frozen=True)
+class Slots:
+    """Which of a stacked routing's parameter slots each sample of a stream routes with, the samples sorted by slot
+    (so that every slot's inputs, and its samples, lie in one run: a product with a slot's weights is one group of a
+    grouped product, and no weight is copied per sample).
+
+    Attributes:
+        slot: int64 ``[B]`` each sample's slot (non-decreasing).
+        input_ends: int32 ``[S]`` where each slot's inputs end in the stream (exclusive, cumulative; empty slots too).
+        sample_ends: int32 ``[S]`` where each slot's samples end among the ``B``.
+    """
+
+    slot: torch.Tensor
+    input_ends: torch.Tensor
+    sample_ends: torch.Tensor
+
+    @classmethod
+    def of(cls, slot: torch.Tensor, counts: torch.Tensor, n_slots: int) -> Slots:
+        """The slots of samples sorted by ``slot [B]`` (int64), with ``counts [B]`` inputs each, among ``n_slots``."""
+        per_slot = torch.zeros(n_slots, dtype=torch.int64, device=slot.device)  # [S]
+        inputs = per_slot.index_add(0, slot, counts)  # [S]
+        samples = per_slot.index_add(0, slot, torch.ones_like(slot))  # [S]
+        return cls(slot=slot, input_ends=inputs.cumsum(0).to(torch.int32),
+                   sample_ends=samples.cumsum(0).to(torch.int32))
+
+
+def by_slot(a: torch.Tensor, weights: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """``[R, n]``: each row of ``a [R, k]`` times its slot's matrix of ``weights [S, k, n]``, the rows in runs by slot
+    ending at ``ends [S]`` (a :class:`Slots`' ``input_ends``, or its ``sample_ends`` scaled to rows), in one grouped
+    call.
+
+    Raises:
+        RuntimeError: as :func:`contract`.
+    """
+    return _grouped_mm(a, weights, ends)  # [Rn]
+
+
+def times_slot(y: torch.Tensor, weights: torch.Tensor, slots: Slots, rows: torch.Tensor) -> torch.Tensor:
+    """``[B, j, n]``: each sample's ``y [B, j, k]`` times its slot's matrix of ``weights [S, k, n]``: one grouped
+    product over the samples' rows by slot (``rows [S]``: where each slot's rows of ``y`` flattened end), where the
+    grouped kernels take the operands (rows of 16 bytes' multiples); else each sample's matrix gathered (small ones:
+    a routing to one feature)."""
+    size = weights.element_size()
+    if (weights.shape[-1] * size) % 16 == 0 and (weights.shape[-2] * size) % 16 == 0:
+        return by_slot(y.flatten(0, 1), weights, rows).view(*y.shape[:2], -1)  # [Bjn]
+    return torch.bmm(y, weights[slots.slot])  # [Bjn]

@@ -1,10 +1,12 @@
 """Samples of different lengths routed back to back (``forward_packed``): each routed as it is alone."""
 
+import copy
+
 import pytest
 import torch
 
 from service.routing import EfficientVectorRouting
-from service.routing.segments import Segments, contract, per_sample, sum_by_sample
+from service.routing.segments import Segments, Slots, contract, per_sample, sum_by_sample
 
 LENGTHS = [1, 4, 9, 2, 4]
 
@@ -54,7 +56,30 @@ def test_a_packed_batch_routes_each_sample_as_it_is_alone(n_iters: int, d_out: i
     torch.testing.assert_close(packed, m(padded, mask=absent[..., None].expand(-1, -1, 4)), rtol=1e-5, atol=1e-6)
 
 
-def test_a_routing_of_fixed_inputs_is_not_packed() -> None:
-    m = EfficientVectorRouting(3, 4, 8, 5)
-    with pytest.raises(ValueError, match="variable n_inp"):
-        m.forward_packed(torch.randn(6, 8), segments_of([3, 3]))
+def test_a_routing_of_fixed_inputs_packs_as_each_sample_alone_and_stacked_by_slot() -> None:
+    torch.manual_seed(0)
+    routings = [EfficientVectorRouting(3, 4, 8, 5) for _ in range(3)]
+    x = torch.randn(4 * 3, 8)  # [I d] four samples of three inputs
+    alone = [m(x_b) for m, x_b in zip([routings[0]] * 4, x.split(3), strict=True)]
+    segments = Segments.fixed(4, 3, x.dtype, x.device)
+    torch.testing.assert_close(routings[0].forward_packed(x, segments), torch.stack(alone), rtol=1e-5, atol=1e-6)
+    stacked = stack_heads_like(routings)
+    slot = torch.tensor([0, 1, 1, 2])  # sorted by slot
+    got = stacked.forward_packed(x, segments, Slots.of(slot, torch.full((4,), 3), 3))  # [B j h]
+    want = torch.stack([routings[int(s)](x_b) for s, x_b in zip(slot, x.split(3), strict=True)])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="slots"):
+        routings[0].forward_packed(x, segments, Slots.of(slot, torch.full((4,), 3), 3))
+    with pytest.raises(ValueError, match="slots"):
+        stacked.forward_packed(x, segments)
+
+
+def stack_heads_like(routings: list[EfficientVectorRouting]) -> EfficientVectorRouting:
+    """One routing holding ``routings``' parameters stacked along a leading axis."""
+    out = copy.deepcopy(routings[0])
+    for name, _ in routings[0].named_parameters():
+        owner, _, leaf = name.rpartition(".")
+        module = out.get_submodule(owner) if owner else out
+        module._parameters[leaf] = torch.nn.Parameter(
+            torch.stack([r.get_parameter(name) for r in routings]).detach(), requires_grad=False)
+    return out
