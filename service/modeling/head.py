@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from service.routing import EfficientVectorRouting, credit
-from service.routing.segments import Segments
+from service.routing.segments import Segments, Slots
 
 NORM_EPS = 1e-5
 """The per-depth layer norm's epsilon."""
@@ -135,14 +135,18 @@ class RoutingHead(nn.Module):
         return HeadOutput(scores=scores, phi=(r1["phi"], r2["phi"], r3["phi"]), absent=absent, stack=stack,
                           normed=normed)
 
-    def scores_packed(self, hidden: torch.Tensor, n_t: torch.Tensor) -> torch.Tensor:
+    def scores_packed(self, hidden: torch.Tensor, n_t: torch.Tensor, slot: torch.Tensor | None = None
+                      ) -> torch.Tensor:
         """The scores :meth:`forward` gives each text alone, for texts lying back to back without padding: the
         first routing over every text's inputs in one packed call (:meth:`EfficientVectorRouting.forward_packed`),
-        the other two on the batch. No credit (it reads the padded :class:`HeadOutput`); one head (not stacked).
+        the other two on the batch. No credit (it reads the padded :class:`HeadOutput`).
 
         Args:
             hidden: ``[T, d_depth, d_emb]`` every text's hidden states, text after text.
-            n_t: int64 ``[b]`` each text's positions (on ``hidden``'s device; they sum to ``T``).
+            n_t: int64 ``[b]`` each text's positions (on ``hidden``'s device; they sum to ``T``; a text of none has
+                no defined scores, and leaves the others' as they are).
+            slot: with a stacked head (``S`` heads' parameters, see :class:`HeadSlots`), int64 ``[b]`` the head of
+                each text, non-decreasing (the texts sorted by head); None with one head.
 
         Returns:
             ``[b, n_classes]`` logits.
@@ -150,12 +154,26 @@ class RoutingHead(nn.Module):
         Raises:
             RuntimeError: the grouped product the packed routing needs does not run here.
         """
+        if (slot is not None) != self.stacked:
+            raise ValueError("a stacked head needs each text's slot, and only a stacked head takes them")
         normed = nn.functional.layer_norm(hidden, (self.d_emb,), eps=NORM_EPS)  # [Ted] each depth normed
-        x = torch.addcmul(self.B, normed, self.W).flatten(0, 1)  # [id] positions x depths, text after text
-        segments = Segments.of(n_t * self.d_depth, x.shape[0], x.dtype)
-        x1 = self.route[0].forward_packed(x, segments)  # [bjh]
-        x2 = self.route[1](x1)["x_out"]  # [bjh]
-        return self.route[2](x2)["x_out"].squeeze(-1)  # [bk]
+        T, b = hidden.shape[0], n_t.shape[0]
+        if slot is None:
+            x = torch.addcmul(self.B, normed, self.W)  # [Ted]
+            segments = Segments.of(n_t * self.d_depth, T * self.d_depth, normed.dtype)
+            x1 = self.route[0].forward_packed(x.flatten(0, 1), segments)  # [bjh]
+            x2 = self.route[1](x1)["x_out"]  # [bjh]
+            return self.route[2](x2)["x_out"].squeeze(-1)  # [bk]
+        S = self.W.shape[0]
+        own = torch.repeat_interleave(slot, n_t, output_size=T)  # [T] each position's head
+        x = torch.addcmul(self.B[own], normed, self.W[own])  # [Ted] scaled by its head, plus its bias
+        counts = n_t * self.d_depth  # [b]
+        x1 = self.route[0].forward_packed(x.flatten(0, 1), Segments.of(counts, T * self.d_depth, x.dtype),
+                                          Slots.of(slot, counts, S))  # [bjh]
+        segments = Segments.fixed(b, self.n_hid, x.dtype, x.device)  # the later routings' inputs: n_hid each
+        slots = Slots.of(slot, segments.n.to(torch.int64), S)
+        x2 = self.route[1].forward_packed(x1.flatten(0, 1), segments, slots)  # [bjh]
+        return self.route[2].forward_packed(x2.flatten(0, 1), segments, slots).squeeze(-1)  # [bk]
 
     def contributions(self, out: HeadOutput, targets: torch.Tensor, contrast: bool = True) -> Contribution:
         """Exact value-path credit of ``targets`` over (position, depth), in logit units.
@@ -271,6 +289,54 @@ def stack_heads(heads: Sequence[RoutingHead], space: StackSpace | None = None) -
         rows = [p[name] for p in params]
         stacked[name] = torch.stack(rows) if space is None else torch.stack(rows, out=space.take(name, like, len(rows)))
     return _assemble(first, stacked)
+
+
+class HeadSlots:
+    """Heads of one shape in ``capacity`` slots of stacked parameters (``W [capacity, e, d]``, ...), allocated once:
+    a head put in a slot is copied into it, in place, so that a computation recorded on :attr:`head` (a CUDA graph)
+    reads it without being recorded again, and a head taken out leaves its slot free. Texts choose their head by
+    slot (see :meth:`RoutingHead.scores_packed`); an empty slot holds zeros (finite scores nobody reads)."""
+
+    def __init__(self, like: RoutingHead, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity must be at least 1, got {capacity}")
+        self.shape = head_shape(like)
+        self.head = _assemble(like, {name: p.new_zeros(capacity, *p.shape) for name, p in like.named_parameters()})
+        self._params = dict(self.head.named_parameters())
+        self.slot_of: dict[str, int] = {}
+
+    @property
+    def capacity(self) -> int:
+        return self.head.W.shape[0]
+
+    @torch.no_grad()
+    def put(self, key: str, head: RoutingHead) -> int | None:
+        """``head``'s parameters copied into a free slot (its old one where ``key`` holds one already); the slot, or
+        None where every slot is taken.
+
+        Raises:
+            ValueError: ``head`` is not of this shape.
+        """
+        if head_shape(head) != self.shape:
+            raise ValueError(f"a head of shape {head_shape(head)} in slots of shape {self.shape}")
+        slot = self.slot_of.get(key)
+        if slot is None:
+            free = sorted(set(range(self.capacity)) - set(self.slot_of.values()))
+            if not free:
+                return None
+            slot = free[0]
+        for name, value in head.named_parameters():
+            self._params[name][slot].copy_(value)
+        self.slot_of[key] = slot
+        return slot
+
+    @torch.no_grad()
+    def drop(self, key: str) -> None:
+        """Head ``key``'s slot freed (zeroed); nothing where it holds none."""
+        slot = self.slot_of.pop(key, None)
+        if slot is not None:
+            for p in self._params.values():
+                p[slot].zero_()
 
 
 def head_shape(head: RoutingHead) -> tuple[int, ...]:
