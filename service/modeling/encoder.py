@@ -62,20 +62,33 @@ def pack(ids: np.ndarray, lengths: np.ndarray, device: torch.device, rows: list[
     """The :class:`Packing` of sequences of ``lengths [s]`` whose token ids lie back to back in ``ids [T]``:
     computed in numpy (no loop over tokens) and sent to the device in one copy.
 
-    Attention runs on a padded view: one sequence per row, padded to the longest (``rows`` None), or the
-    sequences ``rows[r]`` side by side in row ``r`` of ``width`` slots, each attending only to itself (less
-    padding where lengths differ: on a CPU, where attention's padded work costs time; see
+    Attention runs on a padded view: one sequence per row, padded to the longest (``rows`` None; to ``width`` where
+    given, a fixed shape), or the sequences ``rows[r]`` side by side in row ``r`` of ``width`` slots, each attending
+    only to itself (less padding where lengths differ: on a CPU, where attention's padded work costs time; see
     :func:`~service.modeling.grouping.pack_rows`). ``dest [T]``: each token's row of the output, sent with the rest."""
+    s, T = len(lengths), len(ids)
+    if rows is None and width is None and bool((lengths == lengths.max()).all()):  # the stream is the padded view
+        parts = [ids.astype(np.int64, copy=False), np.tile(np.arange(lengths[0]), s)]
+        tail = [] if dest is None else [dest.astype(np.int64, copy=False)]
+        flat = to_device([*parts, *tail], device)
+        return Packing(flat[:T], flat[T : 2 * T], None, None, None, (s, int(lengths[0])),
+                       flat[2 * T :] if tail else None)
+    host, n_rows, L = pack_host(ids, lengths, rows, width)
+    tail = [] if dest is None else [dest.astype(np.int64, copy=False)]  # last: the other parts keep their places
+    return packing_of(to_device([host, *tail], device), T, n_rows, L, several=rows is not None,
+                      dest=bool(tail))
+
+
+def pack_host(ids: np.ndarray, lengths: np.ndarray, rows: list[list[int]] | None = None, width: int | None = None
+              ) -> tuple[np.ndarray, int, int]:
+    """The host's part of :func:`pack` (no shortcut): ``ids``, positions, the padded view's indices and each slot's
+    sequence, flat (int64 ``[3T + 2rL]``, what :func:`packing_of` reads on the device), and ``(r, L)``. With ``rows``
+    None and ``width`` given, ``r`` is the number of sequences (an empty one has an empty row)."""
     s, T = len(lengths), len(ids)
     starts = np.cumsum(lengths) - lengths  # [s] first token of each sequence in the stream
     positions = np.arange(T) - np.repeat(starts, lengths)  # [T]
-    parts = [ids.astype(np.int64, copy=False), positions]
-    tail = [] if dest is None else [dest.astype(np.int64, copy=False)]  # last: the other parts keep their places
     if rows is None:
-        L = int(lengths.max())
-        if bool((lengths == L).all()):  # the stream is the padded view
-            flat = to_device([*parts, *tail], device)
-            return Packing(flat[:T], flat[T : 2 * T], None, None, None, (s, L), flat[2 * T :] if tail else None)
+        L = int(width or lengths.max())
         row_of, at = np.arange(s), np.zeros(s, dtype=np.int64)  # [s] each sequence's row, and where it starts there
     else:
         L = int(width or lengths.max())
@@ -89,22 +102,30 @@ def pack(ids: np.ndarray, lengths: np.ndarray, device: torch.device, rows: list[
         row_of[seq] = np.repeat(np.arange(len(rows)), sizes)
         at[seq] = end - n - row_start
         assert (at[seq] + n <= L).all(), f"a row holds more tokens than its {L} slots"
+    assert (lengths <= L).all(), f"a sequence longer than its row's {L} slots"
     n_rows = int(row_of.max()) + 1
     from_padded = np.repeat(row_of * L + at, lengths) + positions  # [T] each token's slot
     to_padded = np.zeros(n_rows * L, dtype=np.int64)  # [rL] slots past the sequences read token 0 (never used)
     to_padded[from_padded] = np.arange(T)
     seg = np.full(n_rows * L, -1, dtype=np.int64)  # [rL] which sequence fills each slot; -1: none
     seg[from_padded] = np.repeat(np.arange(s), lengths)
-    flat = to_device([*parts, to_padded, from_padded, seg, *tail], device)
+    return np.concatenate([ids.astype(np.int64, copy=False), positions, to_padded, from_padded, seg]), n_rows, L
+
+
+def packing_of(flat: torch.Tensor, T: int, n_rows: int, L: int, several: bool = False, dest: bool = False
+               ) -> Packing:
+    """The :class:`Packing` whose parts :func:`pack_host` laid out in ``flat`` (on the device; ``several``: rows of
+    several sequences; ``dest``: each token's output row follows, ``[T]``). Views of ``flat`` and the attention mask
+    computed from it: nothing read back, so a captured graph may build it from a buffer it reads."""
     end = 2 * T + n_rows * L + T + n_rows * L
     seg_d = flat[2 * T + n_rows * L + T : end].view(n_rows, L)  # [r L]
     # one sequence a row: the keys of every slot but the padding; several: the keys of the same sequence (empty
     # slots attend to each other, so that no row of the mask is all False)
-    keep = ((seg_d >= 0)[:, None, None, :] if rows is None  # [r 1 1 L]
-            else (seg_d[:, :, None] == seg_d[:, None, :])[:, None])  # [r 1 L L]
+    keep = ((seg_d[:, :, None] == seg_d[:, None, :])[:, None] if several  # [r 1 L L]
+            else (seg_d >= 0)[:, None, None, :])  # [r 1 1 L]
     return Packing(flat[:T], flat[T : 2 * T], flat[2 * T : 2 * T + n_rows * L].view(n_rows, L),
                    flat[2 * T + n_rows * L : 2 * T + n_rows * L + T], keep, (n_rows, L),
-                   flat[end:] if tail else None)
+                   flat[end : end + T] if dest else None)
 
 
 def to_device(parts: list[np.ndarray], device: torch.device) -> torch.Tensor:
