@@ -163,3 +163,27 @@ def pad_batch(ids: np.ndarray, lengths: np.ndarray, bucket: Bucket, pad_id: int)
     padded_ids = np.full(bucket.tokens, pad_id, dtype=np.int64)  # [tokens]
     padded_ids[:T] = ids
     return padded_ids, np.concatenate([lengths.astype(np.int64, copy=False), bucket.filler(T, s)])  # [rows]
+
+
+
+QUANTILES = tuple(float(q) for q in np.concatenate([np.linspace(0, 0.98, 50), [0.99, 0.995, 0.999, 1.0]]))
+"""Where :func:`length_sample` reads a distribution of lengths: every 2 %, and finer in the long tail (the longest
+text of a full batch of hundreds sets its width)."""
+
+
+def length_sample(lengths: Sequence[int]) -> list[int]:
+    """``lengths``' quantiles at :data:`QUANTILES`: their distribution in a few dozen numbers, kept with a model (its
+    manifest's ``token_lengths``) and drawn from again by :func:`draw_lengths`."""
+    if not lengths:
+        return []
+    values = np.quantile(np.asarray(lengths, dtype=np.float64), QUANTILES)
+    return [math.ceil(float(v)) for v in values]
+
+
+def draw_lengths(quantiles: Sequence[int], n: int = 4000, seed: int = 0) -> list[int]:
+    """``n`` lengths drawn from the distribution whose :data:`QUANTILES` are ``quantiles`` (inverse transform: a
+    uniform draw's place between the quantiles, read off linearly)."""
+    if len(quantiles) != len(QUANTILES):
+        raise ValueError(f"expected {len(QUANTILES)} quantiles, got {len(quantiles)}")
+    u = np.random.default_rng(seed).random(n)  # [n]
+    return [max(1, math.ceil(float(v))) for v in np.interp(u, QUANTILES, np.asarray(quantiles, dtype=np.float64))]

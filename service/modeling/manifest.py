@@ -62,6 +62,9 @@ class Manifest(BaseModel):
     problem_type: ProblemType = "single_label_classification"
     thresholds: list[float] | None = Field(None, description="Multi-label: each label's probability threshold (chosen "
                                            "on validation), aligned with ``labels``")
+    token_lengths: list[int] | None = Field(None, description="The training texts' chunk lengths in tokens, their "
+                                            "quantiles at service.modeling.buckets.QUANTILES (every 2 %, finer in the "
+                                            "tail): what a server chooses its shape buckets for")
     training: dict[str, Any] = Field(default_factory=dict)
     evaluation: dict[str, Any] = Field(default_factory=dict)
 

@@ -15,6 +15,7 @@ import torch
 from tqdm import tqdm
 
 from service.modeling.backbone import Backbone
+from service.modeling.buckets import length_sample
 from service.modeling.device import resolve_device, resolve_dtype
 from service.modeling.head import RoutingHead
 from service.modeling.repository import (
@@ -160,6 +161,8 @@ def train_model(name: str, data: DataSpec, out_dir: Path, backbone_source: str =
                               d_depth=backbone.d_depth, d_emb=backbone.d_emb),
         head=HeadSpec(n_hid=n_hid, d_hid=head.d_hid, n_iters=n_iters),
         max_length=backbone.max_length,
+        token_lengths=length_sample([len(c) for e in backbone.encode([ds.train.texts[k] for k in train_idx])
+                                     for c in e.chunks]),
         problem_type="multi_label_classification" if ds.multi_label else "single_label_classification",
         training={**summary, "data": {**ds.describe(), **data.as_dict(), "n_train_used": len(train_idx),
                                       "max_train": max_train},

@@ -6,7 +6,18 @@ import pytest
 import torch
 
 from service.modeling.backbone import Backbone
-from service.modeling.buckets import Bucket, batches, choose_buckets, own_bucket, pad_batch, padding, smallest_fit
+from service.modeling.buckets import (
+    QUANTILES,
+    Bucket,
+    batches,
+    choose_buckets,
+    draw_lengths,
+    length_sample,
+    own_bucket,
+    pad_batch,
+    padding,
+    smallest_fit,
+)
 from service.modeling.encoder import pack, pack_host, packing_of
 
 
@@ -73,3 +84,15 @@ def test_padding_to_a_bucket_leaves_real_tokens_states_unchanged(tiny_backbone_d
         in_bucket = bb.stream(packing_of(torch.from_numpy(host), bucket.tokens, rows, width))  # [tokens e d]
     assert in_bucket.shape[0] == 48
     torch.testing.assert_close(in_bucket[: len(ids)], alone, rtol=1e-5, atol=1e-5)
+
+
+def test_a_length_sample_kept_with_a_model_draws_like_the_lengths_it_came_from() -> None:
+    rng = np.random.default_rng(1)
+    lengths = np.clip(rng.lognormal(3.4, 0.4, 20000), 3, 256).astype(int)  # a long right tail, like tweets
+    kept = length_sample(lengths.tolist())
+    assert len(kept) == len(QUANTILES) and kept[0] == lengths.min() and kept[-1] == lengths.max()
+    drawn = np.array(draw_lengths(kept, 20000, seed=2))
+    for q in (0.1, 0.5, 0.9, 0.99):  # the drawn quantiles are the lengths' own, within a token or two
+        assert abs(np.quantile(drawn, q) - np.quantile(lengths, q)) <= 2 + 0.03 * np.quantile(lengths, q)
+    with pytest.raises(ValueError, match="quantiles"):
+        draw_lengths(kept[:-1])

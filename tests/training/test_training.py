@@ -19,6 +19,7 @@ from typer.testing import CliRunner, Result
 
 from service.cli import app
 from service.modeling.backbone import Backbone
+from service.modeling.buckets import QUANTILES
 from service.modeling.head import RoutingHead
 from service.modeling.repository import load_model
 from service.training import progress as progress_module
@@ -155,6 +156,8 @@ def test_train_and_evaluate_commands(tmp_path: Path, tiny_backbone_dir: Path) ->
     assert cmp["probe"] == "all layers" and 0 <= cmp["p_value"] <= 1
     assert cmp["margin_accuracy"] == ev["head"]["accuracy"] - ev["probe_all_layers"]["test"]["accuracy"]
     assert len(manifest["training"]["history"]) == 2 and manifest["training"]["data"]["n_train_used"] > 0
+    lengths = manifest["token_lengths"]  # the training texts' chunk lengths, for a server's shape buckets
+    assert len(lengths) == len(QUANTILES) and lengths == sorted(lengths) and 2 < lengths[0] <= lengths[-1] <= 16
     assert list((tmp_path / "cache").glob("*.pt"))
     _, clf = load_model(folder)
     assert clf.labels == ["neg", "pos"]
