@@ -25,17 +25,20 @@ from torch.profiler import record_function
 
 from service.allocator import keep_freed_memory
 from service.modeling.backbone import Backbone, BackboneError, Encoded
+from service.modeling.buckets import choose_buckets, draw_lengths
 from service.modeling.classifier import Classified, RoutingClassifier, classify, scoring
 from service.modeling.device import resolve_device, resolve_dtype
 from service.modeling.encoder import to_device
 from service.modeling.grouping import lay_out, length_groups
-from service.modeling.head import RoutingHead, StackSpace, head_shape, stack_heads
+from service.modeling.head import HeadSlots, RoutingHead, StackSpace, head_shape, stack_heads
 from service.modeling.repository import MANIFEST, Manifest, ModelLoadError, load_model, read_manifest
 from service.serving.core.keys import backbone_key
 from service.serving.core.results import Answer, Answers, Result, answers_of
 from service.serving.core.work import METHODS, ChunkWork, CreditSpec, Task, TextJob
 from service.serving.engine.compute import Compute
 from service.serving.engine.gather import Stream, block, gather, locate, stream
+from service.serving.engine.graphs import BucketRunner, BucketStats
+from service.serving.engine.pipe import BucketPlan
 from service.serving.engine.readout import HeadCall, credit_request, read_results
 
 
@@ -183,6 +186,7 @@ class Engine(Compute):
         logits it explains (a text asking for credit costs one more head pass). ``routing-service bench gpu
         --variant head_dtype=bfloat16`` measures it against float32; the tests state how far its scores move."""
         self._packable: dict[tuple[tuple[int, ...], str], bool] = {}  # (head shape, head_dtype) -> packed agrees
+        self._buckets: BucketRunner | None = None  # see use_buckets
         self.clock = EngineClock()
         self.head_batch_positions = backbone.chunk_batch_tokens * (1 if device.type == "cpu" else 4)
         """Padded positions (texts x their longest) per head call. On a GPU larger than the encoder's budget: a
@@ -196,9 +200,15 @@ class Engine(Compute):
 
     @classmethod
     def load(cls, folders: Path | Sequence[Path], device: str = "auto", dtype: str = "auto",
-             warmup: bool = True, keys: Sequence[str] | None = None) -> Engine:
+             warmup: bool = True, keys: Sequence[str] | None = None, buckets: BucketPlan | None = None) -> Engine:
         """Load the models of ``folders`` (one folder, or several naming the same backbone) on one backbone,
-        each head under its key in ``keys`` (by default its model's name)."""
+        each head under its key in ``keys`` (by default its model's name); with ``buckets``, its plain batches in
+        shape buckets from the start (see :meth:`use_buckets`; ``auto``: captured where that can be, else none).
+
+        Raises:
+            ValueError: ``buckets`` asks for what this device or backbone cannot do (``cuda`` without a GPU, or
+                with heads not in bfloat16; a backbone the packed encoder does not know).
+        """
         t0 = time.perf_counter()
         folders = [folders] if isinstance(folders, Path | str) else list(folders)
         dev = resolve_device(device)
@@ -209,6 +219,11 @@ class Engine(Compute):
         engine = cls(manifests, classifiers, dev, dt, 0.0)
         if warmup:
             engine._warm_up(engine.models)
+        mode = "off" if buckets is None else buckets.mode
+        if mode == "auto":
+            mode = "cuda" if dev.type == "cuda" and dt == torch.bfloat16 and engine.backbone.stream else "off"
+        if mode != "off" and buckets is not None:
+            engine.use_buckets(mode, max_texts=buckets.max_texts, budget=buckets.budget)
         engine.load_seconds = time.perf_counter() - t0
         engine.head_seconds = dict.fromkeys(engine.models, engine.load_seconds)
         return engine
@@ -237,6 +252,10 @@ class Engine(Compute):
                                      f"{self.key}; it loads on a backbone of its own")
         self.classifiers = {**self.classifiers, **load_heads(folders, keys, self.backbone)}
         self.add(manifests)
+        if self._buckets is not None:  # into free slots of the captured buckets' stacked head: nothing captured again
+            for k in keys:
+                if head_shape(self.classifiers[k].head) == self._buckets.slots.shape:
+                    self._buckets.slots.put(k, self.classifiers[k].head)
         if warmup:
             try:
                 self._warm_up(keys)
@@ -249,6 +268,65 @@ class Engine(Compute):
         self.remove(keys)
         self.classifiers = {k: c for k, c in self.classifiers.items() if k not in keys}
         self.head_seconds = {k: t for k, t in self.head_seconds.items() if k not in keys}
+        if self._buckets is not None:
+            for k in keys:
+                self._buckets.slots.drop(k)
+
+    def use_buckets(self, mode: str, lengths: Sequence[int] | None = None, max_texts: int = 1024,
+                    budget: int | None = None, capacity: int = 64, count: int = 32, deadline_s: float = 20.0
+                    ) -> BucketStats | None:
+        """Plain batches (every text one chunk, one head, no credit) in shape buckets from now on (``mode``: ``cuda``
+        captures them as CUDA graphs, ``eager`` pads without capturing, ``off`` stops; see
+        :mod:`~service.serving.engine.graphs`); other batches, and those that fit no bucket, run as before.
+
+        The buckets are chosen for chunk ``lengths`` like the traffic's (by default drawn from the lengths the
+        models' manifests keep, see :meth:`_length_sample`), batches of up to ``budget`` tokens (by default the
+        backbone's) and ``max_texts`` texts (:func:`~service.modeling.buckets.choose_buckets`, ``count`` of them),
+        warmed (captured) until
+        ``deadline_s``. The heads of the default model's shape go into ``capacity`` slots of stacked parameters,
+        and heads added later into free ones, so that nothing is captured again; a head that finds no free slot
+        runs eagerly. Returns what the warm-up did (None with ``off``).
+
+        Raises:
+            ValueError: ``cuda`` with heads not in bfloat16, or no CUDA device, or a backbone the packed encoder
+                does not know.
+        """
+        if mode == "off":
+            self._buckets = None
+            return None
+        like = self.classifiers[self.default].head
+        if mode == "cuda" and next(like.parameters()).dtype != torch.bfloat16:
+            raise ValueError("CUDA graphs of the heads need them in bfloat16 (load the backbone in bfloat16, the "
+                             "default on a GPU): torch's grouped products on a GPU read other dtypes' groups back "
+                             "to the host, which a graph cannot capture")
+        slots = HeadSlots(like, capacity)
+        for key, clf in self.classifiers.items():
+            if head_shape(clf.head) == slots.shape:
+                slots.put(key, clf.head)
+        sample = list(lengths) if lengths is not None else self._length_sample(list(slots.slot_of))
+        bb = self.backbone
+        buckets = choose_buckets(sample, budget or bb.chunk_batch_tokens, max_texts, bb.max_length, count)
+        runner = BucketRunner(bb, slots, buckets, mode, self.score_dtype)
+        stats = runner.warm(deadline_s)
+        self._buckets = runner
+        log.info("backbone %s: %d shape buckets (%s) warmed in %.1f s", self.name, len(runner.buckets), mode,
+                 stats.capture_s)
+        return stats
+
+    def _length_sample(self, keys: list[str]) -> list[int]:
+        """Chunk lengths like the traffic's: drawn from the training texts' lengths each model of ``keys`` keeps in
+        its manifest (``token_lengths``), as many of each; without any, every length from 4 to 128 alike."""
+        kept = [m.token_lengths for k in keys if (m := self.manifests[k]).token_lengths]
+        if not kept:
+            log.warning("backbone %s: no model keeps its texts' lengths (train it again to have them); shape "
+                        "buckets are chosen for every length from 4 to 128 tokens alike", self.name)
+            return list(range(4, 129))
+        return [n for q in kept for n in draw_lengths(q, 4000 // len(kept) + 1)]
+
+    @property
+    def bucket_stats(self) -> BucketStats | None:
+        """What the shape buckets have done (None while they are off)."""
+        return None if self._buckets is None else self._buckets.stats
 
     def describe(self, model: str) -> dict[str, Any]:
         m, clf = self.manifests[model], self.classifiers[model]
@@ -360,6 +438,10 @@ class Engine(Compute):
             self.clock.wall_s += time.perf_counter() - t0
 
     def _submit(self, works: list[ChunkWork]) -> Submitted:
+        if self._buckets is not None:
+            bucketed = self._submit_bucketed(works, self._buckets)
+            if bucketed is not None:
+                return bucketed
         lengths = np.fromiter((len(w.ids) for w in works), dtype=np.int64, count=len(works))  # [c]
         done: dict[int, TextJob] = {}  # position in the batch -> text completed there
         for pos, w in enumerate(works):
@@ -420,6 +502,12 @@ class Engine(Compute):
             calls.append((call.chosen, heads, pred))
         for job in done.values():
             job.states = []  # the hidden states are no longer needed
+        return self._launched(len(works), done, calls, failed)
+
+    def _launched(self, size: int, done: dict[int, TextJob], calls: list[HeadCall], failed: dict[int, TextJob]
+                  ) -> Submitted:
+        """A batch whose head calls are launched: their scores' copy to the host begun, and the texts that failed
+        before (by position) answered with why."""
         live = [c[2].logits.flatten() for c in calls if c[2] is not None]
         logits, ready = None, None
         if live:  # every call's scores to the host in one copy (heads differ in labels: flat, one after another)
@@ -435,7 +523,42 @@ class Engine(Compute):
             job.states = []
             calls.append(([(pos, a) for a in range(len(job.asks))], [a.model or self.default for a in job.asks], None))
             done[pos] = job
-        return Submitted(len(works), done, calls, logits, ready)
+        return Submitted(size, done, calls, logits, ready)
+
+    def _submit_bucketed(self, works: list[ChunkWork], runner: BucketRunner) -> Submitted | None:
+        """A plain batch (see :meth:`use_buckets`) launched in its shape bucket, sorted by head slot; None where it is
+        not plain or fits no bucket (nothing has changed then)."""
+        if runner.head_dtype != self.score_dtype:  # captured for another head precision
+            return None
+        slot_of = runner.slots.slot_of
+        keys = []
+        for w in works:
+            job = w.job
+            plain = job.left == 1 and len(job.states) == 1 and len(job.asks) == 1 and job.asks[0].credit is None
+            if not plain or job.failed:
+                return None
+            key = job.asks[0].model or self.default
+            if key not in slot_of or key not in self.manifests:
+                return None
+            keys.append(key)
+        slot = np.fromiter((slot_of[k] for k in keys), dtype=np.int64, count=len(keys))  # [s]
+        order = np.argsort(slot, kind="stable")  # [s] the texts by slot
+        lengths = np.fromiter((len(works[p].ids) for p in order), dtype=np.int64, count=len(works))  # [s]
+        ids = np.fromiter(itertools.chain.from_iterable(works[p].ids for p in order), dtype=np.int64,
+                          count=int(lengths.sum()))  # [T]
+        forward0 = runner.stats.forward_s
+        with _phase("engine.bucket"):
+            logits = runner.run(ids, lengths, slot[order])  # [s k] in that order
+        self.clock.forward_s += runner.stats.forward_s - forward0
+        if logits is None:
+            return None
+        done: dict[int, TextJob] = {}
+        for pos, w in enumerate(works):
+            w.job.left, w.job.states = 0, []
+            done[pos] = w.job
+        chosen = [(int(p), 0) for p in order]
+        pred = Classified(logits=logits, encoded=None, explained=[None] * len(works))
+        return self._launched(len(works), done, [(chosen, [keys[p] for p, _ in chosen], pred)], {})
 
     def _plan_calls(self, done: dict[int, TextJob]) -> list[PlannedCall]:
         """The head calls for the texts completed in a batch (by position): the texts that share a head call (see

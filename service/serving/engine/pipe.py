@@ -12,6 +12,16 @@ from service.serving.observe.logs import LogSetup
 
 
 @dataclass(frozen=True)
+class BucketPlan:
+    """Shape buckets for a backbone's plain batches (see ``Engine.use_buckets``): ``mode`` (``off``, ``auto``,
+    ``eager``, ``cuda``) and the batcher's limits the buckets are chosen for."""
+
+    mode: str = "off"
+    max_texts: int = 1024
+    budget: int = 16384
+
+
+@dataclass(frozen=True)
 class LoadBackbone:
     """Load a backbone and the heads of ``folders`` on it, each under its key in ``keys``."""
 
@@ -22,6 +32,7 @@ class LoadBackbone:
     warmup: bool
     torch_threads: int | None
     log: LogSetup = field(default_factory=LogSetup)
+    buckets: BucketPlan = field(default_factory=BucketPlan)
 
 
 @dataclass(frozen=True)

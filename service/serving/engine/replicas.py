@@ -14,6 +14,7 @@ from service.config import cuda_here
 from service.serving.core.results import Answer
 from service.serving.core.work import ChunkWork
 from service.serving.engine.compute import Compute, Runner
+from service.serving.engine.pipe import BucketPlan
 from service.serving.engine.process import BackboneProcess, Launches
 from service.threads import available_cpus
 
@@ -38,18 +39,19 @@ class Replicas(Compute):
 
     def __init__(self, folders: Path | list[Path], devices: Sequence[str] = ("auto", "auto"), dtype: str = "auto",
                  warmup: bool = True, torch_threads: int | None = None, keys: list[str] | None = None,
-                 launches: Launches | None = None) -> None:
+                 launches: Launches | None = None, buckets: BucketPlan | None = None) -> None:
         n = len(devices)
         if n < 2:
             raise ValueError(f"replicas need at least 2 processes, not {n}")
         on_cpu = sum(d == "cpu" or (d == "auto" and not cuda_here()) for d in devices)
         threads = torch_threads or max(1, available_cpus() // max(on_cpu, 1))
-        first = BackboneProcess(folders, devices[0], dtype, warmup, threads, keys=keys, launches=launches)
+        first = BackboneProcess(folders, devices[0], dtype, warmup, threads, keys=keys, launches=launches,
+                                buckets=buckets)
         super().__init__(list(first.manifests.values()), first.chunker, first.models)
         self.processes = [first]
         with ThreadPoolExecutor(n - 1) as pool:  # the others load side by side
             started = [pool.submit(BackboneProcess, folders, device, dtype, warmup, threads, first.chunker, keys,
-                                   launches) for device in devices[1:]]
+                                   launches, buckets) for device in devices[1:]]
         self.processes += [f.result() for f in started if f.exception() is None]
         failed = next((e for f in started if (e := f.exception()) is not None), None)
         if failed is not None:

@@ -10,12 +10,13 @@ import logging
 import time
 from pathlib import Path
 
-from service.config import Settings
+from service.config import Settings, cuda_here
 from service.modeling.manifest import WEIGHTS, ModelLoadError, discover, read_manifest
 from service.serving.core.keys import backbone_key, model_of
 from service.serving.engine.batcher import Batcher, BatchLimits
 from service.serving.engine.compute import Compute
 from service.serving.engine.group import BackboneGroup, LocalGroup
+from service.serving.engine.pipe import BucketPlan
 from service.serving.engine.process import BackboneProcess, Launches
 from service.serving.engine.replicas import Replicas
 from service.serving.models.registry import Registry
@@ -135,12 +136,21 @@ class Loader:
         """The models of ``folders`` on one backbone (heads under ``keys``), as the settings say: in this process,
         a process of its own, or several."""
         s = self.settings
+        devices = s.engine_devices()
+        plan = bucket_plan(s, devices[0])
         if not s.model_process:
             from service.serving.engine.engine import Engine  # torch, in this process only then
 
-            return Engine.load(folders, s.engine_devices()[0], s.dtype, s.warmup, keys)
-        devices = s.engine_devices()
+            return Engine.load(folders, devices[0], s.dtype, s.warmup, keys, plan)
         if len(devices) > 1:
-            return Replicas(folders, devices, s.dtype, s.warmup, s.torch_threads, keys, self.launches)
+            return Replicas(folders, devices, s.dtype, s.warmup, s.torch_threads, keys, self.launches, plan)
         return BackboneProcess(folders, devices[0], s.dtype, s.warmup, s.torch_threads, keys=keys,
-                               launches=self.launches)
+                               launches=self.launches, buckets=plan)
+
+
+def bucket_plan(settings: Settings, device: str) -> BucketPlan:
+    """The shape buckets ``settings`` ask of a backbone on ``device`` (``auto``: a GPU where there is one), chosen for
+    the batcher's limits there."""
+    resolved = device if device != "auto" else ("cuda" if cuda_here() else "cpu")
+    size, tokens = settings.batch_limits(resolved)
+    return BucketPlan(settings.buckets, size, tokens)

@@ -1,0 +1,152 @@
+"""The engine's shape buckets on the CPU (``use_buckets("eager")``: padded as on a GPU, not captured): plain batches
+run there and answer what they answer without, within 1e-5; every other batch falls back to the eager path; a head
+loaded after the warm-up takes a free slot and answers as when loaded at the start."""
+
+import asyncio
+import logging
+from pathlib import Path
+
+import httpx
+import pytest
+
+from service.modeling.buckets import length_sample
+from service.serving.core.work import CreditSpec, Task
+from service.serving.engine.engine import Engine
+from tests.conftest import edit_manifest, write_tiny_model
+from tests.serving.server import Server, side_by_side
+
+TEXTS = ["short text", "a medium sized sentence, with a comma; and more words", "x", "one two three four five",
+         "The routing head reads every layer and every token of it"]
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory: pytest.TempPathFactory, tiny_backbone_dir: Path) -> Path:
+    root = tmp_path_factory.mktemp("buckets")
+    for name, seed in [("first", 0), ("second", 1), ("late", 2)]:
+        write_tiny_model(root, tiny_backbone_dir, name=name, seed=seed)
+    return root
+
+
+def assert_same(got: list, ref: list, tol: float = 1e-5) -> None:
+    for a, b in zip(got, ref, strict=True):
+        assert a.label == b.label and a.error is None
+        assert max(abs(p - b.scores[k]) for k, p in a.scores.items()) <= tol
+        assert max(abs(x - y) for x, y in zip(a.logits, b.logits, strict=True)) <= tol
+
+
+def test_plain_batches_run_in_buckets_and_answer_as_without(repo: Path) -> None:
+    engine = Engine.load([repo / "first", repo / "second"], device="cpu")
+    tasks = [Task(t, model=m) for t in TEXTS for m in ("first", "second")]  # heads mixed, by slot
+    before = engine.run(tasks)
+    alone = [engine.run([t])[0] for t in tasks]
+    stats = engine.use_buckets("eager", lengths=[len(engine.backbone.encode([t])[0].chunks[0]) for t in TEXTS])
+    assert stats is not None and stats.capture_s > 0 and len(engine._buckets.buckets) > 0
+    assert_same(engine.run(tasks), before)
+    assert_same([engine.run([t])[0] for t in tasks], alone)
+    assert engine.bucket_stats.bucketed == 1 + len(tasks) and engine.bucket_stats.unfit == 0
+    assert engine.bucket_stats.tokens > engine.bucket_stats.real_tokens  # padded up to its bucket
+
+
+def test_other_batches_fall_back_to_the_eager_path(repo: Path) -> None:
+    engine = Engine.load(repo / "first", device="cpu")
+    long = "many words in a text that runs over one chunk of the backbone " * 20
+    credit = [Task(TEXTS[0], credit=CreditSpec())]
+    cases = {"credit": credit, "several chunks": [Task(long)]}
+    want = {k: engine.run(v) for k, v in cases.items()}
+    engine.use_buckets("eager", lengths=[4, 8, 12], max_texts=4)  # buckets for a few short texts only
+    for name, tasks in cases.items():
+        assert_same(engine.run(tasks), want[name])
+    assert engine.bucket_stats.bucketed == 0
+    many = [Task(t) for t in TEXTS * 4]  # more texts than any bucket's rows
+    assert_same(engine.run(many), [engine.run([t])[0] for t in many])  # (those one by one fit)
+    assert engine.bucket_stats.unfit == 1 and engine.bucket_stats.bucketed == len(many)
+    credit_answer = engine.run(credit)[0]
+    assert credit_answer.credit is not None  # credit still computed (eagerly)
+    engine.use_buckets("off")
+    assert engine.bucket_stats is None
+
+
+def test_a_head_loaded_after_warm_up_answers_as_loaded_at_start(repo: Path) -> None:
+    at_start = Engine.load([repo / "first", repo / "late"], device="cpu")
+    want = at_start.run([Task(t, model="late") for t in TEXTS])
+    engine = Engine.load(repo / "first", device="cpu")
+    engine.use_buckets("eager", capacity=2)
+    storage = [p.data_ptr() for p in engine._buckets.slots.head.parameters()]
+    engine.add_heads([repo / "late"], ["late"])
+    assert engine._buckets.slots.slot_of == {"first": 0, "late": 1}
+    assert [p.data_ptr() for p in engine._buckets.slots.head.parameters()] == storage  # nothing new to capture
+    bucketed = engine.bucket_stats.bucketed
+    assert_same(engine.run([Task(t, model="late") for t in TEXTS]), want)
+    assert engine.bucket_stats.bucketed == bucketed + 1
+    engine.add_heads([repo / "second"], ["second"])  # no free slot: it runs eagerly, and right
+    assert "second" not in engine._buckets.slots.slot_of
+    assert engine.run([Task(TEXTS[0], model="second")])[0].error is None
+    engine.remove_heads(["late"])
+    assert engine._buckets.slots.slot_of == {"first": 0}
+
+
+def test_a_bucket_that_does_not_run_is_dropped_and_its_batches_go_eagerly(repo: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    from service.routing import segments
+
+    engine = Engine.load(repo / "first", device="cpu")
+    want = engine.run([Task(t) for t in TEXTS])
+
+    def refuse(*args: object, **kwargs: object) -> object:
+        raise RuntimeError("strides should be multiple of 16 bytes")
+
+    monkeypatch.setattr(segments, "by_slot", refuse)  # as for a head whose products the grouped kernels refuse
+    stats = engine.use_buckets("eager", lengths=[4, 8, 12])
+    assert stats.buckets == 0 and stats.failed and all("runs nowhere" in v for v in stats.failed.values())
+    assert_same(engine.run([Task(t) for t in TEXTS]), want)
+    assert engine.bucket_stats.bucketed == 0 and engine.bucket_stats.unfit == 1
+
+
+def test_buckets_follow_the_lengths_the_manifests_keep(tmp_path: Path, tiny_backbone_dir: Path,
+                                                       caplog: pytest.LogCaptureFixture) -> None:
+    folder = write_tiny_model(tmp_path, tiny_backbone_dir, name="kept")
+    engine = Engine.load(folder, device="cpu")
+    with caplog.at_level(logging.WARNING, logger="service.engine"):
+        engine.use_buckets("eager", max_texts=4)
+    assert "no model keeps its texts' lengths" in caplog.text  # every length alike, and said so
+    generic = engine._buckets.buckets
+    edit_manifest(folder, token_lengths=length_sample([5] * 50 + [9] * 50))
+    engine = Engine.load(folder, device="cpu")
+    engine.use_buckets("eager", max_texts=4)
+    assert max(b.tokens for b in engine._buckets.buckets) <= 48 < max(b.tokens for b in generic)
+    assert_same(engine.run([Task("a b c")]), Engine.load(folder, device="cpu").run([Task("a b c")]))
+    assert engine.bucket_stats.bucketed == 1
+
+
+def test_a_server_with_buckets_answers_as_one_without_through_the_api(tiny_repo: Path,
+                                                                      tmp_path_factory: pytest.TempPathFactory
+                                                                      ) -> None:
+    """``ROUTING_BUCKETS=eager`` (the setting a GPU's ``cuda`` shares its path with), the model in a process of its
+    own: every answer within 1e-5 of a server without buckets, alone, together and concurrently."""
+    texts = ["the first text", "a second, somewhat longer text. It has two sentences!", "x", "Long one. " * 40]
+    with_buckets, without = side_by_side(tmp_path_factory.mktemp("logs-buckets"), *(
+        {"model_repository": tiny_repo, "default_model": "tiny", "buckets": mode} for mode in ("eager", "off")))
+    try:
+        def classify(server: Server, inputs: list[str]) -> list[dict]:
+            r = httpx.post(f"{server.url}/v1/classify", json={"inputs": inputs}, timeout=30)
+            assert r.status_code == 200, r.text
+            return r.json()["results"]
+
+        async def concurrently(server: Server) -> list[dict]:
+            async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
+                rs = await asyncio.gather(*(client.post("/v1/classify", json={"inputs": [t]}) for t in texts * 3))
+            return [r.json()["results"][0] for r in rs]
+
+        reference = [classify(without, [t])[0] for t in texts]
+        answers = [*([classify(with_buckets, [t])[0] for t in texts]), *classify(with_buckets, texts),
+                   *asyncio.run(concurrently(with_buckets))]
+        for k, got in enumerate(answers):
+            ref = reference[k % len(texts)]
+            assert got["label"] == ref["label"]
+            assert max(abs(got["scores"][lab] - p) for lab, p in ref["scores"].items()) <= 1e-5
+        explained = httpx.post(f"{with_buckets.url}/v1/explain", json={"inputs": texts[:1]}, timeout=30)
+        assert explained.status_code == 200 and explained.json()["results"][0]["credit"]  # credit: eagerly
+        assert "shape buckets (eager) warmed" in with_buckets.log_path.read_text()
+        assert "shape buckets" not in without.log_path.read_text()
+    finally:
+        assert [s.stop() for s in (with_buckets, without)] == [0, 0]
