@@ -582,8 +582,9 @@ def bench_gpu(
                                                          "--write-texts-file writes one)")] = None,
     write_texts_file: Annotated[Path | None, typer.Option(help="Write the labelled test texts to this file and "
                                                                "stop")] = None,
-    variant: Annotated[list[str] | None, typer.Option(help="NAME=VALUE: this version again with an engine setting "
-                                                           "changed (e.g. head_call_overhead=8192), in turns too")
+    variant: Annotated[list[str] | None, typer.Option(help="NAME=VALUE[,NAME=VALUE]: this version again with engine "
+                                                           "settings changed (e.g. head_call_overhead=8192, or "
+                                                           "buckets=cuda,head_dtype=bfloat16), in turns too")
                        ] = None,
     model_repository: Path = Path("models"),
     out: Annotated[Path, typer.Option(help="JSON result file")] = Path("bench-results/gpu.json"),
@@ -598,7 +599,7 @@ def bench_gpu(
             gpu.write_labelled(model, max(n_texts, accuracy_texts), write_texts_file)
         typer.echo(f"wrote {write_texts_file}")
         return
-    variants = variants_option(variant)
+    variants = [variants_option(v.split(",")) for v in variant or []]  # each --variant: one engine, settings changed
     if baseline is not None and not (baseline / "service").is_dir():
         raise typer.BadParameter(f"{baseline} holds no service package", param_hint="--baseline")
     peer_names, fronts = peers_option(peers), fronts_option(workers)

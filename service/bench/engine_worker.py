@@ -35,6 +35,15 @@ def outermost(event: object) -> bool:
     return True
 
 
+def bucket_stats(stats: object) -> dict | None:
+    """What an engine's shape buckets did (see ``BucketStats``), and the padded share of the tokens they computed."""
+    if stats is None:
+        return None
+    out = dict(vars(stats))
+    out["padded_share"] = 1 - stats.real_tokens / stats.tokens if stats.tokens else None
+    return out
+
+
 def main() -> None:
     cfg = json.loads(sys.stdin.readline())
     import torch
@@ -48,18 +57,26 @@ def main() -> None:
     t0 = time.perf_counter()
     engine = Engine.load(Path(cfg["repository"]) / cfg["model"], device=cfg["device"], dtype=cfg["dtype"])
     model = engine.models[0]
-    for name, value in cfg.get("engine", {}).items():  # a variant of this version's settings
+    settings = dict(cfg.get("engine", {}))
+    buckets = settings.pop("buckets", "off")  # shape buckets: a call, after the other settings (see below)
+    for name, value in settings.items():  # a variant of this version's settings
         if not hasattr(engine, name):
             raise SystemExit(f"this engine has no setting {name!r}")
         setattr(engine, name, value)
     texts = json.loads(Path(cfg["texts_file"]).read_text())
     encodings = [e[engine.max_length(model)] for e in engine.encode(texts, [model] * len(texts))]
     tokens = [e.n_tokens for e in encodings]
+    warmed = None
+    if buckets != "off":  # chosen for these texts' lengths, warmed (captured) before the load is done
+        if not hasattr(engine, "use_buckets"):
+            raise SystemExit("this engine has no shape buckets")
+        warmed = bucket_stats(engine.use_buckets(buckets, lengths=[max(len(c) for c in e.chunks) for e in encodings],
+                                                 max_texts=cfg.get("max_texts", 1024)))
     cuda = engine.device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     labels = engine.labels(model)
     answer({"load_s": time.perf_counter() - t0, "device": str(engine.device), "dtype": str(engine.dtype),
-            "labels": labels, "tokens": sum(tokens)})
+            "labels": labels, "tokens": sum(tokens), "buckets": warmed})
 
     def batches(budget: int, max_texts: int) -> list[list[int]]:
         """The texts in their sampled order, cut into batches of at most ``budget`` tokens and ``max_texts`` texts
@@ -111,6 +128,8 @@ def main() -> None:
                    "texts_per_batch": len(texts) / len(bs), "tokens_per_batch": sum(tokens) / len(bs)}
             if host0 is not None:
                 out["host_us_per_text"] = 1e6 * (clock.host_s - host0) / (n * len(texts))
+            if getattr(engine, "bucket_stats", None) is not None:
+                out["buckets"] = bucket_stats(engine.bucket_stats)
             if hasattr(engine, "run_pipelined"):  # this version can keep two batches in flight
                 n, wall = passes(bs, cmd["seconds"], True)
                 out["texts_per_s_pipelined"] = n * len(texts) / wall

@@ -15,6 +15,9 @@ fails records its error and the run goes on):
   probability change between them, and between each text alone and in mixed batches;
 - ``head_precision``: the same for the heads' scores in float32 against bfloat16 (``Engine.head_dtype``), the
   backbone in its default precision (``--variant head_dtype=bfloat16`` measures their speed in the engine's turns);
+- ``buckets``: the same for plain batches in shape buckets (``Engine.use_buckets``: captured as CUDA graphs on a
+  GPU, padded eagerly on a CPU) against none, and what the warm-up took (``--variant buckets=cuda`` measures their
+  speed in the engine's turns; ``--variant buckets=cuda,head_dtype=bfloat16`` both settings together);
 - ``served``: the server started on the device, driven by clients in several processes (one aiohttp process tops
   out near 3,500 requests/s) with its default fronts (their number recorded): single-text requests at the given
   concurrencies and 16-text requests, requests and texts per second, p50 and p99;
@@ -165,34 +168,36 @@ def accuracy(make: Callable[[str], EngineWorker], labels: list[str], dtypes: lis
     return out
 
 
-def head_precision(make: Callable[[dict[str, Any]], EngineWorker], labels: list[str], budget: int,
-                   max_texts: int) -> dict[str, Any]:
-    """The heads' scores in float32 against bfloat16 (``Engine.head_dtype``), the backbone in its default precision:
-    each one's accuracy on the labelled texts, the points between them, the largest probability change and the
-    labels changed; in bfloat16, each text alone against in batches of ``budget`` tokens."""
-    out: dict[str, Any] = {"texts": len(labels)}
+def agreement(make: Callable[[dict[str, Any]], EngineWorker], labels: list[str], budget: int, max_texts: int,
+              setting: str, values: tuple[str, str], tag: str) -> dict[str, Any]:
+    """This version with engine ``setting`` at each of two ``values`` (the backbone in its default precision), on the
+    labelled texts: each one's accuracy, the points between them, the largest probability change and the labels
+    changed; at the second value, each text alone against in batches of ``budget`` tokens. Keys name ``tag`` and the
+    values (``accuracy_heads_float32``, ``largest_probability_change_heads_float32_vs_bfloat16``, ...)."""
+    out: dict[str, Any] = {"texts": len(labels), "setting": setting}
     probs: dict[str, list[list[float]]] = {}
     alone: list[list[float]] = []
-    for head_dtype in ("float32", "bfloat16"):
-        w = make({"head_dtype": head_dtype})
+    for value in values:
+        w = make({setting: value})
         try:
             names = w.loaded["labels"]
-            probs[head_dtype] = w.ask("predict", alone=False, budget=budget, max_texts=max_texts)["probs"]
-            if head_dtype == "bfloat16":
+            probs[value] = w.ask("predict", alone=False, budget=budget, max_texts=max_texts)["probs"]
+            if value == values[1]:
                 alone = w.ask("predict", alone=True)["probs"]
+            if w.loaded.get("buckets"):
+                out[f"warm_up_{tag}_{value}"] = w.loaded["buckets"]
         finally:
             w.close()
-        best = [names[_argmax(p)] for p in probs[head_dtype]]
-        out[f"accuracy_heads_{head_dtype}"] = sum(b == t for b, t in zip(best, labels, strict=True)) / len(labels)
-    fp32, bf16 = probs["float32"], probs["bfloat16"]
-    out["accuracy_points_heads_bfloat16_minus_float32"] = 100 * (out["accuracy_heads_bfloat16"]
-                                                                 - out["accuracy_heads_float32"])
-    out["largest_probability_change_heads_float32_vs_bfloat16"] = _largest(fp32, bf16)
-    out["labels_changed_heads_float32_vs_bfloat16"] = sum(_argmax(a) != _argmax(b) for a, b in zip(fp32, bf16,
-                                                                                                      strict=True))
-    out["largest_probability_change_alone_vs_mixed_heads_bfloat16"] = _largest(alone, bf16)
-    out["label_flips_alone_vs_mixed_heads_bfloat16"] = sum(_argmax(a) != _argmax(m) for a, m in zip(alone, bf16,
-                                                                                                       strict=True))
+        best = [names[_argmax(p)] for p in probs[value]]
+        out[f"accuracy_{tag}_{value}"] = sum(b == t for b, t in zip(best, labels, strict=True)) / len(labels)
+    a, b = values
+    out[f"accuracy_points_{tag}_{b}_minus_{a}"] = 100 * (out[f"accuracy_{tag}_{b}"] - out[f"accuracy_{tag}_{a}"])
+    out[f"largest_probability_change_{tag}_{a}_vs_{b}"] = _largest(probs[a], probs[b])
+    out[f"labels_changed_{tag}_{a}_vs_{b}"] = sum(_argmax(x) != _argmax(y) for x, y in zip(probs[a], probs[b],
+                                                                                            strict=True))
+    out[f"largest_probability_change_alone_vs_mixed_{tag}_{b}"] = _largest(alone, probs[b])
+    out[f"label_flips_alone_vs_mixed_{tag}_{b}"] = sum(_argmax(x) != _argmax(y) for x, y in zip(alone, probs[b],
+                                                                                                   strict=True))
     return out
 
 
@@ -290,7 +295,7 @@ def run(device: str, model: str, repository: Path, n_texts: int, budgets: list[i
         baseline: Path | None, served_seconds: float, concurrencies: list[int], load_processes: int,
         accuracy_texts: int, logs: Path, texts_file: Path | None = None,
         checkpoint: Callable[[dict[str, Any], dict[str, Any]], None] | None = None,
-        variant: dict[str, Any] | None = None, peers: list[str] | None = None, fronts: list[int] | None = None,
+        variant: list[dict[str, Any]] | None = None, peers: list[str] | None = None, fronts: list[int] | None = None,
         peer_levels: list[int] | None = None) -> dict[str, Any]:
     """Every section (see the module's docstring); ``results`` and a ``summary`` of the headline numbers.
     ``checkpoint(settings, results)`` after each section. ``peers``, ``fronts``, ``peer_levels``: see :func:`beside`
@@ -315,7 +320,7 @@ def run(device: str, model: str, repository: Path, n_texts: int, budgets: list[i
     def worker(tree: Path, name: str, dtype: str = "auto", path: Path = texts_file,
                engine: dict[str, Any] | None = None) -> EngineWorker:
         settings = {"repository": str(repository), "model": model, "device": device, "texts_file": str(path),
-                    "engine": engine or {},
+                    "engine": engine or {}, "max_texts": max_texts,
                     # an older version may not know "auto": give it what auto means
                     "dtype": dtype if dtype != "auto" else ("bfloat16" if cuda else "float32")}
         return EngineWorker(tree, settings, logs / f"engine-{name}-{dtype}.log")
@@ -333,7 +338,7 @@ def run(device: str, model: str, repository: Path, n_texts: int, budgets: list[i
         section(results, name, fn, None if checkpoint is None else lambda r: checkpoint(settings, r))
 
     versions = {"current": ROOT, **({"baseline": baseline.resolve()} if baseline else {})}
-    variants = {f"current-{k}-{v}": {k: v} for k, v in (variant or {}).items()}  # this version, one setting changed
+    variants = {"current-" + "-".join(f"{k}-{v}" for k, v in v.items()): v for v in variant or []}  # settings changed
     versions.update(dict.fromkeys(variants, ROOT))
     workers: dict[str, EngineWorker] = {}
     try:
@@ -349,9 +354,14 @@ def run(device: str, model: str, repository: Path, n_texts: int, budgets: list[i
     dtypes = ["float32", "bfloat16"] if cuda else ["float32"]
     step("accuracy", lambda: accuracy(lambda dt: worker(ROOT, "accuracy", dt, labelled_file),
                                                   labels[:accuracy_texts], dtypes, default_budget, max_texts))
-    step("head_precision", lambda: head_precision(lambda engine: worker(ROOT, f"heads-{engine['head_dtype']}",
-                                                                          path=labelled_file, engine=engine),
-                                                  labels[:accuracy_texts], default_budget, max_texts))
+    step("head_precision", lambda: agreement(lambda engine: worker(ROOT, f"heads-{engine['head_dtype']}",
+                                                                     path=labelled_file, engine=engine),
+                                             labels[:accuracy_texts], default_budget, max_texts, "head_dtype",
+                                             ("float32", "bfloat16"), "heads"))
+    step("buckets", lambda: agreement(lambda engine: worker(ROOT, f"buckets-{engine['buckets']}", path=labelled_file,
+                                                            engine=engine),
+                                      labels[:accuracy_texts], default_budget, max_texts, "buckets",
+                                      ("off", "cuda" if cuda else "eager"), "buckets"))
     levels = [(c, 1) for c in concurrencies] + [(64, 16)]
     step("served", lambda: served(repository, model, device, texts, levels, served_seconds,
                                               load_processes, logs))
@@ -409,6 +419,14 @@ def summarize(results: dict[str, Any], budget: int) -> dict[str, Any]:
     out["accuracy"] = {k: v for k, v in (get("accuracy") or {}).items()
                        if k != "traceback" and not k.startswith("probs")} or None
     out["head_precision"] = {k: v for k, v in (get("head_precision") or {}).items() if k != "traceback"} or None
+    out["buckets"] = {k: v for k, v in (get("buckets") or {}).items() if k != "traceback"} or None
+    for name, rows in engine.items():  # what the buckets did in the engine's turns at the default budget
+        if not isinstance(rows, dict):
+            continue
+        last = next((r["buckets"] for r in reversed(rows.get(str(budget)) or []) if r.get("buckets")), None)
+        if last is not None:
+            out[f"buckets_{name}"] = {k: last.get(k) for k in ("bucketed", "replayed", "unfit", "padded_share",
+                                                               "capture_s", "buckets", "failed")}
     levels = get("served", "levels") or []
     out["served"] = {f"c{r['concurrency']}x{r['texts_per_request']}": {
         "requests_per_s": r["requests_per_s"], "texts_per_s": r["texts_per_s"], "p99_ms": r["p99_ms"],

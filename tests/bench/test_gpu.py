@@ -22,18 +22,24 @@ def test_every_section_runs_and_every_field_is_written_on_the_cpu(tiny_repo: Pat
         "bench", "gpu", "--device", "cpu", "--model", "tiny", "--model-repository", str(tiny_repo),
         "--texts-file", str(texts), "--texts", "32", "--budgets", "64", "--seconds", "0.05", "--rounds", "2",
         "--baseline", str(ROOT), "--served-seconds", "0.3", "--concurrency", "4", "--load-processes", "2",
-        "--accuracy-texts", "20", "--variant", "packed_heads=false", "--peers", "mosec", "--workers", "2",
+        "--accuracy-texts", "20", "--variant", "packed_heads=false",
+        "--variant", "buckets=eager,head_dtype=bfloat16", "--peers", "mosec", "--workers", "2",
         "--peer-concurrency", "4", "--out", str(out)])
     assert res.exit_code == 0, res.output
     doc = json.loads(out.read_text())
     results, summary = doc["results"], doc["summary"]
     assert summary["failed_sections"] == [], {k: v.get("error") for k, v in results.items() if "error" in v}
-    assert set(results) == {"load", "engine", "profile", "latency", "accuracy", "head_precision", "served", "beside",
-                            "gpu_tests"}
+    assert set(results) == {"load", "engine", "profile", "latency", "accuracy", "head_precision", "buckets", "served",
+                            "beside", "gpu_tests"}
     empty = {k for k, v in summary.items() if v is None}
     assert all(k.startswith("device_busy_share") for k in empty), empty  # a CPU has no device to be busy
     assert summary["kernels_per_batch"] == 0 and summary["torch_ops_per_batch"] > 0
-    assert set(results["engine"]) == {"current", "baseline", "current-packed_heads-False"}  # a truth parsed
+    both = "current-buckets-eager-head_dtype-bfloat16"  # one variant of two settings
+    assert set(results["engine"]) == {"current", "baseline", "current-packed_heads-False", both}  # a truth parsed
+    assert summary[f"buckets_{both}"]["bucketed"] > 0 and summary[f"buckets_{both}"]["failed"] == {}
+    buckets = summary["buckets"]  # the labelled texts in buckets answer as without (eagerly padded on a CPU)
+    assert buckets["largest_probability_change_buckets_off_vs_eager"] <= 1e-5
+    assert buckets["labels_changed_buckets_off_vs_eager"] == 0 and buckets["warm_up_buckets_eager"]["buckets"] > 0
     for rows in results["engine"]["current"].values():  # both rounds, sequential and two batches in flight
         assert len(rows) == 2 and all(r["texts_per_s"] > 0 and r["texts_per_s_pipelined"] > 0 for r in rows)
         assert all(r["host_us_per_text"] > 0 for r in rows)
