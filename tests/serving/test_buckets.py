@@ -150,3 +150,13 @@ def test_a_server_with_buckets_answers_as_one_without_through_the_api(tiny_repo:
         assert "shape buckets" not in without.log_path.read_text()
     finally:
         assert [s.stop() for s in (with_buckets, without)] == [0, 0]
+
+
+def test_a_head_reloaded_in_another_shape_leaves_its_slot(repo: Path, tmp_path: Path, tiny_backbone_dir: Path) -> None:
+    engine = Engine.load(repo / "first", device="cpu")
+    engine.use_buckets("eager", capacity=2)
+    wider = write_tiny_model(tmp_path, tiny_backbone_dir, name="first", labels=["a", "b", "c", "d"])  # 4 labels
+    engine.add_heads([wider], ["first"])  # reloaded under its key
+    assert "first" not in engine._buckets.slots.slot_of
+    got = engine.run([Task(t) for t in TEXTS])
+    assert all(set(r.scores) == {"a", "b", "c", "d"} for r in got) and engine.bucket_stats.bucketed == 0

@@ -219,10 +219,10 @@ class Engine(Compute):
         engine = cls(manifests, classifiers, dev, dt, 0.0)
         if warmup:
             engine._warm_up(engine.models)
-        mode = "off" if buckets is None else buckets.mode
-        if mode == "auto":
-            mode = "cuda" if dev.type == "cuda" and dt == torch.bfloat16 and engine.backbone.stream else "off"
-        if mode != "off" and buckets is not None:
+        if buckets is not None:
+            mode = buckets.mode
+            if mode == "auto":
+                mode = "cuda" if dev.type == "cuda" and dt == torch.bfloat16 and engine.backbone.stream else "off"
             engine.use_buckets(mode, max_texts=buckets.max_texts, budget=buckets.budget)
         engine.load_seconds = time.perf_counter() - t0
         engine.head_seconds = dict.fromkeys(engine.models, engine.load_seconds)
@@ -253,9 +253,12 @@ class Engine(Compute):
         self.classifiers = {**self.classifiers, **load_heads(folders, keys, self.backbone)}
         self.add(manifests)
         if self._buckets is not None:  # into free slots of the captured buckets' stacked head: nothing captured again
+            slots = self._buckets.slots
             for k in keys:
-                if head_shape(self.classifiers[k].head) == self._buckets.slots.shape:
-                    self._buckets.slots.put(k, self.classifiers[k].head)
+                if head_shape(self.classifiers[k].head) == slots.shape:
+                    slots.put(k, self.classifiers[k].head)
+                else:  # a head reloaded in another shape: its old slot must not answer for it
+                    slots.drop(k)
         if warmup:
             try:
                 self._warm_up(keys)
@@ -282,10 +285,9 @@ class Engine(Compute):
         The buckets are chosen for chunk ``lengths`` like the traffic's (by default drawn from the lengths the
         models' manifests keep, see :meth:`_length_sample`), batches of up to ``budget`` tokens (by default the
         backbone's) and ``max_texts`` texts (:func:`~service.modeling.buckets.choose_buckets`, ``count`` of them),
-        warmed (captured) until
-        ``deadline_s``. The heads of the default model's shape go into ``capacity`` slots of stacked parameters,
-        and heads added later into free ones, so that nothing is captured again; a head that finds no free slot
-        runs eagerly. Returns what the warm-up did (None with ``off``).
+        warmed (captured) until ``deadline_s``. The heads of the default model's shape go into ``capacity`` slots of
+        stacked parameters, and heads added later into free ones, so that nothing is captured again; a head that
+        finds no free slot, or of another shape, runs eagerly. Returns what the warm-up did (None with ``off``).
 
         Raises:
             ValueError: ``cuda`` with heads not in bfloat16, or no CUDA device, or a backbone the packed encoder

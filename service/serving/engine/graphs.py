@@ -24,6 +24,7 @@ import torch
 
 from service.modeling.backbone import Backbone
 from service.modeling.buckets import Bucket, pad_batch, smallest_fit
+from service.modeling.classifier import scoring
 from service.modeling.encoder import pack_host, packing_of
 from service.modeling.head import HeadSlots
 
@@ -116,8 +117,7 @@ class BucketRunner:
             packing = packing_of(inputs, T, r, L)
             with _attention():
                 hidden = self.backbone.stream(packing)  # [T e d]
-            with torch.autocast(hidden.device.type, self.head_dtype or torch.float32,
-                                enabled=self.head_dtype is not None):
+            with scoring(hidden.device, self.head_dtype):
                 logits = head.scores_packed(hidden.to(dtype), inputs[at : at + r], inputs[at + r : at + 2 * r])
             return logits.float()  # [r k]
 
