@@ -20,6 +20,11 @@ from pathlib import Path
 from typing import Any
 
 BASELINE = {"n_inp": 100, "n_out": 100, "d_inp": 1024, "d_out": 1024}
+HEADLINE = {"n_inp": 1_000_000, "n_out": 100, "d_inp": 1024, "d_out": 1024}
+"""The reference library's headline for long sequences: 1,000,000 vectors of 1,024 features routed to 100 of 1,024 in
+float32, gradients tracked, in "under ~18GB" of GPU memory (the routing's parameters, the input and the forward pass;
+PyTorch's and CUDA's own ~1 GB apart)."""
+HEADLINE_STATED_GB = 18.0
 
 
 def configs(factors: list[int]) -> list[dict[str, Any]]:
@@ -83,6 +88,49 @@ def measure_one(cfg: dict[str, Any], memory_efficient: bool, grad: bool, device:
             "time_ms": 1000 * times[len(times) // 2], "peak_mib": peak / 2**20}
 
 
+def headline(device: str, n_inp: int = HEADLINE["n_inp"]) -> dict[str, Any]:
+    """The :data:`HEADLINE` routing (``n_inp`` inputs: fewer for a smoke test) built on ``device`` and run forward with
+    gradients tracked, then backward: seconds and peak memory of each, counted from before the routing was built
+    (its parameters and the input included, as the reference counts them)."""
+    import torch
+
+    from service.routing import EfficientVectorRouting
+
+    dev = torch.device(device)
+    cuda = dev.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+
+    def allocated() -> int:
+        if cuda:
+            return torch.cuda.max_memory_allocated()
+        return _read_status_kib("VmHWM") * 1024
+
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    else:
+        Path("/proc/self/clear_refs").write_text("5")
+        base = _read_status_kib("VmRSS") * 1024
+    torch.manual_seed(0)
+    with dev:
+        model = EfficientVectorRouting(n_inp, HEADLINE["n_out"], HEADLINE["d_inp"], HEADLINE["d_out"])
+        x = torch.randn(n_inp, HEADLINE["d_inp"], requires_grad=True)  # [i d]
+    sync()
+    built = allocated() - base
+    t0 = time.perf_counter()
+    out = model(x)  # [j h]
+    sync()
+    forward_s, forward_peak = time.perf_counter() - t0, allocated() - base
+    t0 = time.perf_counter()
+    out.square().sum().backward()
+    sync()
+    return {**HEADLINE, "n_inp": n_inp, "device": str(dev), "dtype": "float32",
+            "built_gib": built / 2**30, "forward_s": forward_s, "forward_peak_gib": forward_peak / 2**30,
+            "backward_s": time.perf_counter() - t0, "backward_peak_gib": (allocated() - base) / 2**30,
+            "stated_gb": HEADLINE_STATED_GB if n_inp == HEADLINE["n_inp"] else None,
+            "finite": bool(torch.isfinite(out).all() and torch.isfinite(x.grad).all())}
+
+
 def worker(spec_json: str) -> None:
     """Entry point of the measuring process: one JSON line per result on stdout."""
     spec = json.loads(spec_json)
@@ -90,6 +138,9 @@ def worker(spec_json: str) -> None:
 
     if spec["threads"]:
         torch.set_num_threads(spec["threads"])
+    if spec.get("headline"):
+        print(json.dumps(headline(spec["device"], spec["headline"])), flush=True)
+        return
     for cfg in configs(spec["factors"]):
         for grad in (False, True):
             for eff in (True, False):
@@ -97,9 +148,12 @@ def worker(spec_json: str) -> None:
                 print(json.dumps(r), flush=True)
 
 
-def run(device: str, factors: list[int], repeats: int, threads: int | None, progress: bool = True) -> list[dict]:
-    """Run the worker in a fresh process and collect its results."""
-    spec = json.dumps({"device": device, "factors": factors, "repeats": repeats, "threads": threads})
+def run(device: str, factors: list[int], repeats: int, threads: int | None, progress: bool = True,
+        headline_inputs: int = 0) -> list[dict]:
+    """Run the worker in a fresh process and collect its results (``headline_inputs``: only :func:`headline`, with
+    that many inputs)."""
+    spec = json.dumps({"device": device, "factors": factors, "repeats": repeats, "threads": threads,
+                       "headline": headline_inputs})
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
     cmd = [sys.executable, "-c", f"from service.bench.routing import worker; worker({spec!r})"]
     results = []
@@ -108,7 +162,7 @@ def run(device: str, factors: list[int], repeats: int, threads: int | None, prog
         assert proc.stdout is not None
         for line in proc.stdout:
             results.append(json.loads(line))
-            if progress:
+            if progress and not headline_inputs:
                 r = results[-1]
                 print(f"  [{len(results)}/{total}] {r['grown']} x{r['factor']} {r['votes']} grad={r['grad']}: "
                       f"{r['time_ms']:.1f} ms, {r['peak_mib']:.1f} MiB", file=sys.stderr, flush=True)
