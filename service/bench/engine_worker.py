@@ -141,7 +141,8 @@ def main() -> None:
                 run([k])
                 lat.append(1000 * (time.perf_counter() - t))
             lat = lat[5:] or lat  # the first few warm the allocator and the kernels' choices
-            answer({"p50_ms": statistics.median(lat), "p90_ms": statistics.quantiles(lat, n=10)[-1], "n": len(lat)})
+            answer({"p50_ms": statistics.median(lat), "p90_ms": statistics.quantiles(lat, n=10)[-1],
+                    "p99_ms": statistics.quantiles(lat, n=100)[-1], "n": len(lat)})
         elif op == "predict":  # every text's probabilities, in batches of the budget or alone
             bs = [[k] for k in range(len(texts))] if cmd["alone"] else batches(cmd["budget"], cmd["max_texts"])
             probs: list[list[float] | None] = [None] * len(texts)

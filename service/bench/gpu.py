@@ -10,7 +10,7 @@ fails records its error and the run goes on):
   device, timed without the profiler, where the version keeps that clock);
 - ``profile``: kernels executed, copies, device-busy milliseconds and torch operators per batch at the default
   budget, from a torch profile; the device-busy share is its busy time over the unprofiled time per batch;
-- ``latency``: one text a batch, p50 and p90 milliseconds, both versions;
+- ``latency``: one text a batch, p50, p90 and p99 milliseconds, every version;
 - ``accuracy``: the test texts' accuracy in float32 and in the default precision (bfloat16 on a GPU), the largest
   probability change between them, and between each text alone and in mixed batches;
 - ``head_precision``: the same for the heads' scores in float32 against bfloat16 (``Engine.head_dtype``), the
@@ -23,7 +23,9 @@ fails records its error and the run goes on):
   concurrencies and 16-text requests, requests and texts per second, p50 and p99;
 - ``beside``: single-text requests at the peer levels to this service with one front and with more (how many
   fronts a device needs), and to mosec and LitServe with this version's engine inside, in turns;
-- ``gpu_tests``: the tests marked ``gpu`` (``pytest -m gpu``), skipped without a GPU.
+- ``gpu_tests``: the tests marked ``gpu`` (``pytest -m gpu``), skipped without a GPU;
+- ``routing_headline``: the reference library's headline (``bench routing --headline``): 1,000,000 vectors of
+  1,024 features routed to 100 of 1,024 in float32 with gradients, peak device memory against its stated ~18 GB.
 """
 
 from __future__ import annotations
@@ -278,6 +280,16 @@ def beside(repository: Path, model: str, device: str, texts: list[str], peers: l
             "max_batch_size": max_batch_size, "max_wait_ms": max_wait_ms}
 
 
+def routing_headline(device: str) -> dict[str, Any]:
+    """The reference library's long-sequence headline (``bench routing --headline``) in a process of its own: the
+    full 1,000,000 inputs on a GPU, 2,000 on a CPU (a smoke test)."""
+    from service.bench import routing
+
+    (row,) = routing.run(device, [1], 1, None, progress=False,
+                         headline_inputs=routing.HEADLINE["n_inp"] if device.startswith("cuda") else 2000)
+    return row
+
+
 def gpu_tests() -> dict[str, Any]:
     """The tests marked ``gpu``, in a process of their own (skipped where there is no GPU)."""
     tests = ROOT / "tests"
@@ -319,7 +331,11 @@ def run(device: str, model: str, repository: Path, n_texts: int, budgets: list[i
 
     def worker(tree: Path, name: str, dtype: str = "auto", path: Path = texts_file,
                engine: dict[str, Any] | None = None) -> EngineWorker:
-        settings = {"repository": str(repository), "model": model, "device": device, "texts_file": str(path),
+        # another version reads the model from its own tree where it has one: this version's manifests have fields
+        # an earlier version's refuses (the engines' speed depends on the head's shape, not on its weights)
+        own = tree / "models"
+        repo = own if tree.resolve() != ROOT and (own / model).is_dir() else repository
+        settings = {"repository": str(repo), "model": model, "device": device, "texts_file": str(path),
                     "engine": engine or {}, "max_texts": max_texts,
                     # an older version may not know "auto": give it what auto means
                     "dtype": dtype if dtype != "auto" else ("bfloat16" if cuda else "float32")}
@@ -369,6 +385,7 @@ def run(device: str, model: str, repository: Path, n_texts: int, budgets: list[i
         step("beside", lambda: beside(repository, model, device, texts, peers or [], fronts or [], peer_levels,
                                       served_seconds, 1, load_processes, logs))
     step("gpu_tests", gpu_tests)
+    step("routing_headline", lambda: routing_headline(device))
     files.cleanup()
     return {"settings": settings, "results": results, "summary": summarize(results, default_budget)}
 
@@ -415,6 +432,9 @@ def summarize(results: dict[str, Any], budget: int) -> dict[str, Any]:
     busy = prof.get("device_busy_ms_per_batch")
     out["device_busy_share"] = busy / min(ms) if busy and ms else None
     out["batch1_p50_ms"] = get("latency", "current", "p50_ms")
+    out["batch1_p99_ms"] = get("latency", "current", "p99_ms")
+    for name in (n for n in get("latency") or {} if n.startswith("current-")):
+        out[f"batch1_p50_ms_{name}"] = get("latency", name, "p50_ms")
     out["baseline_batch1_p50_ms"] = get("latency", "baseline", "p50_ms")
     out["accuracy"] = {k: v for k, v in (get("accuracy") or {}).items()
                        if k != "traceback" and not k.startswith("probs")} or None
@@ -440,5 +460,6 @@ def summarize(results: dict[str, Any], budget: int) -> dict[str, Any]:
                                    for name, m in d["summary"].items()}
                      for level, d in closed.items()} or None
     out["gpu_tests"] = get("gpu_tests", "summary")
+    out["routing_headline_forward_peak_gib"] = get("routing_headline", "forward_peak_gib")
     out["failed_sections"] = sorted(k for k, v in results.items() if isinstance(v, dict) and "error" in v)
     return out

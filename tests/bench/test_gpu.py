@@ -30,7 +30,8 @@ def test_every_section_runs_and_every_field_is_written_on_the_cpu(tiny_repo: Pat
     results, summary = doc["results"], doc["summary"]
     assert summary["failed_sections"] == [], {k: v.get("error") for k, v in results.items() if "error" in v}
     assert set(results) == {"load", "engine", "profile", "latency", "accuracy", "head_precision", "buckets", "served",
-                            "beside", "gpu_tests"}
+                            "beside", "gpu_tests", "routing_headline"}
+    assert results["routing_headline"]["n_inp"] == 2000 and results["routing_headline"]["finite"]
     empty = {k for k, v in summary.items() if v is None}
     assert all(k.startswith("device_busy_share") for k in empty), empty  # a CPU has no device to be busy
     assert summary["kernels_per_batch"] == 0 and summary["torch_ops_per_batch"] > 0
