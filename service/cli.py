@@ -603,6 +603,9 @@ def bench_gpu(
                                                            "settings changed (e.g. head_call_overhead=8192, or "
                                                            "buckets=cuda,head_dtype=bfloat16), in turns too")
                        ] = None,
+    served_buckets: Annotated[str, typer.Option(help="Also serve with ROUTING_BUCKETS set to this (cuda on a GPU, "
+                                                     "eager on a CPU; '' to skip): time to ready and the top levels")
+                              ] = "",
     model_repository: Path = Path("models"),
     out: Annotated[Path, typer.Option(help="JSON result file")] = Path("bench-results/gpu.json"),
 ) -> None:
@@ -635,7 +638,7 @@ def bench_gpu(
         result = gpu.run(device, model, model_repository, n_texts, numbers(budgets, "--budgets"), seconds, rounds,
                          baseline, served_seconds, numbers(concurrency, "--concurrency"), load_processes,
                          accuracy_texts, out.parent / "logs", texts_file, checkpoint, variants, peer_names,
-                         fronts, numbers(peer_concurrency, "--peer-concurrency"))
+                         fronts, numbers(peer_concurrency, "--peer-concurrency"), served_buckets)
     summary = result["summary"]
     typer.echo(json.dumps(summary, indent=1))
     path = report.write_json(out, "gpu", result["settings"], result["results"], summary)

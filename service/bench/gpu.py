@@ -21,6 +21,8 @@ fails records its error and the run goes on):
 - ``served``: the server started on the device, driven by clients in several processes (one aiohttp process tops
   out near 3,500 requests/s) with its default fronts (their number recorded): single-text requests at the given
   concurrencies and 16-text requests, requests and texts per second, p50 and p99;
+- ``served_buckets`` (with ``--served-buckets``): the server again with ``ROUTING_BUCKETS`` set (its time to ready,
+  which includes capturing the buckets' graphs), at the last single-text level and the 16-text one;
 - ``beside``: single-text requests at the peer levels to this service with one front and with more (how many
   fronts a device needs), and to mosec and LitServe with this version's engine inside, in turns;
 - ``gpu_tests``: the tests marked ``gpu`` (``pytest -m gpu``), skipped without a GPU;
@@ -228,8 +230,9 @@ def closed_loop(url: str, texts: list[str], concurrency: int, per_request: int, 
 
 
 def served(repository: Path, model: str, device: str, texts: list[str], levels: list[tuple[int, int]],
-           seconds: float, processes: int, logs: Path) -> dict[str, Any]:
-    """This version's server on ``device``, driven at each (concurrency, texts per request) of ``levels``."""
+           seconds: float, processes: int, logs: Path, settings: dict[str, str] | None = None) -> dict[str, Any]:
+    """This version's server on ``device`` (with ``settings``, ``ROUTING_*`` variables, beside its defaults), driven at
+    each (concurrency, texts per request) of ``levels``; ``ready_s``: from its start to ready."""
     from service.bench.server import ServerProcess, free_port, fronts_of
 
     port = free_port()
@@ -237,13 +240,13 @@ def served(repository: Path, model: str, device: str, texts: list[str], levels: 
                "--device", device, "--port", str(port)]
     env = {**os.environ, "ROUTING_LOG_LEVEL": "warning", "ROUTING_MAX_QUEUE": "100000",
            "ROUTING_GRPC_PORT": str(free_port()),  # gRPC on a port of its own: the default may be taken
-           "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+           "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), **(settings or {})}
     server = ServerProcess(logs, command, env, "bench-gpu-server", port, cwd=ROOT)
     try:
         t0 = time.perf_counter()
         server.wait_ready(300)
         out: dict[str, Any] = {"ready_s": time.perf_counter() - t0, "fronts": fronts_of(server.proc.pid),
-                               "levels": []}  # the default fronts (ROUTING_WORKERS=auto) on this machine
+                               "settings": settings or {}, "levels": []}  # the default fronts (ROUTING_WORKERS=auto)
         closed_loop(server.url, texts, 8, 1, min(1.0, seconds), 1)  # warm-up
         for concurrency, per_request in levels:
             row = closed_loop(server.url, texts, concurrency, per_request, seconds, processes)
@@ -308,10 +311,11 @@ def run(device: str, model: str, repository: Path, n_texts: int, budgets: list[i
         accuracy_texts: int, logs: Path, texts_file: Path | None = None,
         checkpoint: Callable[[dict[str, Any], dict[str, Any]], None] | None = None,
         variant: list[dict[str, Any]] | None = None, peers: list[str] | None = None, fronts: list[int] | None = None,
-        peer_levels: list[int] | None = None) -> dict[str, Any]:
+        peer_levels: list[int] | None = None, served_buckets: str = "") -> dict[str, Any]:
     """Every section (see the module's docstring); ``results`` and a ``summary`` of the headline numbers.
     ``checkpoint(settings, results)`` after each section. ``peers``, ``fronts``, ``peer_levels``: see :func:`beside`
-    (none of either: no such section)."""
+    (none of either: no such section). ``served_buckets``: the server again with ``ROUTING_BUCKETS`` set so, at the
+    last two levels (``""``: not)."""
     import torch
 
     from service.config import CPU_BATCH, GPU_BATCH
@@ -347,6 +351,7 @@ def run(device: str, model: str, repository: Path, n_texts: int, budgets: list[i
                 "concurrencies": concurrencies, "load_processes": load_processes, "accuracy_texts": accuracy_texts,
                 "texts_file": str(given_texts) if given_texts else None, "variant": variant,
                 "peers": peers or [], "fronts": fronts or [], "peer_levels": peer_levels or [],
+                "served_buckets": served_buckets,
                 "cuda_device": torch.cuda.get_device_name(0) if cuda and torch.cuda.is_available() else None}
     results: dict[str, Any] = {}
 
@@ -381,6 +386,9 @@ def run(device: str, model: str, repository: Path, n_texts: int, budgets: list[i
     levels = [(c, 1) for c in concurrencies] + [(64, 16)]
     step("served", lambda: served(repository, model, device, texts, levels, served_seconds,
                                               load_processes, logs))
+    if served_buckets:  # the server with its plain batches in shape buckets: ready time and the top levels
+        step("served_buckets", lambda: served(repository, model, device, texts, levels[-2:], served_seconds,
+                                              load_processes, logs, {"ROUTING_BUCKETS": served_buckets}))
     if (peers or fronts) and peer_levels:
         step("beside", lambda: beside(repository, model, device, texts, peers or [], fronts or [], peer_levels,
                                       served_seconds, 1, load_processes, logs))
@@ -451,6 +459,12 @@ def summarize(results: dict[str, Any], budget: int) -> dict[str, Any]:
     out["served"] = {f"c{r['concurrency']}x{r['texts_per_request']}": {
         "requests_per_s": r["requests_per_s"], "texts_per_s": r["texts_per_s"], "p99_ms": r["p99_ms"],
         "errors": r["errors"]} for r in levels} or None
+    rows = get("served_buckets", "levels") or []
+    out["served_buckets"] = {f"c{r['concurrency']}x{r['texts_per_request']}": {
+        "requests_per_s": r["requests_per_s"], "texts_per_s": r["texts_per_s"], "p99_ms": r["p99_ms"],
+        "errors": r["errors"]} for r in rows} or None
+    out["ready_s"] = get("served", "ready_s")
+    out["ready_s_buckets"] = get("served_buckets", "ready_s")
     multi = next((r for r in levels if r["texts_per_request"] > 1), None)
     offline = cur.get(str(budget))
     out["served_over_offline_multi_text"] = multi["texts_per_s"] / offline if multi and offline else None
