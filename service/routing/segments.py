@@ -22,7 +22,8 @@ class Segments:
     Attributes:
         ends: int32 ``[B]`` each sample's end in the stream (exclusive, cumulative; the grouped product's ``offs``).
         index: int64 ``[I]`` each input's sample.
-        n: ``[B]`` each sample's inputs, as the routing's float dtype (each at least 1).
+        n: ``[B]`` each sample's inputs, as the routing's float dtype (a sample of none, a shape bucket's filler, has
+            outputs that are not numbers, and leaves every other sample's as they are).
         width: where every sample has the same number of inputs, that number (then the contractions below are
             batched products over ``[B, width, ...]`` views, which need no grouped kernel); else None.
     """
@@ -34,8 +35,8 @@ class Segments:
 
     @classmethod
     def of(cls, counts: torch.Tensor, total: int, dtype: torch.dtype) -> Segments:
-        """The segments of samples with ``counts [B]`` inputs each (int64, on the stream's device, every count at
-        least 1), ``total`` of them in all (given, so that nothing is read back from the device)."""
+        """The segments of samples with ``counts [B]`` inputs each (int64, on the stream's device; see ``n`` for a
+        count of 0), ``total`` of them in all (given, so that nothing is read back from the device)."""
         B = counts.shape[0]
         ends = counts.cumsum(0).to(torch.int32)  # [B]
         index = torch.repeat_interleave(torch.arange(B, device=counts.device), counts, output_size=total)  # [I]
