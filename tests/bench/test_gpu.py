@@ -22,8 +22,8 @@ def test_every_section_runs_and_every_field_is_written_on_the_cpu(tiny_repo: Pat
         "bench", "gpu", "--device", "cpu", "--model", "tiny", "--model-repository", str(tiny_repo),
         "--texts-file", str(texts), "--texts", "32", "--budgets", "64", "--seconds", "0.05", "--rounds", "2",
         "--baseline", str(ROOT), "--served-seconds", "0.3", "--concurrency", "4", "--load-processes", "2",
-        "--accuracy-texts", "20", "--variant", "packed_heads=false",
-        "--variant", "buckets=eager,head_dtype=bfloat16", "--served-buckets", "eager", "--peers", "mosec",
+        "--accuracy-texts", "20", "--variant", "packed_heads=false,buckets=eager,head_dtype=bfloat16",
+        "--served-buckets", "eager", "--peers", "mosec",
         "--workers", "2", "--peer-concurrency", "4", "--out", str(out)])
     assert res.exit_code == 0, res.output
     doc = json.loads(out.read_text())
@@ -37,8 +37,8 @@ def test_every_section_runs_and_every_field_is_written_on_the_cpu(tiny_repo: Pat
     empty = {k for k, v in summary.items() if v is None}
     assert all(k.startswith("device_busy_share") for k in empty), empty  # a CPU has no device to be busy
     assert summary["kernels_per_batch"] == 0 and summary["torch_ops_per_batch"] > 0
-    both = "current-buckets-eager-head_dtype-bfloat16"  # one variant of two settings
-    assert set(results["engine"]) == {"current", "baseline", "current-packed_heads-False", both}  # a truth parsed
+    both = "current-packed_heads-False-buckets-eager-head_dtype-bfloat16"  # one variant of three settings
+    assert set(results["engine"]) == {"current", "baseline", both}  # a truth parsed
     assert summary[f"buckets_{both}"]["bucketed"] > 0 and summary[f"buckets_{both}"]["failed"] == {}
     buckets = summary["buckets"]  # the labelled texts in buckets answer as without (eagerly padded on a CPU)
     assert buckets["largest_probability_change_buckets_off_vs_eager"] <= 1e-5
