@@ -456,13 +456,10 @@ def summarize(results: dict[str, Any], budget: int) -> dict[str, Any]:
             out[f"buckets_{name}"] = {k: last.get(k) for k in ("bucketed", "replayed", "unfit", "padded_share",
                                                                "capture_s", "buckets", "failed")}
     levels = get("served", "levels") or []
-    out["served"] = {f"c{r['concurrency']}x{r['texts_per_request']}": {
-        "requests_per_s": r["requests_per_s"], "texts_per_s": r["texts_per_s"], "p99_ms": r["p99_ms"],
-        "errors": r["errors"]} for r in levels} or None
-    rows = get("served_buckets", "levels") or []
-    out["served_buckets"] = {f"c{r['concurrency']}x{r['texts_per_request']}": {
-        "requests_per_s": r["requests_per_s"], "texts_per_s": r["texts_per_s"], "p99_ms": r["p99_ms"],
-        "errors": r["errors"]} for r in rows} or None
+    for name in ("served", "served_buckets"):
+        out[name] = {f"c{r['concurrency']}x{r['texts_per_request']}": {
+            "requests_per_s": r["requests_per_s"], "texts_per_s": r["texts_per_s"], "p99_ms": r["p99_ms"],
+            "errors": r["errors"]} for r in get(name, "levels") or []} or None
     out["ready_s"] = get("served", "ready_s")
     out["ready_s_buckets"] = get("served_buckets", "ready_s")
     multi = next((r for r in levels if r["texts_per_request"] > 1), None)

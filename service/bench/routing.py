@@ -44,6 +44,30 @@ def _read_status_kib(field: str) -> int:
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
+class PeakMemory:
+    """Peak memory from its making on: on CUDA the device's allocations (``torch.cuda.max_memory_allocated``), on a
+    CPU the process's resident set (its high-water mark reset through /proc/self/clear_refs), in bytes."""
+
+    def __init__(self, cuda: bool) -> None:
+        import torch
+
+        self.cuda = cuda
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+            self.base = torch.cuda.memory_allocated()
+        else:
+            Path("/proc/self/clear_refs").write_text("5")  # reset the peak resident set size
+            self.base = _read_status_kib("VmRSS") * 1024
+
+    def since(self) -> int:
+        """The peak since then, over what was held then."""
+        import torch
+
+        if self.cuda:
+            return torch.cuda.max_memory_allocated() - self.base
+        return _read_status_kib("VmHWM") * 1024 - self.base
+
+
 def measure_one(cfg: dict[str, Any], memory_efficient: bool, grad: bool, device: str, repeats: int) -> dict[str, Any]:
     """Time (median of ``repeats``) and peak memory of one forward (+ backward when ``grad``)."""
     import torch
@@ -66,18 +90,12 @@ def measure_one(cfg: dict[str, Any], memory_efficient: bool, grad: bool, device:
             torch.cuda.synchronize()
 
     step()  # warm-up
-    if dev.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        step()
-        peak = torch.cuda.max_memory_allocated() - base
-    else:
+    if dev.type != "cuda":
         m.zero_grad(set_to_none=True)
         x.grad = None
-        Path("/proc/self/clear_refs").write_text("5")  # reset the peak resident set size
-        base = _read_status_kib("VmRSS")
-        step()
-        peak = (_read_status_kib("VmHWM") - base) * 1024
+    meter = PeakMemory(dev.type == "cuda")
+    step()
+    peak = meter.since()
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -99,34 +117,23 @@ def headline(device: str, n_inp: int = HEADLINE["n_inp"]) -> dict[str, Any]:
     dev = torch.device(device)
     cuda = dev.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-
-    def allocated() -> int:
-        if cuda:
-            return torch.cuda.max_memory_allocated()
-        return _read_status_kib("VmHWM") * 1024
-
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-    else:
-        Path("/proc/self/clear_refs").write_text("5")
-        base = _read_status_kib("VmRSS") * 1024
+    meter = PeakMemory(cuda)
     torch.manual_seed(0)
     with dev:
         model = EfficientVectorRouting(n_inp, HEADLINE["n_out"], HEADLINE["d_inp"], HEADLINE["d_out"])
         x = torch.randn(n_inp, HEADLINE["d_inp"], requires_grad=True)  # [i d]
     sync()
-    built = allocated() - base
+    built = meter.since()
     t0 = time.perf_counter()
     out = model(x)  # [j h]
     sync()
-    forward_s, forward_peak = time.perf_counter() - t0, allocated() - base
+    forward_s, forward_peak = time.perf_counter() - t0, meter.since()
     t0 = time.perf_counter()
     out.square().sum().backward()
     sync()
     return {**HEADLINE, "n_inp": n_inp, "device": str(dev), "dtype": "float32",
             "built_gib": built / 2**30, "forward_s": forward_s, "forward_peak_gib": forward_peak / 2**30,
-            "backward_s": time.perf_counter() - t0, "backward_peak_gib": (allocated() - base) / 2**30,
+            "backward_s": time.perf_counter() - t0, "backward_peak_gib": meter.since() / 2**30,
             "stated_gb": HEADLINE_STATED_GB if n_inp == HEADLINE["n_inp"] else None,
             "finite": bool(torch.isfinite(out).all() and torch.isfinite(x.grad).all())}
 

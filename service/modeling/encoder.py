@@ -67,14 +67,12 @@ def pack(ids: np.ndarray, lengths: np.ndarray, device: torch.device, rows: list[
     only to itself (less padding where lengths differ: on a CPU, where attention's padded work costs time; see
     :func:`~service.modeling.grouping.pack_rows`). ``dest [T]``: each token's row of the output, sent with the rest."""
     s, T = len(lengths), len(ids)
+    tail = [] if dest is None else [dest.astype(np.int64, copy=False)]  # last: the other parts keep their places
     if rows is None and width is None and bool((lengths == lengths.max()).all()):  # the stream is the padded view
-        parts = [ids.astype(np.int64, copy=False), np.tile(np.arange(lengths[0]), s)]
-        tail = [] if dest is None else [dest.astype(np.int64, copy=False)]
-        flat = to_device([*parts, *tail], device)
+        flat = to_device([ids.astype(np.int64, copy=False), np.tile(np.arange(lengths[0]), s), *tail], device)
         return Packing(flat[:T], flat[T : 2 * T], None, None, None, (s, int(lengths[0])),
                        flat[2 * T :] if tail else None)
     host, n_rows, L = pack_host(ids, lengths, rows, width)
-    tail = [] if dest is None else [dest.astype(np.int64, copy=False)]  # last: the other parts keep their places
     return packing_of(to_device([host, *tail], device), T, n_rows, L, several=rows is not None,
                       dest=bool(tail))
 
