@@ -4,10 +4,13 @@ loaded after the warm-up takes a free slot and answers as when loaded at the sta
 
 import asyncio
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 import pytest
+import torch
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
 
 from service.modeling.buckets import length_sample
 from service.serving.core.work import CreditSpec, Task
@@ -160,3 +163,36 @@ def test_a_head_reloaded_in_another_shape_leaves_its_slot(repo: Path, tmp_path: 
     assert "first" not in engine._buckets.slots.slot_of
     got = engine.run([Task(t) for t in TEXTS])
     assert all(set(r.scores) == {"a", "b", "c", "d"} for r in got) and engine.bucket_stats.bucketed == 0
+
+
+def shapes_only(compute: Callable[[torch.Tensor], torch.Tensor], inputs: torch.Tensor) -> tuple[int, ...]:
+    """``compute(inputs)``'s output shape, computed on fake tensors (shapes and dtypes, no values): an operation whose
+    output's shape depends on values (a read back to the host, which a CUDA graph cannot capture) raises, and so does
+    a grouped product that the CUDA kernel's checks (dtype, 16-byte strides; torch's meta functions repeat them)
+    refuse."""
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode, torch.inference_mode():
+        return tuple(compute(mode.from_tensor(inputs)).shape)
+
+
+@pytest.mark.parametrize("model", ["tiny", "bundled"])
+def test_every_bucket_computes_what_a_cuda_graph_can_capture(model: str, repo: Path) -> None:
+    """The GPU captures each bucket's computation; what would stop it there is checked here, on its shapes: every
+    bucket's computation, heads in bfloat16 as ``cuda`` has them, reads nothing back and passes the grouped products'
+    checks (the tiny heads, and the bundled model's, whose shape the GPU run measures)."""
+    folder = repo / "first" if model == "tiny" else Path(__file__).parents[2] / "models" / "tweet-sentiment"
+    engine = Engine.load(folder, device="cpu")
+    engine.use_buckets("eager", lengths=[4, 9, 30], max_texts=64, count=6)
+    runner = engine._buckets
+    runner.slots.head.to(torch.bfloat16)  # as loaded with a bfloat16 backbone (a GPU's default)
+    k = len(engine.manifests[engine.default].labels)
+    assert len(runner.buckets) == 6
+    for bucket in runner.buckets:
+        assert shapes_only(runner._compute(bucket), runner._example(bucket)) == (bucket.rows, k)
+
+    def reads_back(inputs: torch.Tensor) -> torch.Tensor:  # the check fails where something is read back
+        return runner._compute(bucket)(inputs)[: int(inputs[0])]
+
+    with pytest.raises(DataDependentOutputException):
+        shapes_only(reads_back, runner._example(bucket))
+    with pytest.raises(DynamicOutputShapeException):  # repeats without output_size: their sum read back
+        shapes_only(lambda inputs: torch.repeat_interleave(inputs[:2], inputs[2:4]), torch.tensor([0, 1, 2, 3]))
