@@ -601,7 +601,7 @@ def bench_gpu(
                                                                "stop")] = None,
     variant: Annotated[list[str] | None, typer.Option(help="NAME=VALUE[,NAME=VALUE]: this version again with engine "
                                                            "settings changed (e.g. head_call_overhead=8192, or "
-                                                           "buckets=cuda,head_dtype=bfloat16), in turns too")
+                                                           "packed_heads=false,head_dtype=bfloat16), in turns too")
                        ] = None,
     served_buckets: Annotated[str, typer.Option(help="Also serve with ROUTING_BUCKETS set to this (cuda on a GPU, "
                                                      "eager on a CPU; '' to skip): time to ready and the top levels")

@@ -16,8 +16,8 @@ fails records its error and the run goes on):
 - ``head_precision``: the same for the heads' scores in float32 against bfloat16 (``Engine.head_dtype``), the
   backbone in its default precision (``--variant head_dtype=bfloat16`` measures their speed in the engine's turns);
 - ``buckets``: the same for plain batches in shape buckets (``Engine.use_buckets``: captured as CUDA graphs on a
-  GPU, padded eagerly on a CPU) against none, and what the warm-up took (``--variant buckets=cuda`` measures their
-  speed in the engine's turns; ``--variant buckets=cuda,head_dtype=bfloat16`` both settings together);
+  GPU, padded eagerly on a CPU) against none, the heads' products in bfloat16 in both (as ``cuda`` computes them),
+  and what the warm-up took (``--variant buckets=cuda`` measures their speed in the engine's turns);
 - ``served``: the server started on the device, driven by clients in several processes (one aiohttp process tops
   out near 3,500 requests/s) with its default fronts (their number recorded): single-text requests at the given
   concurrencies and 16-text requests, requests and texts per second, p50 and p99;
@@ -380,7 +380,7 @@ def run(device: str, model: str, repository: Path, n_texts: int, budgets: list[i
                                              labels[:accuracy_texts], default_budget, max_texts, "head_dtype",
                                              ("float32", "bfloat16"), "heads"))
     step("buckets", lambda: agreement(lambda engine: worker(ROOT, f"buckets-{engine['buckets']}", path=labelled_file,
-                                                            engine=engine),
+                                                            engine={**engine, "head_dtype": "bfloat16"}),
                                       labels[:accuracy_texts], default_budget, max_texts, "buckets",
                                       ("off", "cuda" if cuda else "eager"), "buckets"))
     levels = [(c, 1) for c in concurrencies] + [(64, 16)]

@@ -55,10 +55,20 @@ class Segments:
 
 
 def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """The grouped product of ``a`` and ``b`` in groups ending at ``offs``; under ``torch.autocast`` in its dtype, as
+    autocast runs every other matrix product (it leaves the grouped one out: on a GPU, float32 operands would take a
+    product per group, reading ``offs`` back to the host, which a CUDA graph cannot capture)."""
     grouped = getattr(torch.nn.functional, "grouped_mm", None)
     if grouped is None:
         raise RuntimeError(f"torch {torch.__version__} has no grouped matrix product")
-    return grouped(a, b, offs=offs)
+    dtype = _product_dtype(a)
+    return grouped(a.to(dtype), b.to(dtype), offs=offs)  # each keeps its strides (a transposed view stays one)
+
+
+def _product_dtype(a: torch.Tensor) -> torch.dtype:
+    """The dtype a matrix product of ``a`` runs in: autocast's where it is on for ``a``'s device, else ``a``'s."""
+    device = a.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else a.dtype
 
 
 def contract(a: torch.Tensor, b: torch.Tensor, segments: Segments) -> torch.Tensor:
@@ -135,7 +145,7 @@ def times_slot(y: torch.Tensor, weights: torch.Tensor, slots: Slots, rows: torch
     product over the samples' rows by slot (``rows [S]``: where each slot's rows of ``y`` flattened end), where the
     grouped kernels take the operands (rows of 16 bytes' multiples); else each sample's matrix gathered (small ones:
     a routing to one feature)."""
-    size = weights.element_size()
+    size = _product_dtype(weights).itemsize
     if (weights.shape[-1] * size) % 16 == 0 and (weights.shape[-2] * size) % 16 == 0:
         return by_slot(y.flatten(0, 1), weights, rows).view(*y.shape[:2], -1)  # [Bjn]
     return torch.bmm(y, weights[slots.slot])  # [Bjn]

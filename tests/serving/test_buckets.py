@@ -177,13 +177,15 @@ def shapes_only(compute: Callable[[torch.Tensor], torch.Tensor], inputs: torch.T
 @pytest.mark.parametrize("model", ["tiny", "bundled"])
 def test_every_bucket_computes_what_a_cuda_graph_can_capture(model: str, repo: Path) -> None:
     """The GPU captures each bucket's computation; what would stop it there is checked here, on its shapes: every
-    bucket's computation, heads in bfloat16 as ``cuda`` has them, reads nothing back and passes the grouped products'
-    checks (the tiny heads, and the bundled model's, whose shape the GPU run measures)."""
+    bucket's computation, the heads' products in bfloat16 as ``cuda`` has them (their parameters in float32), reads
+    nothing back and passes the grouped products' checks (the tiny heads, and the bundled model's, whose shape the
+    GPU run measures)."""
     folder = repo / "first" if model == "tiny" else Path(__file__).parents[2] / "models" / "tweet-sentiment"
     engine = Engine.load(folder, device="cpu")
+    engine.head_dtype = "bfloat16"  # what use_buckets("cuda") sets
     engine.use_buckets("eager", lengths=[4, 9, 30], max_texts=64, count=6)
     runner = engine._buckets
-    runner.slots.head.to(torch.bfloat16)  # as loaded with a bfloat16 backbone (a GPU's default)
+    assert runner.head_dtype == torch.bfloat16 and next(runner.slots.head.parameters()).dtype == torch.float32
     k = len(engine.manifests[engine.default].labels)
     assert len(runner.buckets) == 6
     for bucket in runner.buckets:
@@ -196,3 +198,25 @@ def test_every_bucket_computes_what_a_cuda_graph_can_capture(model: str, repo: P
         shapes_only(reads_back, runner._example(bucket))
     with pytest.raises(DynamicOutputShapeException):  # repeats without output_size: their sum read back
         shapes_only(lambda inputs: torch.repeat_interleave(inputs[:2], inputs[2:4]), torch.tensor([0, 1, 2, 3]))
+
+
+def test_buckets_with_the_heads_products_in_bfloat16_answer_as_without(repo: Path) -> None:
+    """What ``cuda`` runs, run here eagerly: the heads' products in bfloat16 (their parameters in float32, autocast),
+    the grouped products too; each answer within bfloat16's rounding of the engine without buckets, same label."""
+    engine = Engine.load([repo / "first", repo / "second"], device="cpu")
+    engine.head_dtype = "bfloat16"
+    tasks = [Task(t, model=m) for t in TEXTS for m in ("first", "second")]
+    want = engine.run(tasks)
+    engine.use_buckets("eager", lengths=[4, 9, 14])
+    for got, ref in zip(engine.run(tasks), want, strict=True):  # the tolerances of tests/serving/test_head_precision
+        assert got.label == ref.label and got.error is None
+        assert max(abs(p - ref.scores[k]) for k, p in got.scores.items()) <= 0.02
+        assert max(abs(x - y) for x, y in zip(got.logits, ref.logits, strict=True)) <= 0.1
+    assert engine.bucket_stats.bucketed == 1
+
+
+def test_cuda_buckets_without_a_gpu_are_refused_and_change_nothing(repo: Path) -> None:
+    engine = Engine.load(repo / "first", device="cpu")
+    with pytest.raises(ValueError, match="CUDA"):
+        engine.use_buckets("cuda")
+    assert engine.head_dtype == "float32" and engine.bucket_stats is None

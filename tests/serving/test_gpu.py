@@ -56,9 +56,12 @@ def test_answers_on_the_gpu_match_the_cpus_and_do_not_depend_on_the_batch(tiny_r
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_packed_heads_on_the_gpu_answer_as_the_padded_heads(tiny_repo: Path, dtype: str) -> None:
-    """Texts without credit run their head packed where torch's grouped product serves the dtype (bfloat16 on a GPU:
-    its grouped kernels), padded otherwise; either way each text's answer is the padded head's."""
-    gpu = Engine.load(tiny_repo / "tiny", device="cuda", dtype=dtype)
+    """Texts without credit run their head packed where torch's grouped product serves the products' dtype (on a
+    GPU, the heads' products in bfloat16: its grouped kernels), padded otherwise; either way each text's answer is
+    the padded head's."""
+    gpu = Engine.load(tiny_repo / "tiny", device="cuda")
+    assert not gpu._packs("tiny")  # float32 heads (the default): padded
+    gpu.head_dtype = dtype
     assert gpu._packs("tiny") == (dtype == "bfloat16")
     tasks = [Task(t) for t in TEXTS * 3]
     packed = gpu.run(tasks)
@@ -77,14 +80,15 @@ def test_captured_buckets_answer_as_the_eager_engine(tiny_repo: Path, tiny_backb
 
     write_tiny_model(tmp_path, tiny_backbone_dir, name="late", seed=3)
     dtype = "bfloat16"
-    with pytest.raises(ValueError, match="bfloat16"):  # float32 heads: torch's grouped products are not capturable
-        Engine.load(tiny_repo / "tiny", device="cuda", dtype="float32").use_buckets("cuda")
     eager = Engine.load([tiny_repo / "tiny", tmp_path / "late"], device="cuda", dtype=dtype)
+    eager.head_dtype = "bfloat16"  # as captured buckets compute the heads' products
     short = ["short text", "x", "one two three four", "a b"]  # one chunk each for the tiny model: plain batches
     tasks = [Task(t, model=m) for t in short for m in ("tiny", "late")]
     want = eager.run(tasks)
     engine = Engine.load(tiny_repo / "tiny", device="cuda", dtype=dtype)
+    assert engine.head_dtype == "float32"
     stats = engine.use_buckets("cuda", lengths=[3, 5, 9, 14, 16])
+    assert engine.head_dtype == "bfloat16"  # float32 grouped products are not capturable
     assert stats is not None and stats.failed == {} and stats.buckets > 0
     engine.add_heads([tmp_path / "late"], ["late"])  # after the capture: a free slot, nothing captured again
     tol = 1e-2  # bfloat16's rounding: products of another size

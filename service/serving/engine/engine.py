@@ -54,10 +54,11 @@ log = logging.getLogger("service.engine")
 def _packed_agrees(head: RoutingHead, device: torch.device, score_dtype: torch.dtype | None = None) -> bool:
     """Whether ``head`` runs packed on ``device`` (the grouped product it needs runs for its dtype and shapes) and
     gives each of two small random texts the scores it gives the text alone (both with its scores' products in
-    ``score_dtype``, see :func:`scoring`). On a GPU only in bfloat16: torch's grouped kernels are written for it
-    (other dtypes fall back to a product per text, reading the offsets back)."""
+    ``score_dtype``, see :func:`scoring`). On a GPU only with the products in bfloat16 (``score_dtype``, or the
+    head's own dtype): torch's grouped kernels are written for it (other dtypes fall back to a product per text,
+    reading the offsets back)."""
     dtype = next(head.parameters()).dtype
-    if device.type == "cuda" and dtype != torch.bfloat16:
+    if device.type == "cuda" and (score_dtype or dtype) != torch.bfloat16:
         return False
     lengths = [3, 5]
     hidden = torch.randn(sum(lengths), head.d_depth, head.d_emb, generator=torch.Generator().manual_seed(0))
@@ -184,7 +185,8 @@ class Engine(Compute):
         with float32 accumulation (``torch.autocast``; norms, softmaxes and reductions stay in float32), on tensor
         cores on a GPU. Credit is computed from a float32 pass whatever this says, so it still adds up to the
         logits it explains (a text asking for credit costs one more head pass). ``routing-service bench gpu
-        --variant head_dtype=bfloat16`` measures it against float32; the tests state how far its scores move."""
+        --variant head_dtype=bfloat16`` measures it against float32; the tests state how far its scores move.
+        ``use_buckets("cuda")`` sets it to bfloat16."""
         self._packable: dict[tuple[tuple[int, ...], str], bool] = {}  # (head shape, head_dtype) -> packed agrees
         self._buckets: BucketRunner | None = None  # see use_buckets
         self.clock = EngineClock()
@@ -206,8 +208,8 @@ class Engine(Compute):
         shape buckets from the start (see :meth:`use_buckets`; ``auto``: captured where that can be, else none).
 
         Raises:
-            ValueError: ``buckets`` asks for what this device or backbone cannot do (``cuda`` without a GPU, or
-                with heads not in bfloat16; a backbone the packed encoder does not know).
+            ValueError: ``buckets`` asks for what this device or backbone cannot do (``cuda`` without a GPU, a
+                backbone the packed encoder does not know).
         """
         t0 = time.perf_counter()
         folders = [folders] if isinstance(folders, Path | str) else list(folders)
@@ -289,18 +291,17 @@ class Engine(Compute):
         stacked parameters, and heads added later into free ones, so that nothing is captured again; a head that
         finds no free slot, or of another shape, runs eagerly. Returns what the warm-up did (None with ``off``).
 
+        With ``cuda`` the heads compute their matrix products in bfloat16 from then on (:attr:`head_dtype`), on every
+        batch, captured or not (so that no answer depends on which path its batch took): torch's grouped products on
+        a GPU read the groups of other dtypes back to the host, which a graph cannot capture.
+
         Raises:
-            ValueError: ``cuda`` with heads not in bfloat16, or no CUDA device, or a backbone the packed encoder
-                does not know.
+            ValueError: ``cuda`` without a CUDA device, or a backbone the packed encoder does not know.
         """
         if mode == "off":
             self._buckets = None
             return None
         like = self.classifiers[self.default].head
-        if mode == "cuda" and next(like.parameters()).dtype != torch.bfloat16:
-            raise ValueError("CUDA graphs of the heads need them in bfloat16 (load the backbone in bfloat16, the "
-                             "default on a GPU): torch's grouped products on a GPU read other dtypes' groups back "
-                             "to the host, which a graph cannot capture")
         slots = HeadSlots(like, capacity)
         for key, clf in self.classifiers.items():
             if head_shape(clf.head) == slots.shape:
@@ -308,7 +309,11 @@ class Engine(Compute):
         sample = list(lengths) if lengths is not None else self._length_sample(list(slots.slot_of))
         bb = self.backbone
         buckets = choose_buckets(sample, budget or bb.chunk_batch_tokens, max_texts, bb.max_length, count)
-        runner = BucketRunner(bb, slots, buckets, mode, self.score_dtype)
+        products = torch.bfloat16 if mode == "cuda" else self.score_dtype
+        runner = BucketRunner(bb, slots, buckets, mode, products)  # (raises before anything here has changed)
+        if products != self.score_dtype:
+            log.info("backbone %s: the heads' products in bfloat16, as captured buckets need", self.name)
+            self.head_dtype = "bfloat16"
         stats = runner.warm(deadline_s)
         self._buckets = runner
         log.info("backbone %s: %d shape buckets (%s) warmed in %.1f s", self.name, len(runner.buckets), mode,
