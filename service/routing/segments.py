@@ -57,8 +57,9 @@ class Segments:
 def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """The grouped product of ``a`` and ``b`` in groups ending at ``offs``; under ``torch.autocast`` in its dtype, as
     autocast runs every other matrix product (it leaves the grouped one out: on a GPU, float32 operands would take a
-    product per group, reading ``offs`` back to the host, which a CUDA graph cannot capture)."""
-    grouped = getattr(torch.nn.functional, "grouped_mm", None)
+    product per group, reading ``offs`` back to the host, which a CUDA graph cannot capture). Torch's public function
+    where it has one, else the operator underneath it (an older torch)."""
+    grouped = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
     if grouped is None:
         raise RuntimeError(f"torch {torch.__version__} has no grouped matrix product")
     dtype = _product_dtype(a)

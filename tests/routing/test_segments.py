@@ -34,6 +34,26 @@ def test_the_grouped_products_are_each_samples_own() -> None:
         torch.testing.assert_close(got_sum[k], a_k.sum(dim=0))
 
 
+@pytest.mark.parametrize("public", [True, False])
+def test_the_grouped_products_follow_autocast_through_either_of_torchs_functions(public: bool,
+                                                                                 monkeypatch: pytest.MonkeyPatch
+                                                                                 ) -> None:
+    """Under autocast the grouped products run in its dtype, as its other matrix products do (autocast leaves them
+    out: float32 operands would take a per-group product on a GPU); a torch without the public function runs the
+    operator underneath it."""
+    if not public:
+        monkeypatch.delattr(torch.nn.functional, "grouped_mm")
+    gen = torch.Generator().manual_seed(0)
+    s = segments_of(LENGTHS)
+    a, b = torch.randn(sum(LENGTHS), 8, generator=gen), torch.randn(sum(LENGTHS), 8, generator=gen)
+    assert contract(a, b, s).dtype == torch.float32
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = contract(a, b, s)  # [B 8 8]
+    assert got.dtype == torch.bfloat16
+    want = contract(a.bfloat16(), b.bfloat16(), s)  # the same product, its operands rounded
+    assert torch.equal(got, want) and not torch.equal(got.float(), contract(a, b, s))
+
+
 @pytest.mark.parametrize("n_iters", [1, 2, 3])
 @pytest.mark.parametrize(("d_out", "normalize"), [(5, True), (5, False), (1, True)])
 def test_a_packed_batch_routes_each_sample_as_it_is_alone(n_iters: int, d_out: int, normalize: bool) -> None:
