@@ -227,6 +227,9 @@ def test_statistics_and_metrics_count_grpc_requests(client: triton.InferenceServ
 
 def test_a_grpc_and_an_http_request_share_a_batch(client: triton.InferenceServerClient, server: Server) -> None:
     bb = "tiny-bert@random"
+    # a batch of two first, so that the batcher waits for a second text (see test_compat's sharing test)
+    two = httpx.post(f"{server.url}/v1/classify", json={"inputs": ["one", "two"]}, headers=AS_USER)
+    assert two.status_code == 200
     page = httpx.get(f"{server.url}/metrics").text
     batches, chunks = (metric(page, f"routing_batch_size_{s}", backbone=bb) for s in ("count", "sum"))
 
