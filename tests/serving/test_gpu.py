@@ -54,20 +54,20 @@ def test_answers_on_the_gpu_match_the_cpus_and_do_not_depend_on_the_batch(tiny_r
         assert abs(sum(target.tokens) + target.baseline - target.logit) <= bound
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_packed_heads_on_the_gpu_answer_as_the_padded_heads(tiny_repo: Path, dtype: str) -> None:
+@pytest.mark.parametrize("head_dtype", ["float32", "bfloat16"])
+def test_packed_heads_on_the_gpu_answer_as_the_padded_heads(tiny_repo: Path, head_dtype: str) -> None:
     """Texts without credit run their head packed where torch's grouped product serves the products' dtype (on a
     GPU, the heads' products in bfloat16: its grouped kernels), padded otherwise; either way each text's answer is
     the padded head's."""
     gpu = Engine.load(tiny_repo / "tiny", device="cuda")
     assert not gpu._packs("tiny")  # float32 heads (the default): padded
-    gpu.head_dtype = dtype
-    assert gpu._packs("tiny") == (dtype == "bfloat16")
+    gpu.head_dtype = head_dtype
+    assert gpu._packs("tiny") == (head_dtype == "bfloat16")
     tasks = [Task(t) for t in TEXTS * 3]
     packed = gpu.run(tasks)
     gpu.packed_heads = False
     padded = gpu.run(tasks)
-    tol = 1e-5 if dtype == "float32" else 1e-2
+    tol = 1e-5 if head_dtype == "float32" else 1e-2
     for got, ref in zip(packed, padded, strict=True):
         assert max(abs(p - ref.scores[k]) for k, p in got.scores.items()) <= tol
 
