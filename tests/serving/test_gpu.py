@@ -75,7 +75,8 @@ def test_packed_heads_on_the_gpu_answer_as_the_padded_heads(tiny_repo: Path, hea
 def test_captured_buckets_answer_as_the_eager_engine(tiny_repo: Path, tiny_backbone_dir: Path, tmp_path: Path
                                                      ) -> None:
     """Plain batches replayed from CUDA graphs (``use_buckets("cuda")``) answer what the eager engine answers, alone
-    and mixed, two batches in flight too; a head loaded after the capture answers as when loaded at the start."""
+    and mixed, two batches in flight too; a head loaded after the capture answers as the eager engine does, and as
+    the same head loaded at the start and captured with the other (within 1e-5)."""
     from tests.conftest import write_tiny_model
 
     write_tiny_model(tmp_path, tiny_backbone_dir, name="late", seed=3)
@@ -102,3 +103,11 @@ def test_captured_buckets_answer_as_the_eager_engine(tiny_repo: Path, tiny_backb
         assert max(abs(p - ref.scores[k]) for k, p in got.scores.items()) <= tol
     stats = engine.bucket_stats  # every batch above in a bucket (one, then each alone, then two), each replayed
     assert stats.bucketed == 1 + len(tasks) + 2 and stats.replayed == stats.bucketed and stats.unfit == 0
+    # the same two heads loaded at the start, then captured: the late head answers the same (its slot's weights
+    # read by index from the same stacked parameters, the same graphs)
+    at_start = Engine.load([tiny_repo / "tiny", tmp_path / "late"], device="cuda", dtype=dtype)
+    at_start.use_buckets("cuda", lengths=[3, 5, 9, 14, 16])
+    assert at_start._buckets.slots.slot_of == engine._buckets.slots.slot_of == {"tiny": 0, "late": 1}
+    for got, ref in zip(engine.run(tasks), at_start.run(tasks), strict=True):
+        assert max(abs(p - ref.scores[k]) for k, p in got.scores.items()) <= 1e-5
+    assert at_start.bucket_stats.replayed == 1
