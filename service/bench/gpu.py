@@ -28,6 +28,9 @@ fails records its error and the run goes on):
 - ``gpu_tests``: the tests marked ``gpu`` (``pytest -m gpu``), skipped without a GPU;
 - ``routing_headline``: the reference library's headline (``bench routing --headline``): 1,000,000 vectors of
   1,024 features routed to 100 of 1,024 in float32 with gradients, peak device memory against its stated ~18 GB.
+
+Each section's wall seconds are kept beside them (``seconds``; the summary's ``section_seconds``), so that the run's
+sizes can be fitted to a device call's time.
 """
 
 from __future__ import annotations
@@ -115,8 +118,9 @@ def write_labelled(preset: str, limit: int, path: Path) -> None:
 
 def section(results: dict[str, Any], name: str, fn: Callable[[], Any],
             checkpoint: Callable[[dict[str, Any]], None] | None = None) -> None:
-    """``results[name] = fn()``, or the error it raised (the run goes on); then ``checkpoint(results)`` (what a run
-    stopped at its time limit has measured so far is kept)."""
+    """``results[name] = fn()``, or the error it raised (the run goes on), and its wall seconds in
+    ``results["seconds"][name]`` (what each section costs of a device call's time); then ``checkpoint(results)``
+    (what a run stopped at its time limit has measured so far is kept)."""
     report.echo(f"bench gpu: {name} ...", err=True)
     t0 = time.perf_counter()
     try:
@@ -124,7 +128,9 @@ def section(results: dict[str, Any], name: str, fn: Callable[[], Any],
     except Exception as e:  # one section failing must not lose the others' numbers
         results[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
         report.echo(f"bench gpu: {name} failed: {e}", err=True)
-    report.echo(f"bench gpu: {name} took {time.perf_counter() - t0:.1f} s", err=True)
+    took = time.perf_counter() - t0
+    results.setdefault("seconds", {})[name] = took
+    report.echo(f"bench gpu: {name} took {took:.1f} s", err=True)
     if checkpoint is not None:
         checkpoint(results)
 
@@ -473,4 +479,7 @@ def summarize(results: dict[str, Any], budget: int) -> dict[str, Any]:
     out["gpu_tests"] = get("gpu_tests", "summary")
     out["routing_headline_forward_peak_gib"] = get("routing_headline", "forward_peak_gib")
     out["failed_sections"] = sorted(k for k, v in results.items() if isinstance(v, dict) and "error" in v)
+    seconds = get("seconds") or {}
+    out["section_seconds"] = {k: round(v, 1) for k, v in seconds.items()} or None
+    out["seconds_in_all"] = round(sum(seconds.values()), 1) if seconds else None
     return out

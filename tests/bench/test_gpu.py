@@ -29,8 +29,11 @@ def test_every_section_runs_and_every_field_is_written_on_the_cpu(tiny_repo: Pat
     doc = json.loads(out.read_text())
     results, summary = doc["results"], doc["summary"]
     assert summary["failed_sections"] == [], {k: v.get("error") for k, v in results.items() if "error" in v}
-    assert set(results) == {"load", "engine", "profile", "latency", "accuracy", "head_precision", "buckets", "served",
-                            "served_buckets", "beside", "gpu_tests", "routing_headline"}
+    sections = {"load", "engine", "profile", "latency", "accuracy", "head_precision", "buckets", "served",
+                "served_buckets", "beside", "gpu_tests", "routing_headline"}
+    assert set(results) == sections | {"seconds"} and set(results["seconds"]) == sections
+    assert set(summary["section_seconds"]) == sections and all(v >= 0 for v in summary["section_seconds"].values())
+    assert summary["seconds_in_all"] == round(sum(results["seconds"].values()), 1) > 0
     assert results["served_buckets"]["settings"] == {"ROUTING_BUCKETS": "eager"} and summary["ready_s_buckets"] > 0
     assert all(v["errors"] == 0 and v["texts_per_s"] > 0 for v in summary["served_buckets"].values())
     assert results["routing_headline"]["n_inp"] == 2000 and results["routing_headline"]["finite"]
