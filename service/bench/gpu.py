@@ -11,6 +11,7 @@ fails records its error and the run goes on):
 - ``profile``: kernels executed, copies, device-busy milliseconds and torch operators per batch at the default
   budget, from a torch profile; the device-busy share is its busy time over the unprofiled time per batch;
 - ``latency``: one text a batch, p50, p90 and p99 milliseconds, every version;
+- ``gpu_tests``: the tests marked ``gpu`` (``pytest -m gpu``), skipped without a GPU;
 - ``accuracy``: the test texts' accuracy in float32 and in the default precision (bfloat16 on a GPU), the largest
   probability change between them, and between each text alone and in mixed batches;
 - ``head_precision``: the same for the heads' scores in float32 against bfloat16 (``Engine.head_dtype``), the
@@ -25,7 +26,6 @@ fails records its error and the run goes on):
   which includes capturing the buckets' graphs), at the last single-text level and the 16-text one;
 - ``beside``: single-text requests at the peer levels to this service with one front and with more (how many
   fronts a device needs), and to mosec and LitServe with this version's engine inside, in turns;
-- ``gpu_tests``: the tests marked ``gpu`` (``pytest -m gpu``), skipped without a GPU;
 - ``routing_headline``: the reference library's headline (``bench routing --headline``): 1,000,000 vectors of
   1,024 features routed to 100 of 1,024 in float32 with gradients, peak device memory against its stated ~18 GB.
 
@@ -378,6 +378,8 @@ def run(device: str, model: str, repository: Path, n_texts: int, budgets: list[i
     finally:
         for w in workers.values():
             w.close()
+    # the tests early: a run stopped at its time limit loses its last sections (the least needed one is last)
+    step("gpu_tests", gpu_tests)
     dtypes = ["float32", "bfloat16"] if cuda else ["float32"]
     step("accuracy", lambda: accuracy(lambda dt: worker(ROOT, "accuracy", dt, labelled_file),
                                                   labels[:accuracy_texts], dtypes, default_budget, max_texts))
@@ -398,7 +400,6 @@ def run(device: str, model: str, repository: Path, n_texts: int, budgets: list[i
     if (peers or fronts) and peer_levels:
         step("beside", lambda: beside(repository, model, device, texts, peers or [], fronts or [], peer_levels,
                                       served_seconds, 1, load_processes, logs))
-    step("gpu_tests", gpu_tests)
     step("routing_headline", lambda: routing_headline(device))
     files.cleanup()
     return {"settings": settings, "results": results, "summary": summarize(results, default_budget)}
