@@ -48,6 +48,11 @@ def v1(server: Server, text: str, model: str = "tiny", **options: object) -> dic
     return r.json()["results"][0]
 
 
+def post_json(url: str, body: dict) -> httpx.Response:
+    """``body`` posted as ASCII JSON, so that a text may hold what UTF-8 cannot (half a surrogate pair: escaped)."""
+    return httpx.post(url, content=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+
+
 def as_dict(ranked: list[dict]) -> dict[str, float]:
     return {item["label"]: item["score"] for item in ranked}
 
@@ -119,9 +124,11 @@ def test_tei_info_describes_the_model(server: Server) -> None:
     ({"inputs": [[t] for t in "abcdefghi"]}, 413, "Validation", "too many inputs"),
     ({"inputs": "x", "truncation_direction": "Up"}, 422, "Validation", "truncation_direction"),
     ({"inputs": "x", "extra": 1}, 422, "Validation", "extra"),
+    ({"inputs": "ok \ud800"}, 422, "Validation", "inputs holds half of a surrogate pair ('\\ud800') at character 3"),
+    ({"inputs": [["ok"], ["\udfff"]]}, 422, "Validation", "inputs.1.0 holds half of a surrogate pair"),
 ])
 def test_tei_errors_are_tei_shaped(server: Server, body: dict, status: int, kind: str, says: str) -> None:
-    r = httpx.post(f"{server.url}/predict", json=body)
+    r = post_json(f"{server.url}/predict", body)
     assert r.status_code == status, r.text
     assert r.json().keys() == {"error", "error_type"} and r.json()["error_type"] == kind
     assert says in r.json()["error"]
@@ -161,8 +168,8 @@ def test_huggingface_inference_client(server: Server) -> None:
 
 def test_huggingface_route_errors(server: Server) -> None:
     for body in ({"inputs": ""}, {"inputs": "x", "parameters": {"top_k": 0}},
-                 {"inputs": "x", "parameters": {"function_to_apply": "tanh"}}, {"text": "x"}):
-        r = httpx.post(f"{server.url}/", json=body)
+                 {"inputs": "x", "parameters": {"function_to_apply": "tanh"}}, {"text": "x"}, {"inputs": "\ud800"}):
+        r = post_json(f"{server.url}/", body)
         assert r.status_code == 422 and r.json()["error_type"] == "Validation", (body, r.text)
     r = httpx.post(f"{server.url}/models/nope", json={"inputs": "x"})
     assert r.status_code == 404 and r.json()["error_type"] == "Validation"
@@ -201,9 +208,10 @@ def test_vllm_classify(server: Server) -> None:
     ({"input": "x", "truncate_prompt_tokens": 2}, 400, "no room"),
     ({"input": "x", "truncate_prompt_tokens": -2}, 400, "truncate_prompt_tokens"),
     ({"input": ["x"] * 9}, 413, "too many inputs"),
+    ({"input": ["x", "\ud800"]}, 400, "unable to parse raw data as a unicode string"),
 ])
 def test_vllm_errors_are_vllm_shaped(server: Server, body: dict, status: int, says: str) -> None:
-    r = httpx.post(f"{server.url}/classify", json=body)
+    r = post_json(f"{server.url}/classify", body)
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert error.keys() == {"message", "type", "param", "code"} and error["code"] == status

@@ -56,6 +56,13 @@ def _text(value: Any, where: str) -> str:
                                   {"where": where, "got": json_kind(value)})
     if not value.strip():
         raise PydanticCustomError("tei_inputs", "{where} is empty", {"where": where})
+    if not value.isascii():
+        try:  # the other routes' text type refuses this in its own validation; this one takes any str
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise PydanticCustomError("tei_inputs", "{where} holds half of a surrogate pair ({half}) at character "
+                                      "{at}: no text, and nothing a tokenizer reads",
+                                      {"where": where, "half": ascii(e.object[e.start]), "at": e.start}) from None
     return value
 
 
