@@ -132,10 +132,15 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:
+        # the framework's last resort, for a failure outside the middleware that answers the app's own (`Observe`)
         _count(request, "internal")
         log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return error_response(500, "internal error; the request id identifies it in the server log",
-                              path=request.url.path)
+        return internal_error(request.url.path)
+
+
+def internal_error(path: str) -> JSONResponse:
+    """The answer to a request to ``path`` that failed unexpectedly (the failure logged by the caller)."""
+    return error_response(500, "internal error; the request id identifies it in the server log", path=path)
 
 
 def not_allowed(request: Request, allow: str) -> str:

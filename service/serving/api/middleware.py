@@ -88,9 +88,15 @@ class Observe:
             else:
                 await self.app(scope, receive, send_with_id)
         except Exception:
-            if status is None:  # the app failed before answering: the server's error handler answers 500
-                status = 500
-            raise
+            if status is not None:  # it failed while answering: the framework's server closes the connection
+                raise
+            # it failed before answering: answered here, where the answer gets the request id and is recorded as
+            # sent (a TEI route's 424), and the connection stays open (an error escaping to the framework's server
+            # makes it log the traceback again and drop the connection, which the client's next request met)
+            log.exception("unhandled error on %s %s (request %s)", method, path, request_id,
+                          extra={"fields": {"request_id": request_id}})
+            m.failures.labels("internal").inc()
+            await errors.internal_error(path)(scope, receive, send_with_id)
         finally:
             life.in_flight -= 1
             m.in_flight.dec()
