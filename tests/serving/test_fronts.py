@@ -218,7 +218,8 @@ def test_a_model_loaded_through_the_repository_api_answers_from_every_front(tiny
     (folder / "manifest.json").write_text(json.dumps(manifest))
     admin = {"headers": {"Authorization": "Bearer admin-key"}, "timeout": 120}  # a new backbone's process: seconds
     (server,) = side_by_side(tmp_path, {"model_repository": repo, "models": "tiny", "default_model": "tiny",
-                                        "workers": 2, "model_control": "explicit", "admin_keys": "admin-key"})
+                                        "workers": 2, "model_control": "explicit", "admin_keys": "admin-key",
+                                        "metrics_models": "all"})  # tiny-b loaded later: series of its own
     try:
         (alone,) = side_by_side(tmp_path / "alone", {"model_repository": repo, "models": "tiny-b",
                                                      "default_model": "tiny-b"})
@@ -239,6 +240,9 @@ def test_a_model_loaded_through_the_repository_api_answers_from_every_front(tiny
         assert httpx.post(f"{server.url}/v2/repository/models/tiny-b/load", json={}, **admin).status_code == 200
         for r in everywhere("/v1/models/tiny-b/classify", 200):
             close(r.json(), want)
+        page = httpx.get(f"{server.url}/metrics").text
+        assert metric(page, "routing_model_info", model="tiny-b") == 1
+        assert metric(page, "routing_model_weight_bytes", model="tiny-b") > 0
         assert httpx.post(f"{server.url}/v2/repository/models/tiny-b/load", json={}, **admin).status_code == 200
         everywhere("/v1/models/tiny-b/classify", 200)  # reloaded: answers on
         bad = httpx.post(f"{server.url}/v2/repository/models/nope/load", json={}, **admin)
@@ -246,6 +250,11 @@ def test_a_model_loaded_through_the_repository_api_answers_from_every_front(tiny
         assert httpx.post(f"{server.url}/v2/repository/models/tiny-b/unload", json={}, **admin).status_code == 200
         everywhere("/v1/models/tiny-b/classify", 404)
         everywhere("/v1/models/tiny/classify", 200)
+        page = httpx.get(f"{server.url}/metrics").text  # the unloaded model's gauges go, as with one front
+        assert [line for line in page.splitlines() if line.startswith(("routing_model_info{", "routing_model_weight"))
+                and 'model="tiny-b"' in line] == []
+        assert metric(page, "routing_model_info", model="tiny") == 1
+        assert "Removal of labels" not in server.log()
         models = httpx.get(f"{server.url}/v1/models").json()["models"]
         assert [m["name"] for m in models] == ["tiny"]
     finally:

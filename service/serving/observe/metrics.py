@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, ClassVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
@@ -38,6 +38,34 @@ BackboneProcesses = Callable[[], Iterable[tuple[str, float, int]]]  # (backbone,
 CHUNK = "(a text, or max_length tokens of a longer one)"
 MULTIPROCESS = "PROMETHEUS_MULTIPROC_DIR" in os.environ
 """Several processes serve (``ROUTING_WORKERS`` > 1: the supervisor sets the folder where each writes its series)."""
+
+
+MODEL_GAUGES = ("routing_model_info", "routing_model_weight_bytes")
+"""The gauges whose series a model has while it is loaded: at zero, one means no model (see :func:`_drop`)."""
+
+
+def _drop(gauge: Gauge, *labels: str) -> None:
+    """``gauge``'s series of ``labels`` goes. With several processes, whose files keep every series a process wrote
+    (prometheus_client cannot remove one there: it warns and keeps it), the series is set to zero instead: the
+    page leaves the models' gauges out at zero (:class:`_WithoutUnloaded`); a queue of a backbone gone reads 0."""
+    if MULTIPROCESS:
+        gauge.labels(*labels).set(0)
+    else:
+        with contextlib.suppress(KeyError):
+            gauge.remove(*labels)
+
+
+class _WithoutUnloaded(Collector):
+    """The series merged from every process's files, less the models' gauges at zero (models unloaded)."""
+
+    def __init__(self, merged: MultiProcessCollector) -> None:
+        self.merged = merged
+
+    def collect(self) -> Iterable[Metric]:
+        for family in self.merged.collect():
+            if family.name in MODEL_GAUGES:
+                family.samples = [s for s in family.samples if s.value != 0]
+            yield family
 
 
 class _DeviceMemoryCollector(Collector):
@@ -210,13 +238,13 @@ class Metrics:
     def exposition(self) -> bytes:
         """The ``/metrics`` page. In a server of several processes (fronts and an engine host, each writing its
         series under ``PROMETHEUS_MULTIPROC_DIR``): every process's series merged, counters and histograms summed,
-        the in-flight and queue gauges summed over the live processes, the models' gauges their largest value (the
-        front adds the engine host's :meth:`reading`); the ``routing_process_*`` series of each process are left
-        out there."""
+        the in-flight and queue gauges summed over the live processes, the models' gauges their largest value, less
+        those of models unloaded (the front adds the engine host's :meth:`reading`); the ``routing_process_*``
+        series of each process are left out there."""
         if not MULTIPROCESS:
             return generate_latest(self.registry)
         merged = CollectorRegistry()
-        MultiProcessCollector(merged)
+        merged.register(_WithoutUnloaded(MultiProcessCollector(None)))
         return generate_latest(merged)
 
     def reading(self) -> bytes:
@@ -249,8 +277,7 @@ class Metrics:
 
     def closed(self, backbone: str) -> None:
         """Backbone group ``backbone`` has gone (its last model was unloaded): its gauge goes."""
-        with contextlib.suppress(KeyError):
-            self.queue_depth.remove(backbone)
+        _drop(self.queue_depth, backbone)
 
     def loaded(self, name: str, backbone: str, device: str, dtype: str, seconds: float, weight_bytes: int) -> None:
         """Model ``name`` serves from now on (loaded at start, at runtime, or reloaded). A model without a label of
@@ -280,8 +307,8 @@ class Metrics:
         weight_bytes = self._weights.pop(name)
         label = labels[0]
         if label == name:
-            self.model_info.remove(*labels)
-            self.model_weight_bytes.remove(name)
+            _drop(self.model_info, *labels)
+            _drop(self.model_weight_bytes, name)
         else:
             self.model_info.labels(*labels).dec()
             self.model_weight_bytes.labels(label).dec(weight_bytes)
