@@ -19,6 +19,8 @@ import pytest
 import tritonclient.grpc as triton
 import tritonclient.grpc.aio as triton_aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from tritonclient.grpc import service_pb2 as pb
+from tritonclient.grpc import service_pb2_grpc as pb_grpc
 from tritonclient.utils import InferenceServerException
 
 from tests.conftest import write_tiny_model
@@ -185,6 +187,32 @@ def test_each_error_has_its_code(client: triton.InferenceServerClient, server: S
     with pytest.raises(InferenceServerException) as e:
         client.infer("tiny", [text_input([big] * 20)], headers=AS_USER)
     assert code(e) == "StatusCode.RESOURCE_EXHAUSTED"
+
+
+def test_a_text_tensor_sent_twice_or_in_two_places_is_invalid(server: Server) -> None:
+    """Elements in both ``raw_input_contents`` and ``contents``, or more raw tensors than inputs, break the protocol
+    (raw contents: one per input, in place of every input's ``contents``): INVALID_ARGUMENT (they were served, one
+    copy read and the other ignored)."""
+    def raw(texts: list[bytes]) -> bytes:
+        return b"".join(len(t).to_bytes(4, "little") + t for t in texts)
+
+    def request(contents: list[bytes], raws: list[bytes]) -> pb.ModelInferRequest:
+        r = pb.ModelInferRequest(model_name="tiny", raw_input_contents=raws)
+        text = r.inputs.add(name="text", datatype="BYTES", shape=[1])
+        if contents:
+            text.contents.bytes_contents.extend(contents)
+        return r
+
+    with grpc.insecure_channel(grpc_url(server)) as channel:
+        infer = pb_grpc.GRPCInferenceServiceStub(channel).ModelInfer
+        metadata = list(AS_USER.items())
+        assert infer(request([b"a text"], []), metadata=metadata).outputs  # each alone is served
+        assert infer(request([], [raw([b"a text"])]), metadata=metadata).outputs
+        for contents, raws, says in [([b"a text"], [raw([b"another"])], "both in raw_input_contents and in contents"),
+                                     ([], [raw([b"a text"]), raw([b"another"])], "holds 2 tensors")]:
+            with pytest.raises(grpc.RpcError) as e:
+                infer(request(contents, raws), metadata=metadata)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and says in e.value.details()
 
 
 def test_repository_load_and_unload_need_the_admin_key(client: triton.InferenceServerClient) -> None:

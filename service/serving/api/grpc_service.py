@@ -75,6 +75,11 @@ def _texts(request: pb.ModelInferRequest) -> list[str]:
     shape = list(tensor.shape)
     n = text_count(tensor.name, tensor.datatype, shape)
     raw = request.raw_input_contents
+    if len(raw) > 1:
+        raise APIError(400, f"raw_input_contents holds {len(raw)} tensors; the request has one input")
+    if raw and tensor.HasField("contents"):
+        raise APIError(400, "input 'text' has its elements both in raw_input_contents and in contents: send them "
+                            "in one of the two")
     items = unpack_bytes(raw[0]) if raw else list(tensor.contents.bytes_contents)
     return texts_of(items, n, shape, "inputs.0.contents")
 
