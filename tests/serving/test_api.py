@@ -1,6 +1,7 @@
 """The API over HTTP against a real server with the tiny model."""
 
 import asyncio
+import gzip
 
 import httpx
 import pytest
@@ -204,6 +205,14 @@ def test_unknown_model_route_method_and_media_type(tiny: Server) -> None:
     assert_error(httpx.put(f"{tiny.url}/v1/models"), 405, "method_not_allowed", "use GET")
     r = httpx.post(f"{tiny.url}/v1/classify", content=b"hello", headers={"Content-Type": "text/plain"})
     assert_error(r, 415, "unsupported_media_type")
+    for path in ("/v1/classify", "/v1/explain"):  # a compressed body is not taken for a body that is not JSON
+        r = httpx.post(f"{tiny.url}{path}", content=gzip.compress(b'{"inputs": ["a"]}'),
+                       headers={"Content-Type": "application/json", "Content-Encoding": "gzip"})
+        assert_error(r, 415, "unsupported_media_type", "Content-Encoding 'gzip' is not supported")
+        assert r.headers["accept-encoding"] == "identity"
+    r = httpx.post(f"{tiny.url}/v1/classify", content=b'{"inputs": ["a"]}',
+                   headers={"Content-Type": "application/json", "Content-Encoding": "identity"})
+    assert r.status_code == 200, r.text
     r = httpx.post(f"{tiny.url}/v1/classify", content=b'{"inputs": ["\xff\xfe"]}',
                    headers={"Content-Type": "application/json"})
     assert r.status_code == 422 and r.json()["error"]["code"] == "validation_error"

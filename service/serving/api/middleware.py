@@ -115,8 +115,9 @@ class Observe:
 
 class BodyGuard:
     """413 for bodies over ``max_bytes`` (declared or streamed), 408 for bodies not received within
-    ``timeout_s``; the app then gets the body as one message, and later ``receive`` calls (disconnect
-    detection) go to the client as before."""
+    ``timeout_s``, 415 for a compressed body (a ``Content-Encoding``: RFC 9110 §15.5.16, with ``Accept-Encoding``);
+    the app then gets the body as one message, and later ``receive`` calls (disconnect detection) go to the client
+    as before."""
 
     def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float) -> None:
         self.app, self.max_bytes, self.timeout_s = app, max_bytes, timeout_s
@@ -145,6 +146,11 @@ class BodyGuard:
         except TimeoutError:
             return await self._reject(scope, receive, send, 408, f"body not received within {self.timeout_s:g} s",
                                       headers={"Connection": "close"})
+        coding = next((v for k, v in scope["headers"] if k == b"content-encoding"), b"identity").strip().lower()
+        if coding not in (b"identity", b""):  # read first: the connection serves on
+            return await self._reject(scope, receive, send, 415, f"Content-Encoding {coding.decode('latin-1')!r} is "
+                                      "not supported: send the body uncompressed",
+                                      headers={"Accept-Encoding": "identity"})
         body = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
         await self.app(scope, given_first(body, receive), send)
 
