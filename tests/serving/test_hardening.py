@@ -271,12 +271,13 @@ def test_requests_answered_well_are_logged_only_with_the_access_log(tiny_repo: P
     (it is counted in the metrics either way); the probes never."""
     for server in running(logs, model_repository=tiny_repo, default_model="tiny", access_log=access_log):
         assert httpx.post(f"{server.url}/v1/classify", json={"inputs": ["a text"]}).status_code == 200
-        assert httpx.post(f"{server.url}/v1/classify", json={"inputs": []}).status_code == 422
+        assert httpx.post(f"{server.url}/v1/classify", json={"inputs": []},
+                          headers={"X-Request-ID": "mine-1"}).status_code == 422
         assert httpx.get(f"{server.url}/healthz").status_code == 200
         page = httpx.get(f"{server.url}/metrics").text
         time.sleep(0.2)
         lines = server.full_log().splitlines()
-    assert any("POST /v1/classify 422" in line for line in lines)
+    assert any("POST /v1/classify 422" in line and "(request mine-1)" in line for line in lines)  # plain lines too
     assert any("POST /v1/classify 200" in line for line in lines) == access_log
     assert not any("GET /healthz" in line for line in lines)
     assert 'routing_requests_total{endpoint="/v1/classify",status="200"} 1.0' in page

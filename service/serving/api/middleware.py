@@ -108,7 +108,7 @@ class Observe:
             elapsed = time.perf_counter() - t0
             m.served(endpoint, status, elapsed)
             if status >= 400 or (self.access_log and endpoint not in ("/metrics", "/healthz", "/readyz")):
-                log.info("%s %s %d %.1f ms", method, path, status, 1000 * elapsed,
+                log.info("%s %s %d %.1f ms (request %s)", method, path, status, 1000 * elapsed, request_id,
                          extra={"fields": {"request_id": request_id, "method": method, "path": path,
                                            "status": status, "duration_ms": round(1000 * elapsed, 2)}})
 
