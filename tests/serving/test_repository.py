@@ -315,6 +315,10 @@ def test_poll_mode_follows_the_repository(tmp_path: Path, tiny_backbone_dir: Pat
         assert ready("tiny")
         until(lambda: [e["name"] for e in httpx.post(f"{s.url}/v2/repository/index", headers=AS_ADMIN).json()]
               == ["tiny"])  # the folder gone, the index forgets it
+        shutil.rmtree(repo / "tiny")  # the default model goes: a route without a model name says so
+        until(lambda: not ready("tiny"))
+        r = httpx.post(f"{s.url}/v1/classify", json={"inputs": ["x"]})
+        assert r.status_code == 404 and "'tiny' (the default model" in r.json()["error"]["message"], r.text
     finally:
         s.stop()
 

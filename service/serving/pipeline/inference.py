@@ -115,7 +115,11 @@ class Inference:
             raise errors.unavailable(f"models are {self.lifecycle.describe()}", "loading")
         group = self.models.get(model)
         if group is None:
-            raise APIError(404, f"unknown model {model!r}; available: {sorted(self.models)}")
+            hint = ""
+            if model == self.registry.default_model:  # named by no one: a route without a model in it
+                hint = (" (the default model, which routes without a model name answer with, is not loaded: name "
+                        "a model, or load it again)")
+            raise APIError(404, f"unknown model {model!r}{hint}; available: {sorted(self.models)}")
         return group
 
     def labels(self, model: str) -> list[str]:
