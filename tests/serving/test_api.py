@@ -236,7 +236,13 @@ def test_models_endpoints(tiny: Server) -> None:
 def test_health_and_openapi(tiny: Server) -> None:
     assert httpx.get(f"{tiny.url}/healthz").json()["status"] == "ok"
     assert httpx.get(f"{tiny.url}/readyz").json() == {"status": "ok", "models": ["tiny"]}
+    for path in ("/healthz", "/readyz"):  # a probe that checks with HEAD: the GET's status and headers, no body
+        head, get = httpx.head(f"{tiny.url}{path}", timeout=5), httpx.get(f"{tiny.url}{path}")
+        assert head.status_code == 200 and head.content == b""
+        assert head.headers["content-length"] == get.headers["content-length"] == str(len(get.content))
+    assert httpx.head(f"{tiny.url}/metrics", timeout=5).status_code == 405  # answered, not held (it hung)
     spec = httpx.get(f"{tiny.url}/openapi.json").json()
     assert {"/v1/classify", "/v1/explain", "/v1/models/{model}/classify", "/v1/models/{model}/explain",
             "/v1/models", "/healthz", "/readyz"} <= set(spec["paths"])
+    assert set(spec["paths"]["/healthz"]) == set(spec["paths"]["/readyz"]) == {"get"}
     assert httpx.get(f"{tiny.url}/docs").status_code == 200

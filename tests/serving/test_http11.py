@@ -63,6 +63,18 @@ async def serving() -> AsyncIterator[str]:
         await task
 
 
+async def test_a_head_request_is_answered_with_the_head_alone() -> None:
+    """A HEAD's response has no body, so its head is not held for one (it was, and the client waited for ever)."""
+    Recording.writes.clear()
+    async with serving() as url, httpx.AsyncClient(base_url=url, timeout=5) as client:
+        for _ in range(2):  # on one kept-alive connection
+            r = await client.head("/one")
+            assert r.status_code == 200 and r.headers["content-length"] == "4" and r.content == b""
+        assert (await client.get("/one")).text == "body"  # and then a GET on it, as before
+    assert [w.startswith(b"HTTP/1.1 200 OK\r\n") for w in Recording.writes] == [True] * 3
+    assert Recording.writes[-1].endswith(b"\r\n\r\nbody") and not Recording.writes[0].endswith(b"body")
+
+
 @pytest.mark.parametrize("path, writes", [("/one", 1), ("/two", 2)])
 async def test_the_head_goes_out_with_the_first_body_bytes(path: str, writes: int) -> None:
     Recording.writes.clear()

@@ -8,7 +8,8 @@ headers do not arrive within ``header_timeout_s`` (idle after connecting, or tri
 is closed. Every such answer carries an ``X-Request-ID`` and closes the connection.
 
 A response's status line and headers go out with its first body bytes, in one write (uvicorn writes them apart:
-two system calls and two TCP segments a response, and two wakeups of the client, where one does).
+two system calls and two TCP segments a response, and two wakeups of the client, where one does); a response to
+a HEAD request, which has no body, goes out as uvicorn writes it.
 """
 
 from __future__ import annotations
@@ -122,7 +123,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._cancel_head_timer()
         before = self.cycle
         super().on_headers_complete()
-        if self.cycle is not before and not self.expect_100_continue:  # a new response (an interim 100 goes alone)
+        # a new response (an interim 100 goes alone; the answer to a HEAD is its head alone: nothing follows it)
+        if self.cycle is not before and not self.expect_100_continue and self.scope["method"] != "HEAD":
             self.cycle.transport = _HeadWithBody(self.transport)  # type: ignore[assignment, union-attr]
 
     def send_400_response(self, msg: str) -> None:

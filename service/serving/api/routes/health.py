@@ -31,6 +31,12 @@ async def readyz(state: State) -> JSONResponse:
     return JSONResponse(body.model_dump(mode="json"), status_code=200 if life.ready else 503, headers=headers)
 
 
+# a probe or load balancer that checks with HEAD gets the same status and headers, no body (not in the schema:
+# the contract documents the GET)
+router.add_api_route("/healthz", healthz, methods=["HEAD"], include_in_schema=False)
+router.add_api_route("/readyz", readyz, methods=["HEAD"], include_in_schema=False)
+
+
 @router.get("/metrics", summary="Prometheus metrics", response_class=Response)
 async def metrics(state: State, authorization: Annotated[str | None, Header(include_in_schema=False)] = None
                   ) -> Response:
