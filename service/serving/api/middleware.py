@@ -48,7 +48,8 @@ def request_id_of(headers: list[tuple[bytes, bytes]]) -> str:
 class Observe:
     """Every HTTP request: a request id (``X-Request-ID``, the client's or a new one), the in-flight count and
     request metrics; one log line for a request answered with an error (4xx, 5xx), or with ``access_log`` for every
-    request but the probes; new inference requests get 503 once the server drains.
+    request but the probes; new inference requests get 503 once the server drains; a request the app fails on
+    unexpectedly, before answering, gets its route's 500 here (logged with its request id).
     Plain ASGI (no per-request task or stream, unlike ``BaseHTTPMiddleware``): it runs on every request, and a
     request answered well costs it two counters and a histogram, no log record."""
 
