@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import difflib
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Literal, get_args
 
@@ -232,3 +234,16 @@ class Settings(BaseSettings):
     @classmethod
     def _once_each(cls, v: list[str]) -> list[str]:
         return list(dict.fromkeys(v))  # a name or key given twice counts once, in the order first given
+
+
+def unknown_variables(environ: Mapping[str, str]) -> dict[str, str | None]:
+    """The ``ROUTING_*`` variables of ``environ`` that name no setting (the settings ignore them: a misspelt one
+    changes nothing), each with the setting's variable it most resembles (None: none does)."""
+    known = [name.upper() for name in Settings.model_fields]
+    out: dict[str, str | None] = {}
+    for var in environ:
+        name = var.upper().removeprefix("ROUTING_")
+        if var.upper().startswith("ROUTING_") and name not in known:
+            like = difflib.get_close_matches(name, known, n=1, cutoff=0.75)  # the names, not their common prefix
+            out[var] = f"ROUTING_{like[0]}" if like else None
+    return out

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from service.config import CPU_BATCH, GPU_BATCH, Settings
+from service.config import CPU_BATCH, GPU_BATCH, Settings, unknown_variables
 from service.modeling.device import resolve_dtype
 from tests.serving.test_tokenize_once import started
 
@@ -51,3 +51,13 @@ def test_auto_fronts_one_on_the_cpu_several_on_a_gpu(monkeypatch: pytest.MonkeyP
         assert Settings(device="cuda", head_cache_bytes=10_000_000).workers == 1  # a head cache needs one front
     monkeypatch.setenv("ROUTING_WORKERS", "auto")
     assert Settings(device="cpu").workers == 1
+
+
+def test_variables_that_name_no_setting_are_found_with_the_setting_they_resemble() -> None:
+    environ = {"ROUTING_MAX_BATCHSIZE": "8", "ROUTING_API_KEY": "k", "ROUTING_WORKER": "2", "ROUTING_BOGUS": "1",
+               "ROUTING_PORT": "8000", "routing_max_queue": "9", "PATH": "/bin", "OTHER_ROUTING_X": "1"}
+    assert unknown_variables(environ) == {"ROUTING_MAX_BATCHSIZE": "ROUTING_MAX_BATCH_SIZE",
+                                          "ROUTING_API_KEY": "ROUTING_API_KEYS", "ROUTING_WORKER": "ROUTING_WORKERS",
+                                          "ROUTING_BOGUS": None}
+    assert unknown_variables({f"ROUTING_{name.upper()}": "" for name in Settings.model_fields}) == {}
+

@@ -19,7 +19,7 @@ from service.config import Settings
 from service.serving.api.app import create_app
 from service.serving.api.http11 import HttpLimits, guarded_protocol
 from service.serving.listen import check_ports
-from service.serving.observe.logs import setup_logging
+from service.serving.observe.logs import setup_logging, warn_unknown_variables
 from service.serving.observe.metrics import freeze_garbage_collection
 from service.serving.state import AppState
 
@@ -92,6 +92,7 @@ def run_server(settings: Settings) -> None:
 
         supervisor.serve(settings)
     setup_logging(settings)
+    warn_unknown_variables()
     check_ports(settings)
     if _serve(settings, create_app(settings)):
         sys.exit(1)

@@ -35,7 +35,7 @@ from prometheus_client import multiprocess
 
 from service.config import Settings
 from service.serving.listen import CANNOT_LISTEN, check_ports, shared_socket
-from service.serving.observe.logs import setup_logging
+from service.serving.observe.logs import setup_logging, warn_unknown_variables
 
 log = logging.getLogger("service.supervisor")
 PR_SET_PDEATHSIG = 1
@@ -174,5 +174,6 @@ def _supervise(settings: Settings, folder: Path) -> int:
 def serve(settings: Settings) -> None:
     """``routing-service serve`` with several fronts: exits with :func:`run_supervisor`'s code."""
     setup_logging(settings)
+    warn_unknown_variables()
     check_ports(settings)
     sys.exit(run_supervisor(settings))

@@ -264,6 +264,15 @@ def test_answers_on_a_kept_alive_connection_and_100_continue_before_the_body(gua
         assert s.recv(65536).startswith(b"HTTP/1.1 200 ")
 
 
+def test_a_misspelt_setting_is_named_in_a_warning_at_start(tiny_repo: Path, logs: Path) -> None:
+    """The settings ignore a ROUTING_* variable that names none of them; the server says so, with the likely one."""
+    for server in running(logs, model_repository=tiny_repo, default_model="tiny", max_batchsize=4):
+        assert httpx.post(f"{server.url}/v1/classify", json={"inputs": ["a text"]}).status_code == 200
+        log = server.full_log()
+    assert "WARNING service.config: ROUTING_MAX_BATCHSIZE is not a setting of the service and is ignored (did you " \
+           "mean ROUTING_MAX_BATCH_SIZE?)" in log
+
+
 @pytest.mark.parametrize("access_log", [False, True])
 def test_requests_answered_well_are_logged_only_with_the_access_log(tiny_repo: Path, logs: Path,
                                                                     access_log: bool) -> None:

@@ -9,10 +9,13 @@ import json
 import logging
 import os
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from service.config import Settings
+from service.config import Settings, unknown_variables
+
+log = logging.getLogger("service.config")
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,13 @@ def configure(setup: LogSetup) -> None:
     root.setLevel(setup.level.upper())
     logging.captureWarnings(True)
     _current = setup
+
+
+def warn_unknown_variables(environ: Mapping[str, str] = os.environ) -> None:
+    """A warning for each ``ROUTING_*`` variable that names no setting (see :func:`unknown_variables`)."""
+    for var, like in sorted(unknown_variables(environ).items()):
+        log.warning("%s is not a setting of the service and is ignored%s", var,
+                    f" (did you mean {like}?)" if like else "")
 
 
 def current() -> LogSetup:
