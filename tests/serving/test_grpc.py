@@ -23,6 +23,7 @@ from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc as pb_grpc
 from tritonclient.utils import InferenceServerException
 
+from service.serving.api.grpc_service import NOT_SERVED
 from tests.conftest import write_tiny_model
 from tests.serving.server import Server, free_port, metric
 
@@ -213,6 +214,32 @@ def test_a_text_tensor_sent_twice_or_in_two_places_is_invalid(server: Server) ->
             with pytest.raises(grpc.RpcError) as e:
                 infer(request(contents, raws), metadata=metadata)
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and says in e.value.details()
+
+
+def test_the_rpcs_not_served_are_unimplemented_with_what_to_do_instead(server: Server) -> None:
+    """Every RPC of the protocol that this server does not serve: UNIMPLEMENTED with a message, and no traceback in
+    the log (the generated servicer's default raised an error, logged at every call)."""
+    not_served = {"ModelConfig": pb.ModelConfigRequest(name="tiny"), "TraceSetting": pb.TraceSettingRequest(),
+                  "LogSettings": pb.LogSettingsRequest(),
+                  "SystemSharedMemoryStatus": pb.SystemSharedMemoryStatusRequest(),
+                  "CudaSharedMemoryRegister": pb.CudaSharedMemoryRegisterRequest(name="x")}
+    rpcs = {m.name for m in pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].methods}
+    assert rpcs - set(NOT_SERVED) == {"ServerLive", "ServerReady", "ModelReady", "ServerMetadata", "ModelMetadata",
+                                      "ModelInfer", "ModelStatistics", "RepositoryIndex", "RepositoryModelLoad",
+                                      "RepositoryModelUnload"}  # served; every other one of the protocol is listed
+    assert set(not_served) | {"ModelStreamInfer"} <= set(NOT_SERVED)
+    before = server.full_log().count("Traceback")
+    with grpc.insecure_channel(grpc_url(server)) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        calls = [(name, lambda name=name, req=req: getattr(stub, name)(req, metadata=list(AS_USER.items())))
+                 for name, req in not_served.items()]
+        calls.append(("ModelStreamInfer", lambda: list(stub.ModelStreamInfer(iter([pb.ModelInferRequest()])))))
+        for name, call in calls:
+            with pytest.raises(grpc.RpcError) as e:
+                call()
+            assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED, (name, e.value.details())
+            assert e.value.details().startswith(f"{name} is not served by this server: "), e.value.details()
+    assert server.full_log().count("Traceback") == before
 
 
 def test_repository_load_and_unload_need_the_admin_key(client: triton.InferenceServerClient) -> None:

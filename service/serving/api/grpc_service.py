@@ -95,9 +95,26 @@ def _raw(datatype: str, data: list[Any]) -> bytes:
     return np.asarray(data, dtype=DTYPES[datatype]).tobytes()
 
 
+NOT_SERVED = {
+    "ModelConfig": "a model here has no Triton model configuration; ModelMetadata gives its inputs and outputs",
+    "ModelStreamInfer": "send each request with ModelInfer",
+    "TraceSetting": "traces are set with the OTEL_* environment variables",
+    "LogSettings": "logging is set with ROUTING_LOG_LEVEL and ROUTING_LOG_JSON",
+    **{f"{kind}SharedMemory{verb}": "shared memory is not supported: send the tensors in the request"
+       for kind in ("System", "Cuda") for verb in ("Status", "Register", "Unregister")},
+}
+"""The protocol's RPCs this server does not serve, each with what to do instead."""
+
+
+def _not_served(name: str, instead: str) -> Callable[..., Awaitable[None]]:
+    async def rpc(self: InferenceService, request: Any, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{name} is not served by this server: {instead}")
+    return rpc
+
+
 class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
-    """Each RPC of the protocol that this server has (model configuration, shared memory, logging and trace settings
-    are left to the servicer's UNIMPLEMENTED)."""
+    """Each RPC of the protocol that this server has; the others (:data:`NOT_SERVED`) answer UNIMPLEMENTED with what
+    to do instead (the generated servicer's own raised an error, logged with its traceback at every call)."""
 
     def __init__(self, state: AppState) -> None:
         self.state = state
@@ -235,6 +252,10 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
             stats = await self.state.control.statistics(names)
             return json_format.ParseDict(stats, pb.ModelStatisticsResponse(), ignore_unknown_fields=True)
         return await self._call(context, "ModelStatistics", work)
+
+
+for _name, _instead in NOT_SERVED.items():
+    setattr(InferenceService, _name, _not_served(_name, _instead))
 
 
 @contextlib.asynccontextmanager
