@@ -240,6 +240,8 @@ def test_the_rpcs_not_served_are_unimplemented_with_what_to_do_instead(server: S
             assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED, (name, e.value.details())
             assert e.value.details().startswith(f"{name} is not served by this server: "), e.value.details()
     assert server.full_log().count("Traceback") == before
+    page = httpx.get(f"{server.url}/metrics").text  # counted as any call is, by what the client got
+    assert metric(page, "routing_requests_total", endpoint="grpc ModelConfig", status="501") == 1
 
 
 def test_repository_load_and_unload_need_the_admin_key(client: triton.InferenceServerClient) -> None:

@@ -46,7 +46,7 @@ log = logging.getLogger("service.grpc")
 SERVICE = "inference.GRPCInferenceService"
 GRPC_CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 422: grpc.StatusCode.INVALID_ARGUMENT,
          401: grpc.StatusCode.UNAUTHENTICATED, 403: grpc.StatusCode.PERMISSION_DENIED, 404: grpc.StatusCode.NOT_FOUND,
-         413: grpc.StatusCode.RESOURCE_EXHAUSTED, 503: grpc.StatusCode.UNAVAILABLE,
+         413: grpc.StatusCode.RESOURCE_EXHAUSTED, 501: grpc.StatusCode.UNIMPLEMENTED, 503: grpc.StatusCode.UNAVAILABLE,
          504: grpc.StatusCode.DEADLINE_EXCEEDED}
 DTYPES = {"FP32": "<f4", "INT32": "<i4"}
 Reply = TypeVar("Reply")
@@ -107,8 +107,11 @@ NOT_SERVED = {
 
 
 def _not_served(name: str, instead: str) -> Callable[..., Awaitable[None]]:
+    """The RPC ``name``, answered UNIMPLEMENTED (and counted as any call is)."""
     async def rpc(self: InferenceService, request: Any, context: grpc.aio.ServicerContext) -> None:
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{name} is not served by this server: {instead}")
+        async def work() -> None:
+            raise APIError(501, f"{name} is not served by this server: {instead}")
+        await self._call(context, name, work, key="none")
     return rpc
 
 
