@@ -213,9 +213,12 @@ def test_unknown_model_route_method_and_media_type(tiny: Server) -> None:
     r = httpx.post(f"{tiny.url}/v1/classify", content=b'{"inputs": ["a"]}',
                    headers={"Content-Type": "application/json", "Content-Encoding": "identity"})
     assert r.status_code == 200, r.text
-    r = httpx.post(f"{tiny.url}/v1/classify", content=b'{"inputs": ["\xff\xfe"]}',
-                   headers={"Content-Type": "application/json"})
-    assert r.status_code == 422 and r.json()["error"]["code"] == "validation_error"
+    for path in ("/v1/classify", "/v1/explain"):  # a body that cannot be read says why
+        for body, says in [(b'{"inputs": ["\xff\xfe"]}', "'utf-8' codec can't decode byte 0xff in position 13"),
+                           (b'{"inputs": [1,}', "body: not valid JSON (Expecting value at character 14)"),
+                           (b'{"inputs": ' + b"[" * 5000 + b"]" * 5000 + b"}", "maximum recursion depth exceeded")]:
+            r = httpx.post(f"{tiny.url}{path}", content=body, headers={"Content-Type": "application/json"})
+            assert_error(r, 422, "validation_error", says)
 
 
 def test_timeout_above_the_server_maximum_is_not_refused(tiny: Server) -> None:

@@ -31,6 +31,7 @@ REQUESTS: list[tuple[str, dict[str, Any] | bytes, dict[str, str], bool]] = [  # 
     ("/v1/classify", {"inputs": ["a fine text"]}, {"Authorization": "Bearer nope"}, False),
     ("/v1/models//classify", {"inputs": ["a fine text"]}, KEY, False),
     ("/v1/models/a/b/classify", {"inputs": ["a fine text"]}, KEY, False),
+    ("/v1/classify", b'{"inputs": ' + b"[" * 5000 + b"]" * 5000 + b"}", KEY, False),  # past Python's recursion limit
 ]
 
 
@@ -89,6 +90,7 @@ def test_the_direct_routes_answer_as_the_framework_and_hand_on_the_rest(repo: Pa
         assert got[3] is not is_direct, (path, body)  # the framework's router saw it, or not
         assert want[3]  # without the direct routes it sees everything
     assert served[0][0] == 200 and served[3][0] == 404 and served[5][0] == 422 and served[9][0] == 401
+    assert served[len(REQUESTS) - 1][0] == 422  # nested past the recursion limit: the framework's 422 (it was a 500)
     page = served[-1][1].decode()
     assert metric(page, "routing_requests_total", endpoint="/v1/classify", status="200") == 3
     assert metric(page, "routing_requests_total", endpoint="/v1/models/{model}/classify", status="404") == 1

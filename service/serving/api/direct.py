@@ -75,7 +75,8 @@ class DirectRoutes:
             return await self.app(scope, again, send)
         try:
             parsed = ClassifyRequest.model_validate(json.loads(body))
-        except (ValueError, ValidationError):  # not JSON (or not UTF-8), or not a valid body: the framework says why
+        except (ValueError, RecursionError, ValidationError):  # not JSON (or not UTF-8, or nested past Python's
+            # recursion limit), or not a valid body: the framework says why
             return await self.app(scope, again, send)
         scope["route"], scope["endpoint"], scope["path_params"] = route, route.endpoint, params
         request = Request(scope, again)

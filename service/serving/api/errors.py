@@ -88,6 +88,18 @@ def _count(request: Request, reason: str | None) -> None:
         metrics.failures.labels(reason).inc()
 
 
+def _detail(error: dict[str, Any]) -> dict[str, str]:
+    """A validation error as the error body's ``details`` hold it. A body that is not JSON: the framework's error
+    says where (``loc``: the character) and the parser's reason (``ctx``), in a message as OIP's routes word it."""
+    if error.get("type") == "json_invalid":
+        at = next((p for p in error.get("loc", ()) if isinstance(p, int)), None)
+        why = (error.get("ctx") or {}).get("error") or error.get("msg", "")
+        return {"field": "body", "message": f"not valid JSON ({why}{'' if at is None else f' at character {at}'})",
+                "type": "json_invalid"}
+    return {"field": _field(tuple(error.get("loc", ()))), "message": error.get("msg", ""),
+            "type": error.get("type", "")}
+
+
 def _field(loc: tuple[Any, ...]) -> str:
     parts = [str(p) for p in loc if p != "body"]
     return ".".join(parts) or "body"
@@ -111,8 +123,7 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         _count(request, "validation")
-        details = [{"field": _field(tuple(e.get("loc", ()))), "message": e.get("msg", ""), "type": e.get("type", "")}
-                   for e in exc.errors()]
+        details = [_detail(e) for e in exc.errors()]
         message = "; ".join(f"{d['field']}: {d['message']}" for d in details) or "invalid request"
         return error_response(422, message, details=details, path=request.url.path)
 
@@ -121,7 +132,8 @@ def install(app: FastAPI) -> None:
         message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
         if exc.status_code == 400:  # an unparseable body (e.g. not UTF-8) is an invalid body like any other
             _count(request, "validation")
-            return error_response(422, f"body: {message}", path=request.url.path)
+            why = f" ({exc.__cause__})" if exc.__cause__ is not None else ""  # not UTF-8, nested too deep, ...
+            return error_response(422, f"body: {message}{why}", path=request.url.path)
         _count(request, REASONS.get(exc.status_code))
         if exc.status_code == 404 and message == "Not Found":
             message = f"no route {request.method} {request.url.path}"
