@@ -60,4 +60,3 @@ def test_variables_that_name_no_setting_are_found_with_the_setting_they_resemble
                                           "ROUTING_API_KEY": "ROUTING_API_KEYS", "ROUTING_WORKER": "ROUTING_WORKERS",
                                           "ROUTING_BOGUS": None}
     assert unknown_variables({f"ROUTING_{name.upper()}": "" for name in Settings.model_fields}) == {}
-
