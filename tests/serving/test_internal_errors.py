@@ -17,6 +17,7 @@ import uvicorn
 
 from service.config import Settings
 from service.serving.api.app import create_app
+from service.serving.api.http11 import HttpLimits, guarded_protocol
 from service.serving.pipeline.inference import Inference
 from tests.serving.server import free_port, metric
 
@@ -27,11 +28,13 @@ async def fails(*args: Any, **kwargs: Any) -> NoReturn:
 
 @contextlib.asynccontextmanager
 async def serving(repo: Path) -> AsyncIterator[str]:
-    """The app over ``repo`` in this process, served by uvicorn as the server does (its models loaded)."""
+    """The app over ``repo`` in this process, served by uvicorn with the server's HTTP/1.1 protocol (its models
+    loaded)."""
     port = free_port()
     app = create_app(Settings(model_repository=repo, default_model="tiny", model_process=False, grpc_port=0,
                               max_wait_ms=0))
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None, access_log=False))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None, access_log=False,
+                                           http=guarded_protocol(HttpLimits(), app.state.metrics)))
     task = asyncio.create_task(server.serve())
     url = f"http://127.0.0.1:{port}"
     try:
