@@ -1,6 +1,7 @@
 """A request whose handling fails unexpectedly (a bug, not a client's error): answered 500 in its route's error
 shape (TEI's 424) with its request id, logged once with that id, recorded as the status the client got, and the
-client's kept-alive connection still serves its next request."""
+client's kept-alive connection still serves its next request; over gRPC, INTERNAL with the same message (no
+internals) and the request id in the trailing metadata."""
 
 from __future__ import annotations
 
@@ -11,12 +12,16 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, NoReturn
 
+import grpc
 import httpx
 import pytest
 import uvicorn
+from tritonclient.grpc import service_pb2 as pb
+from tritonclient.grpc import service_pb2_grpc as pb_grpc
 
 from service.config import Settings
 from service.serving.api.app import create_app
+from service.serving.api.errors import INTERNAL_ERROR
 from service.serving.api.http11 import HttpLimits, guarded_protocol
 from service.serving.pipeline.inference import Inference
 from tests.serving.server import free_port, metric
@@ -27,11 +32,11 @@ async def fails(*args: Any, **kwargs: Any) -> NoReturn:
 
 
 @contextlib.asynccontextmanager
-async def serving(repo: Path) -> AsyncIterator[str]:
+async def serving(repo: Path, grpc_port: int = 0) -> AsyncIterator[str]:
     """The app over ``repo`` in this process, served by uvicorn with the server's HTTP/1.1 protocol (its models
-    loaded)."""
+    loaded), and over gRPC on ``grpc_port`` unless it is 0."""
     port = free_port()
-    app = create_app(Settings(model_repository=repo, default_model="tiny", model_process=False, grpc_port=0,
+    app = create_app(Settings(model_repository=repo, default_model="tiny", model_process=False, grpc_port=grpc_port,
                               max_wait_ms=0))
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None, access_log=False,
                                            http=guarded_protocol(HttpLimits(), app.state.metrics)))
@@ -97,3 +102,29 @@ async def test_an_unexpected_failure_is_answered_with_its_request_id_and_the_con
     assert metric(page, "routing_requests_total", status="500") == 2
     assert metric(page, "routing_failures_total", reason="internal") == 4
     assert not [rec for rec in caplog.records if "Exception in ASGI application" in rec.getMessage()]
+
+
+async def test_an_unexpected_grpc_failure_is_internal_with_its_request_id_and_no_internals(
+        tiny_repo: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(Inference, "run", fails)
+    caplog.set_level(logging.INFO)
+    port = free_port()
+    text = pb.ModelInferRequest.InferInputTensor(name="text", datatype="BYTES", shape=[1])
+    text.contents.bytes_contents.append(b"a text")
+    request = pb.ModelInferRequest(model_name="tiny", inputs=[text])
+    async with serving(tiny_repo, grpc_port=port) as url, grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        for rid in ("failing-grpc", None):
+            call = stub.ModelInfer(request, metadata=[("x-request-id", rid)] if rid else None)
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await call
+            assert e.value.code() == grpc.StatusCode.INTERNAL and e.value.details() == INTERNAL_ERROR
+            sent = dict(e.value.trailing_metadata() or ())["x-request-id"]
+            assert sent == rid if rid else len(sent) == 32, sent
+            logged = [rec for rec in caplog.records if rec.levelno >= logging.ERROR and sent in rec.getMessage()]
+            assert len(logged) == 1 and "a bug in the pipeline" in str(logged[0].exc_info[1])
+        ready = stub.ModelReady(pb.ModelReadyRequest(name="tiny"), metadata=[("x-request-id", "ok-1")])
+        assert (await ready).ready and dict(await ready.trailing_metadata())["x-request-id"] == "ok-1"
+        async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+            page = (await client.get("/metrics")).text
+    assert metric(page, "routing_requests_total", endpoint="grpc ModelInfer", status="500") == 2

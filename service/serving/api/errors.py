@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from service.serving.core.errors import ERROR_CODES, REASONS, APIError
 
 log = logging.getLogger("service.errors")
+INTERNAL_ERROR = "internal error; the request id identifies it in the server log"  # a failure that is a bug's
 
 
 Dialect = Literal["ours", "oip", "tei", "vllm"]
@@ -152,7 +153,7 @@ def install(app: FastAPI) -> None:
 
 def internal_error(path: str) -> JSONResponse:
     """The answer to a request to ``path`` that failed unexpectedly (the failure logged by the caller)."""
-    return error_response(500, "internal error; the request id identifies it in the server log", path=path)
+    return error_response(500, INTERNAL_ERROR, path=path)
 
 
 def not_allowed(request: Request, allow: str) -> str:

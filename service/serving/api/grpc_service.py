@@ -3,10 +3,12 @@ ships) and the standard gRPC health service, on ``ROUTING_GRPC_PORT``, over the 
 limits, keys and lifecycle as HTTP: a thin layer over the protocol's rules (:mod:`service.serving.api.oip`), as
 ``routes/v2.py`` is for REST.
 
-Keys travel as call metadata (``authorization: Bearer <key>``). Errors map to gRPC codes by their HTTP status: 400
-and 422 INVALID_ARGUMENT, 401 UNAUTHENTICATED, 403 PERMISSION_DENIED, 404 NOT_FOUND, 413 RESOURCE_EXHAUSTED, 503
-UNAVAILABLE (queue full, draining, models not loaded), 504 DEADLINE_EXCEEDED, anything else INTERNAL. Outputs are
-returned as ``raw_output_contents`` (little-endian, BYTES as 4-byte length and bytes), as Triton does.
+Keys travel as call metadata (``authorization: Bearer <key>``), a request id likewise (``x-request-id``, kept as
+HTTP keeps the header, or a new one), returned in every call's trailing metadata. Errors map to gRPC codes by their
+HTTP status: 400 and 422 INVALID_ARGUMENT, 401 UNAUTHENTICATED, 403 PERMISSION_DENIED, 404 NOT_FOUND, 413
+RESOURCE_EXHAUSTED, 501 UNIMPLEMENTED, 503 UNAVAILABLE (queue full, draining, models not loaded), 504
+DEADLINE_EXCEEDED, anything else INTERNAL (its message names no internals: the log line names the request id).
+Outputs are returned as ``raw_output_contents`` (little-endian, BYTES as 4-byte length and bytes), as Triton does.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc as pb_grpc
 
 from service.serving.api.auth import check_admin, check_key
+from service.serving.api.errors import INTERNAL_ERROR
+from service.serving.api.middleware import request_id_of
 from service.serving.api.oip import (
     SERVER_METADATA,
     check_version,
@@ -54,6 +58,12 @@ Reply = TypeVar("Reply")
 
 def _authorization(context: grpc.aio.ServicerContext) -> str | None:
     return next((v for k, v in context.invocation_metadata() or () if k == "authorization"), None)
+
+
+def _request_id(context: grpc.aio.ServicerContext) -> str:
+    """The call's request id: the client's ``x-request-id`` metadata kept as HTTP keeps the header, or a new one."""
+    return request_id_of([(k.encode(), v.encode()) for k, v in context.invocation_metadata() or ()
+                          if k == "x-request-id" and isinstance(v, str)])
 
 
 def _parameter(p: pb.InferParameter) -> str | bool | int | float:
@@ -130,6 +140,8 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         status its gRPC code stands for, as the failures do by reason."""
         state, m = self.state, self.state.metrics
         status, t0 = 200, time.perf_counter()
+        request_id = _request_id(context)
+        context.set_trailing_metadata((("x-request-id", request_id),))
         traced = tracing.start_call(context.invocation_metadata() or (), method)  # None: tracing is off
         try:
             if key == "api":
@@ -151,11 +163,12 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
             status = 499  # the client cancelled the call or went away
             m.failures.labels("disconnected").inc()
             raise
-        except Exception as e:
+        except Exception:
             status = 500
             m.failures.labels("internal").inc()
-            log.exception("gRPC %s failed", method)
-            await context.abort(grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}")
+            log.exception("gRPC %s failed (request %s)", method, request_id,
+                          extra={"fields": {"request_id": request_id}})
+            await context.abort(grpc.StatusCode.INTERNAL, INTERNAL_ERROR)
             raise
         finally:
             code = "OK" if status == 200 else GRPC_CODES.get(status, grpc.StatusCode.INTERNAL).name
