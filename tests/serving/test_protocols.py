@@ -9,6 +9,7 @@ import pytest
 import tritonclient.http as triton
 from tritonclient.utils import InferenceServerException
 
+from service.serving.api.routes.v2 import NOT_SERVED
 from tests.serving.server import Server
 
 TEXTS = ["the first text", "a second, somewhat longer text. It has two sentences!", "x"]
@@ -133,6 +134,27 @@ def test_errors_in_the_protocols_shape(client: triton.InferenceServerClient, tin
         r = httpx.post(url, json={"inputs": text, "parameters": params})
         assert r.status_code == 422 and field in r.json()["error"], (params, r.text)
     assert set(httpx.get(f"{tiny.url}/v2/models/tiny/versions/2").json()) == {"error"}
+
+
+def test_the_functions_of_triton_not_served_are_501_with_what_to_do_instead(
+        client: triton.InferenceServerClient, tiny: Server) -> None:
+    for call in [lambda: client.get_model_config("tiny"), lambda: client.get_trace_settings(),
+                 lambda: client.update_log_settings({"log_info": True}),
+                 lambda: client.get_system_shared_memory_status(), lambda: client.unregister_cuda_shared_memory()]:
+        with pytest.raises(InferenceServerException) as e:
+            call()
+        assert e.value.status() == "501" and "not served by this server" in e.value.message(), e.value.message()
+    for what, methods, paths, instead in NOT_SERVED:
+        for method in methods:
+            for path in paths:
+                url = tiny.url + "/v2" + path.format(model="tiny", version="1", name="region")
+                r = httpx.request(method, url)
+                assert r.status_code == 501 and r.json() == {"error": f"{what} is not served by this server: "
+                                                                      f"{instead}"}, (method, url, r.text)
+    r = httpx.post(f"{tiny.url}/v2/models/tiny/config")
+    assert r.status_code == 405 and r.headers["allow"] == "GET"
+    assert httpx.get(f"{tiny.url}/v2/models/tiny/configs").status_code == 404
+    assert "/config" not in httpx.get(f"{tiny.url}/openapi.json").text
 
 
 def test_v2_needs_the_api_key_but_health_does_not(keyed: Server) -> None:

@@ -70,6 +70,7 @@ def create_app(settings: Settings | None = None, host: Path | None = None) -> Fa
     app.include_router(repository.stats)  # before /v2/models/{model}, which would take "stats" for a name
     app.include_router(repository.repository)
     app.include_router(v2.models)
+    app.include_router(v2.unserved)
     app.include_router(tei.router)
     app.include_router(tei.info)
     app.include_router(vllm.router)

@@ -12,7 +12,8 @@ with the gRPC service, are :mod:`service.serving.api.oip`'s.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable, Coroutine
+from typing import Any, NoReturn
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
@@ -37,6 +38,9 @@ from service.serving.core.errors import APIError
 router = APIRouter(prefix="/v2", tags=["open inference protocol v2"], responses={503: {"model": ErrorV2}})
 models = APIRouter(prefix="/v2", tags=["open inference protocol v2"], dependencies=[Depends(require_key)],
                    responses=ERRORS)
+unserved = APIRouter(prefix="/v2", include_in_schema=False)
+"""Triton's HTTP endpoints this server does not have: 501 with what to do instead (as gRPC's UNIMPLEMENTED), where
+any other path is a 404 that names no alternative."""
 
 
 class TensorIn(BaseModel):
@@ -171,3 +175,32 @@ def _flattened(data: list[Any], shape: list[int]) -> list[Any]:
         return [x for item in level for x in walk(item, dims[1:])]
 
     return walk(data, shape)
+
+
+_SHARED_MEMORY = [f"/{kind}sharedmemory{tail}" for kind in ("system", "cuda")
+                  for tail in ("/status", "/region/{name}/status", "/region/{name}/register",
+                               "/region/{name}/unregister", "/unregister")]
+NOT_SERVED: list[tuple[str, list[str], list[str], str]] = [
+    ("a model's configuration", ["GET"], ["/models/{model}/config", "/models/{model}/versions/{version}/config"],
+     "a model here has no Triton model configuration; GET /v2/models/{model} gives its inputs and outputs"),
+    ("generation", ["POST"], [f"/models/{{model}}{v}/{verb}" for v in ("", "/versions/{version}")
+                              for verb in ("generate", "generate_stream")],
+     "the models here classify text: POST /v2/models/{model}/infer"),
+    ("trace setting", ["GET", "POST"], ["/trace/setting", "/models/{model}/trace/setting"],
+     "traces are set with the OTEL_* environment variables"),
+    ("log setting", ["GET", "POST"], ["/logging"], "logging is set with ROUTING_LOG_LEVEL and ROUTING_LOG_JSON"),
+    ("shared memory", ["GET", "POST"], _SHARED_MEMORY,
+     "shared memory is not supported: send the tensors in the request"),
+]
+"""Each function of Triton's HTTP API this server does not serve: its name, methods, paths and what to do instead."""
+
+
+def _not_served(what: str, instead: str) -> Callable[[], Coroutine[Any, Any, NoReturn]]:
+    async def endpoint() -> NoReturn:
+        raise APIError(501, f"{what} is not served by this server: {instead}")
+    return endpoint
+
+
+for _what, _methods, _paths, _instead in NOT_SERVED:
+    for _path in _paths:
+        unserved.add_api_route(_path, _not_served(_what, _instead), methods=_methods, response_model=None)
