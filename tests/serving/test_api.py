@@ -216,6 +216,7 @@ def test_unknown_model_route_method_and_media_type(tiny: Server) -> None:
     for path in ("/v1/classify", "/v1/explain"):  # a body that cannot be read says why
         for body, says in [(b'{"inputs": ["\xff\xfe"]}', "'utf-8' codec can't decode byte 0xff in position 13"),
                            (b'{"inputs": [1,}', "body: not valid JSON (Expecting value at character 14)"),
+                           (b'{"inputs": ["x', "body: not valid JSON (Unterminated string starting at character 12)"),
                            (b'{"inputs": ' + b"[" * 5000 + b"]" * 5000 + b"}", "maximum recursion depth exceeded")]:
             r = httpx.post(f"{tiny.url}{path}", content=body, headers={"Content-Type": "application/json"})
             assert_error(r, 422, "validation_error", says)

@@ -363,6 +363,41 @@ def test_the_same_answers_from_two_fronts(server: Server, repo: Path, logs: Path
         assert near(answers(two), answers(server))
 
 
+OIP_BODY = {"inputs": [{"name": "text", "datatype": "BYTES", "shape": [1], "data": ["x"]}]}
+
+
+@pytest.mark.parametrize(("path", "body", "whose"), [
+    ("/v1/classify", {"model": "tiny", "input": "x"}, "vLLM's or SGLang's classification API: send it to POST "
+                                                      "/classify"),
+    ("/v1/models/tiny/explain", {"instances": ["x"]}, "KServe V1: send it to POST /v1/models/{model}:predict"),
+    ("/v1/classify", OIP_BODY, "the Open Inference Protocol: send it to POST /v2/models/{model}/infer"),
+    ("/v1/classify", {"inputs": "x", "parameters": {"top_k": 1}}, "TEI's or Hugging Face's API: send it to POST "
+                                                                   "/predict or POST /"),
+    ("/classify", {"inputs": ["x"]}, "this service's own API: send it to POST /v1/classify"),
+    ("/v1/models/tiny:predict", {"inputs": ["x"]}, "this service's own API"),
+    ("/v2/models/tiny/infer", {"inputs": ["x"]}, "this service's own API"),
+    ("/v2/models/tiny/infer", {"instances": ["x"]}, "KServe V1"),
+    ("/predict", {"input": "x"}, "vLLM's or SGLang's"),
+    ("/", {"instances": ["x"]}, "KServe V1"),
+    ("/models/tiny", OIP_BODY, "the Open Inference Protocol"),
+])
+def test_a_body_of_another_api_is_refused_with_where_that_api_is_served(server: Server, path: str, body: dict,
+                                                                       whose: str) -> None:
+    r = post_json(f"{server.url}{path}", body)
+    assert r.status_code in (400, 422), r.text
+    error = r.json()["error"]
+    message = error if isinstance(error, str) else error["message"]
+    assert message.endswith(")") and f" (a body of {whose}" in message, message
+
+
+def test_a_refused_body_of_the_routes_own_api_names_no_other(server: Server) -> None:
+    for path, body in [("/v1/classify", {"inputs": [1]}), ("/classify", {"input": 3}),
+                       ("/v1/models/tiny:predict", {"instances": 3}), ("/v2/models/tiny/infer", {"inputs": []}),
+                       ("/predict", {"inputs": ""})]:
+        r = post_json(f"{server.url}{path}", body)
+        assert r.status_code in (400, 413, 422) and "a body of" not in r.text, (path, r.text)
+
+
 @pytest.mark.parametrize(("path", "status", "why", "want_status", "want"), [
     ("/predict", 503, "overloaded", 429, {"error_type": "Overloaded"}),
     ("/models/m/predict", 503, "loading", 503, {"error_type": "Unhealthy"}),

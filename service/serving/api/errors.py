@@ -8,6 +8,7 @@ give every error (ours, the framework's, an unexpected one) its route's shape an
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from http import HTTPStatus
 from typing import Any, Literal
 
@@ -39,6 +40,34 @@ def dialect(path: str) -> Dialect:
     if path in TEI_PATHS or path.startswith("/models/"):  # /models/{model}/predict, and Hugging Face's /models/{model}
         return "tei"
     return "vllm" if path in VLLM_PATHS else "ours"
+
+
+def _texts(value: object) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(v, str) for v in value)
+
+
+_BODIES: list[tuple[str, str, Callable[[dict[str, Any]], bool]]] = [
+    ("vllm", "a body of vLLM's or SGLang's classification API: send it to POST /classify",
+     lambda b: "input" in b and "inputs" not in b),
+    ("kserve", "a body of KServe V1: send it to POST /v1/models/{model}:predict", lambda b: "instances" in b),
+    ("oip", "a body of the Open Inference Protocol: send it to POST /v2/models/{model}/infer",
+     lambda b: isinstance(b.get("inputs"), list) and any(isinstance(t, dict) and "datatype" in t for t in b["inputs"])),
+    ("tei", "a body of TEI's or Hugging Face's API: send it to POST /predict or POST /",
+     lambda b: isinstance(b.get("inputs"), str) or ("parameters" in b and not isinstance(b.get("inputs"), list))),
+    ("ours", "a body of this service's own API: send it to POST /v1/classify",
+     lambda b: _texts(b.get("inputs"))),
+]
+"""Each API the server speaks: how its bodies look where they differ from the others', and where it is served."""
+
+
+def elsewhere(path: str, body: object) -> str:
+    """For a body refused at ``path``: `` (<whose body it is: where to send it>)`` when it has the shape of another
+    of the server's APIs (a client at the wrong route), else ``""``."""
+    if not isinstance(body, dict):
+        return ""
+    own = "kserve" if path.startswith("/v1/models/") and ":" in path else dialect(path)
+    hint = next((hint for api, hint, looks in _BODIES if api != own and looks(body)), None)
+    return f" ({hint})" if hint else ""
 
 
 TEI_ERRORS = {413: "Validation", 422: "Validation", 400: "Empty", 424: "Backend", 429: "Overloaded", 503: "Unhealthy"}
@@ -95,6 +124,7 @@ def _detail(error: dict[str, Any]) -> dict[str, str]:
     if error.get("type") == "json_invalid":
         at = next((p for p in error.get("loc", ()) if isinstance(p, int)), None)
         why = (error.get("ctx") or {}).get("error") or error.get("msg", "")
+        why = why.removesuffix(" at")  # "Unterminated string starting at": the position follows
         return {"field": "body", "message": f"not valid JSON ({why}{'' if at is None else f' at character {at}'})",
                 "type": "json_invalid"}
     return {"field": _field(tuple(error.get("loc", ()))), "message": error.get("msg", ""),
@@ -126,6 +156,7 @@ def install(app: FastAPI) -> None:
         _count(request, "validation")
         details = [_detail(e) for e in exc.errors()]
         message = "; ".join(f"{d['field']}: {d['message']}" for d in details) or "invalid request"
+        message += elsewhere(request.url.path, exc.body)
         return error_response(422, message, details=details, path=request.url.path)
 
     @app.exception_handler(StarletteHTTPException)

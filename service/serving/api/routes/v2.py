@@ -12,6 +12,7 @@ with the gRPC service, are :mod:`service.serving.api.oip`'s.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Coroutine
 from typing import Any, NoReturn
 
@@ -19,6 +20,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from service.serving.api.errors import elsewhere
 from service.serving.api.oip import (
     ERRORS,
     SERVER_METADATA,
@@ -126,6 +128,14 @@ async def infer(request: Request, state: State, model: str, version: str = "1") 
                      "outputs": [o.model_dump() for o in outputs]})  # an InferResponse's body
 
 
+def _parsed(raw: bytes) -> object:
+    """``raw`` as JSON, None where it is not (a body already refused, for :func:`elsewhere`)."""
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
+
+
 async def _parse(request: Request) -> tuple[InferRequest, bytes]:
     """The JSON part of the body and the binary part after it (binary tensor extension: the JSON is the
     first Inference-Header-Content-Length bytes)."""
@@ -141,7 +151,7 @@ async def _parse(request: Request) -> tuple[InferRequest, bytes]:
         if errors[0]["type"] == "json_invalid":
             raise APIError(422, f"body: not valid JSON ({errors[0]['msg'].removeprefix('Invalid JSON: ')})") from None
         problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'body'}: {err['msg']}" for err in errors)
-        raise APIError(422, problems) from None
+        raise APIError(422, problems + elsewhere(request.url.path, _parsed(raw[:cut]))) from None
 
 
 def _texts(tensor: TensorIn, binary: bytes) -> list[str]:
