@@ -393,7 +393,8 @@ def test_a_body_of_another_api_is_refused_with_where_that_api_is_served(server: 
 def test_a_refused_body_of_the_routes_own_api_names_no_other(server: Server) -> None:
     for path, body in [("/v1/classify", {"inputs": [1]}), ("/classify", {"input": 3}),
                        ("/v1/models/tiny:predict", {"instances": 3}), ("/v2/models/tiny/infer", {"inputs": []}),
-                       ("/predict", {"inputs": ""})]:
+                       ("/predict", {"inputs": ""}), ("/predict", {"inputs": ["a", "b"]}),  # TEI's pair
+                       ("/v1/classify", {"inputs": ["a"], "instances": ["a"]}), ("/", {"inputs": ["a", 3]})]:
         r = post_json(f"{server.url}{path}", body)
         assert r.status_code in (400, 413, 422) and "a body of" not in r.text, (path, r.text)
 

@@ -46,27 +46,33 @@ def _texts(value: object) -> bool:
     return isinstance(value, list) and bool(value) and all(isinstance(v, str) for v in value)
 
 
-_BODIES: list[tuple[str, str, Callable[[dict[str, Any]], bool]]] = [
+_BODIES: list[tuple[str, str, Callable[[dict[str, Any]], bool], frozenset[str]]] = [
     ("vllm", "a body of vLLM's or SGLang's classification API: send it to POST /classify",
-     lambda b: "input" in b and "inputs" not in b),
-    ("kserve", "a body of KServe V1: send it to POST /v1/models/{model}:predict", lambda b: "instances" in b),
+     lambda b: "input" in b and "inputs" not in b, frozenset()),
+    ("kserve", "a body of KServe V1: send it to POST /v1/models/{model}:predict", lambda b: "instances" in b,
+     frozenset()),
     ("oip", "a body of the Open Inference Protocol: send it to POST /v2/models/{model}/infer",
-     lambda b: isinstance(b.get("inputs"), list) and any(isinstance(t, dict) and "datatype" in t for t in b["inputs"])),
+     lambda b: isinstance(b.get("inputs"), list) and any(isinstance(t, dict) and "datatype" in t for t in b["inputs"]),
+     frozenset()),
     ("tei", "a body of TEI's or Hugging Face's API: send it to POST /predict or POST /",
-     lambda b: isinstance(b.get("inputs"), str) or ("parameters" in b and not isinstance(b.get("inputs"), list))),
+     lambda b: isinstance(b.get("inputs"), str) or ("parameters" in b and not isinstance(b.get("inputs"), list)),
+     frozenset()),
     ("ours", "a body of this service's own API: send it to POST /v1/classify",
-     lambda b: _texts(b.get("inputs"))),
+     lambda b: _texts(b.get("inputs")), frozenset({"tei"})),  # TEI's batch of texts is written as ours
 ]
-"""Each API the server speaks: how its bodies look where they differ from the others', and where it is served."""
+"""Each API the server speaks: how its bodies look where they differ from the others', where it is served, and the
+other APIs whose routes take that shape too."""
 
 
 def elsewhere(path: str, body: object) -> str:
     """For a body refused at ``path``: `` (<whose body it is: where to send it>)`` when it has the shape of another
-    of the server's APIs (a client at the wrong route), else ``""``."""
+    of the server's APIs and not of the route's own (a client at the wrong route), else ``""``."""
     if not isinstance(body, dict):
         return ""
     own = "kserve" if path.startswith("/v1/models/") and ":" in path else dialect(path)
-    hint = next((hint for api, hint, looks in _BODIES if api != own and looks(body)), None)
+    if any(api == own and looks(body) for api, _, looks, _ in _BODIES):
+        return ""
+    hint = next((hint for api, hint, looks, also in _BODIES if own not in also and looks(body)), None)
     return f" ({hint})" if hint else ""
 
 
