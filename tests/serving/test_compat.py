@@ -193,9 +193,11 @@ def test_vllm_classify(server: Server) -> None:
     assert body["usage"]["prompt_tokens"] == body["usage"]["total_tokens"] == sum(tokens)
     one = httpx.post(f"{server.url}/classify", json={"input": TEXTS[0], "use_activation": False}).json()
     close(dict(zip(labels, one["data"][0]["probs"], strict=True)), v1(server, TEXTS[0], raw_scores=True)["scores"])
-    cut = httpx.post(f"{server.url}/classify", json={"input": LONG, "truncate_prompt_tokens": 8}).json()
-    assert cut["usage"]["prompt_tokens"] == 8  # the last 6 words, [CLS] and [SEP]
-    close(dict(zip(labels, cut["data"][0]["probs"], strict=True)), v1(server, " ".join(WORDS[-6:]))["scores"])
+    for side, words in [(None, WORDS[:6]), ("right", WORDS[:6]), ("left", WORDS[-6:])]:  # vLLM's default: the first
+        body = {"input": LONG, "truncate_prompt_tokens": 8, **({"truncation_side": side} if side else {})}
+        cut = httpx.post(f"{server.url}/classify", json=body).json()
+        assert cut["usage"]["prompt_tokens"] == 8  # 6 words, [CLS] and [SEP]
+        close(dict(zip(labels, cut["data"][0]["probs"], strict=True)), v1(server, " ".join(words))["scores"])
     whole = httpx.post(f"{server.url}/classify", json={"input": LONG, "truncate_prompt_tokens": -1}).json()
     assert whole["usage"]["prompt_tokens"] == 16
 
@@ -207,6 +209,7 @@ def test_vllm_classify(server: Server) -> None:
     ({"model": "nope", "input": "x"}, 404, "nope"),
     ({"input": "x", "truncate_prompt_tokens": 2}, 400, "no room"),
     ({"input": "x", "truncate_prompt_tokens": -2}, 400, "truncate_prompt_tokens"),
+    ({"input": "x", "truncate_prompt_tokens": 4, "truncation_side": "middle"}, 400, "truncation_side"),
     ({"input": ["x"] * 9}, 413, "too many inputs"),
     ({"input": ["x", "\ud800"]}, 400, "unable to parse raw data as a unicode string"),
 ])

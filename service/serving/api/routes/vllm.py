@@ -1,15 +1,16 @@
 """vLLM's classification API, ``POST /classify`` (at the root, as vLLM serves it; ``/v1/classify`` is this service's
 own), over the same pipeline and batcher as ``/v1``: ``model`` (absent: the default one), ``input`` (a text or a
-list), ``truncate_prompt_tokens`` (the last k tokens, special tokens included; -1: the model's chunk length),
-``use_activation`` (false: the logits). Fields vLLM accepts and this service has no use for (``user``,
-``priority``, ...) are ignored, as vLLM ignores the ones it does not know. Errors are vLLM's,
+list), ``truncate_prompt_tokens`` (keep k tokens, special tokens included; -1: the model's chunk length): the first
+k (``truncation_side`` ``"right"``, the default, as vLLM truncates for classification) or the last k (``"left"``),
+``use_activation`` (false: the logits). Fields vLLM accepts and this service has no use
+for (``user``, ``priority``, ...) are ignored, as vLLM ignores the ones it does not know. Errors are vLLM's,
 ``{"error": {"message", "type", "param", "code"}}`` (see :mod:`service.serving.api.errors`)."""
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictInt
@@ -54,14 +55,17 @@ class ClassificationRequest(BaseModel):
     input: Annotated[NonBlank | Annotated[list[NonBlank], Field(min_length=1)], BeforeValidator(_input)] = Field(
         description="A text, or a list of texts", examples=[["I love this!"]])
     truncate_prompt_tokens: StrictInt | None = Field(
-        None, ge=-1, description="Keep only the last k tokens of a text (special tokens included); -1: the model's "
-        "chunk length. Absent: a long text is read whole, in chunks")
+        None, ge=-1, description="Keep only k tokens of a text (special tokens included); -1: the model's chunk "
+        "length. Absent: a long text is read whole, in chunks")
+    truncation_side: Literal["left", "right"] | None = Field(
+        None, description="With truncate_prompt_tokens: \"right\" (the default) keeps the first k tokens, \"left\" "
+        "the last k")
     use_activation: StrictBool | None = Field(None, description="false: the logits in `probs` (default: "
                                               "probabilities, the model's softmax or sigmoid)")
 
     def truncation(self) -> Truncation | None:
         k = self.truncate_prompt_tokens
-        return None if k is None else Truncation("left", None if k == -1 else k)
+        return None if k is None else Truncation(self.truncation_side or "right", None if k == -1 else k)
 
 
 class ClassificationData(BaseModel):
