@@ -2,6 +2,8 @@
 
 import asyncio
 import gzip
+import json
+import zlib
 
 import httpx
 import pytest
@@ -205,11 +207,29 @@ def test_unknown_model_route_method_and_media_type(tiny: Server) -> None:
     assert_error(httpx.put(f"{tiny.url}/v1/models"), 405, "method_not_allowed", "use GET")
     r = httpx.post(f"{tiny.url}/v1/classify", content=b"hello", headers={"Content-Type": "text/plain"})
     assert_error(r, 415, "unsupported_media_type")
-    for path in ("/v1/classify", "/v1/explain"):  # a compressed body is not taken for a body that is not JSON
-        r = httpx.post(f"{tiny.url}{path}", content=gzip.compress(b'{"inputs": ["a"]}'),
-                       headers={"Content-Type": "application/json", "Content-Encoding": "gzip"})
-        assert_error(r, 415, "unsupported_media_type", "Content-Encoding 'gzip' is not supported")
-        assert r.headers["accept-encoding"] == "identity"
+    body = json.dumps({"inputs": TEXTS}).encode()
+    for path in ("/v1/classify", "/v1/explain"):  # a compressed body is read as sent, as Triton reads it
+        want = post(tiny, path, {"inputs": TEXTS}).json()
+        for coding, packed in [("gzip", gzip.compress(body)), ("deflate", zlib.compress(body)),
+                               ("GZip", gzip.compress(body))]:
+            r = httpx.post(f"{tiny.url}{path}", content=packed,
+                           headers={"Content-Type": "application/json", "Content-Encoding": coding})
+            assert r.status_code == 200 and r.json() == want, (coding, r.text)
+        r = httpx.post(f"{tiny.url}{path}", content=body, headers={"Content-Type": "application/json",
+                                                                   "Content-Encoding": "br"})
+        assert_error(r, 415, "unsupported_media_type", "Content-Encoding 'br' is not supported")
+        assert r.headers["accept-encoding"] == "gzip, deflate"
+        for packed, says in [(body, "body: not valid gzip (Error -3 while decompressing data: incorrect header"),
+                             (gzip.compress(body)[:-12], "body: not valid gzip (the stream ends before its end)"),
+                             (gzip.compress(body) + b"x", "body: not valid gzip (data after the end of the stream)")]:
+            r = httpx.post(f"{tiny.url}{path}", content=packed,
+                           headers={"Content-Type": "application/json", "Content-Encoding": "gzip"})
+            assert_error(r, 400, "bad_request", says)
+    bomb = gzip.compress(b'{"inputs": ["' + b"a " * 1_500_000 + b'"]}')  # 3 MB once decompressed, in a few kB
+    r = httpx.post(f"{tiny.url}/v1/classify", content=bomb,
+                   headers={"Content-Type": "application/json", "Content-Encoding": "gzip"})
+    assert len(bomb) < 10_000
+    assert_error(r, 413, "payload_too_large", "body larger than 20000 bytes once decompressed")
     r = httpx.post(f"{tiny.url}/v1/classify", content=b'{"inputs": ["a"]}',
                    headers={"Content-Type": "application/json", "Content-Encoding": "identity"})
     assert r.status_code == 200, r.text

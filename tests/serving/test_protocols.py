@@ -53,6 +53,10 @@ def test_infer_equals_v1_classify(client: triton.InferenceServerClient, tiny: Se
     expected = np.array([[r["scores"][lab] for lab in ("alpha", "beta", "gamma")] for r in ref], dtype=np.float32)
     np.testing.assert_allclose(probs, expected, atol=1e-6)
     assert res.as_numpy("credit") is None  # no credit unless asked for
+    for compression in ("gzip", "deflate"):  # the request compressed, as tritonclient offers; the answer the same
+        packed = client.infer("tiny", [text_input(TEXTS, binary)], request_compression_algorithm=compression,
+                              response_compression_algorithm=compression)
+        np.testing.assert_array_equal(packed.as_numpy("probabilities"), probs)
 
 
 def test_tensor_data_flat_or_nested_as_its_shape(tiny: Server) -> None:

@@ -1,5 +1,6 @@
 """Middleware: every request observed (request id, metrics, 503 while draining, a log line for those answered with
-an error, or for every one with ``access_log``), and request bodies guarded (the size limit and the read timeout).
+an error, or for every one with ``access_log``), and request bodies guarded (the size limit and the read timeout)
+and decompressed.
 
 The whole body is read here, before the framework parses it, so that a body over the limit gets 413
 whether it declares its length or streams it in chunks (a limit raised while the framework parses
@@ -14,6 +15,7 @@ import itertools
 import logging
 import time
 import uuid
+import zlib
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -114,11 +116,40 @@ class Observe:
                                            "status": status, "duration_ms": round(1000 * elapsed, 2)}})
 
 
+DECODED = (b"gzip", b"x-gzip", b"deflate")
+"""The ``Content-Encoding``s a body may come in (as Triton takes them, and tritonclient's
+``request_compression_algorithm`` sends them); ``deflate`` is the zlib format (RFC 9110 §8.4.1.2)."""
+
+
+class TooLarge(Exception):
+    """A compressed body that decompresses to more than the limit."""
+
+
+def inflate(data: bytes, limit: int) -> bytes:
+    """A gzip or zlib stream (its header says which) decompressed, never past ``limit`` bytes (a small body that
+    would decompress to gigabytes is stopped there).
+
+    Raises:
+        TooLarge: it decompresses to more than ``limit`` bytes.
+        zlib.error: it is not one whole stream of either format.
+    """
+    stream = zlib.decompressobj(wbits=32 + zlib.MAX_WBITS)
+    out = stream.decompress(data, limit + 1)
+    if len(out) > limit:
+        raise TooLarge
+    if not stream.eof:
+        raise zlib.error("the stream ends before its end")
+    if stream.unused_data:
+        raise zlib.error("data after the end of the stream")
+    return out
+
+
 class BodyGuard:
-    """413 for bodies over ``max_bytes`` (declared or streamed), 408 for bodies not received within
-    ``timeout_s``, 415 for a compressed body (a ``Content-Encoding``: RFC 9110 §15.5.16, with ``Accept-Encoding``);
-    the app then gets the body as one message, and later ``receive`` calls (disconnect detection) go to the client
-    as before."""
+    """413 for bodies over ``max_bytes`` (declared or streamed, and once decompressed), 408 for bodies not received
+    within ``timeout_s``; a body in gzip or deflate (:data:`DECODED`) is decompressed (400 when it is not valid),
+    another ``Content-Encoding`` is a 415 (RFC 9110 §15.5.16, with ``Accept-Encoding``). The app then gets the body
+    as one message, uncompressed and its ``Content-Encoding`` gone, and later ``receive`` calls (disconnect
+    detection) go to the client as before."""
 
     def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float) -> None:
         self.app, self.max_bytes, self.timeout_s = app, max_bytes, timeout_s
@@ -147,12 +178,24 @@ class BodyGuard:
         except TimeoutError:
             return await self._reject(scope, receive, send, 408, f"body not received within {self.timeout_s:g} s",
                                       headers={"Connection": "close"})
+        data = b"".join(chunks)
         coding = next((v for k, v in scope["headers"] if k == b"content-encoding"), b"identity").strip().lower()
         if coding not in (b"identity", b""):  # read first: the connection serves on
-            return await self._reject(scope, receive, send, 415, f"Content-Encoding {coding.decode('latin-1')!r} is "
-                                      "not supported: send the body uncompressed",
-                                      headers={"Accept-Encoding": "identity"})
-        body = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            name = coding.decode("latin-1")
+            if coding not in DECODED:
+                return await self._reject(scope, receive, send, 415, f"Content-Encoding {name!r} is not supported: "
+                                          "send the body in gzip or deflate, or uncompressed",
+                                          headers={"Accept-Encoding": "gzip, deflate"})
+            try:
+                data = inflate(data, self.max_bytes)
+            except TooLarge:
+                return await self._reject(scope, receive, send, 413,
+                                          f"body larger than {self.max_bytes} bytes once decompressed")
+            except zlib.error as e:
+                return await self._reject(scope, receive, send, 400, f"body: not valid {name} ({e})")
+            scope = {**scope, "headers": [(k, v) for k, v in scope["headers"]
+                                          if k not in (b"content-encoding", b"content-length")]}
+        body = {"type": "http.request", "body": data, "more_body": False}
         await self.app(scope, given_first(body, receive), send)
 
     async def _reject(self, scope: Scope, receive: Receive, send: Send, status: int, message: str,
