@@ -210,6 +210,8 @@ def test_vllm_classify(server: Server) -> None:
     ({"input": "x", "truncate_prompt_tokens": 2}, 400, "no room"),
     ({"input": "x", "truncate_prompt_tokens": -2}, 400, "truncate_prompt_tokens"),
     ({"input": "x", "truncate_prompt_tokens": 4, "truncation_side": "middle"}, 400, "truncation_side"),
+    ({"messages": [{"role": "user", "content": "x"}]}, 400, "messages (a chat, which vLLM renders with the model's "
+                                                            "chat template) is not taken"),
     ({"input": ["x"] * 9}, 413, "too many inputs"),
     ({"input": ["x", "\ud800"]}, 400, "unable to parse raw data as a unicode string"),
 ])

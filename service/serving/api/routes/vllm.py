@@ -13,7 +13,7 @@ import uuid
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Request
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictInt
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictInt, model_validator
 from pydantic_core import PydanticCustomError
 
 from service.modeling.encoding import Truncation
@@ -62,6 +62,15 @@ class ClassificationRequest(BaseModel):
         "the last k")
     use_activation: StrictBool | None = Field(None, description="false: the logits in `probs` (default: "
                                               "probabilities, the model's softmax or sigmoid)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _not_a_chat(cls, data: Any) -> Any:
+        """vLLM's other form, a chat (``messages``), said to be one, not ``input`` said to be missing."""
+        if isinstance(data, dict) and "messages" in data and "input" not in data:
+            raise PydanticCustomError("vllm_chat", "messages (a chat, which vLLM renders with the model's chat "
+                                      "template) is not taken: these models classify plain text; send it as input")
+        return data
 
     def truncation(self) -> Truncation | None:
         k = self.truncate_prompt_tokens
