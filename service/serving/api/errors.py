@@ -20,7 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from service.serving.core.errors import ERROR_CODES, REASONS, APIError
 
 log = logging.getLogger("service.errors")
-INTERNAL_ERROR = "internal error; the request id identifies it in the server log"  # a failure that is a bug's
+INTERNAL_ERROR = "internal error; the request id identifies it in the server log"  # a failure not the client's
 
 
 Dialect = Literal["ours", "oip", "tei", "vllm"]

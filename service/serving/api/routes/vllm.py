@@ -2,9 +2,9 @@
 own), over the same pipeline and batcher as ``/v1``: ``model`` (absent: the default one), ``input`` (a text or a
 list), ``truncate_prompt_tokens`` (keep k tokens, special tokens included; -1: the model's chunk length): the first
 k (``truncation_side`` ``"right"``, the default, as vLLM truncates for classification) or the last k (``"left"``),
-``use_activation`` (false: the logits). Fields vLLM accepts and this service has no use
-for (``user``, ``priority``, ...) are ignored, as vLLM ignores the ones it does not know. Errors are vLLM's,
-``{"error": {"message", "type", "param", "code"}}`` (see :mod:`service.serving.api.errors`)."""
+``use_activation`` (false: the logits). Fields vLLM accepts and this service has no use for (``user``,
+``priority``, ...) are ignored, as vLLM ignores the ones it does not know; a chat (``messages``) is refused. Errors
+are vLLM's, ``{"error": {"message", "type", "param", "code"}}`` (see :mod:`service.serving.api.errors`)."""
 
 from __future__ import annotations
 
