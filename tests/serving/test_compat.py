@@ -202,6 +202,16 @@ def test_vllm_classify(server: Server) -> None:
     assert whole["usage"]["prompt_tokens"] == 16
 
 
+def test_vllm_answer_id_names_the_request_as_vllm_does(server: Server) -> None:
+    """``classify-`` and the client's X-Request-ID, else the body's ``request_id``, else the server's request id."""
+    url = f"{server.url}/classify"
+    r = httpx.post(url, json={"input": "x", "request_id": "body-1"}, headers={"X-Request-ID": "header-1"})
+    assert r.json()["id"] == "classify-header-1" and r.headers["x-request-id"] == "header-1"
+    assert httpx.post(url, json={"input": "x", "request_id": "body-1"}).json()["id"] == "classify-body-1"
+    r = httpx.post(url, json={"input": "x"})
+    assert r.json()["id"] == f"classify-{r.headers['x-request-id']}" and len(r.headers["x-request-id"]) == 32
+
+
 @pytest.mark.parametrize(("body", "status", "says"), [
     ({"input": 3}, 400, "a text or a list of texts"),
     ({"input": []}, 400, "empty list"),

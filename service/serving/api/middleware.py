@@ -48,7 +48,8 @@ def request_id_of(headers: list[tuple[bytes, bytes]]) -> str:
 
 
 class Observe:
-    """Every HTTP request: a request id (``X-Request-ID``, the client's or a new one), the in-flight count and
+    """Every HTTP request: a request id (``X-Request-ID``, the client's or a new one; the routes read it as
+    ``request.state.request_id``), the in-flight count and
     request metrics; one log line for a request answered with an error (4xx, 5xx), or with ``access_log`` for every
     request but the probes; new inference requests get 503 once the server drains; a request the app fails on
     unexpectedly, before answering, gets its route's 500 here (logged with its request id).
@@ -63,6 +64,7 @@ class Observe:
             return await self.app(scope, receive, send)
         m = self.metrics
         request_id = request_id_of(scope["headers"])
+        scope.setdefault("state", {})["request_id"] = request_id  # the server's copy of its lifespan state
         state: AppState = scope["app"].state.app_state
         path, method = scope["path"], scope["method"]
         status: int | None = None  # until the app starts a response

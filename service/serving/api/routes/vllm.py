@@ -62,6 +62,8 @@ class ClassificationRequest(BaseModel):
         "the last k")
     use_activation: StrictBool | None = Field(None, description="false: the logits in `probs` (default: "
                                               "probabilities, the model's softmax or sigmoid)")
+    request_id: str | None = Field(None, description="The answer's id is classify-<this>, unless an X-Request-ID "
+                                   "header names the request (absent both: the server's own request id)")
 
     @model_validator(mode="before")
     @classmethod
@@ -100,6 +102,15 @@ class ClassificationResponse(BaseModel):
     usage: Usage
 
 
+def _request_id(request: Request, body: ClassificationRequest) -> str:
+    """As vLLM names a request: the client's ``X-Request-ID``, else the body's ``request_id``, else (here) the
+    server's own request id, the one in the answer's ``X-Request-ID`` and the log."""
+    own: str | None = getattr(request.state, "request_id", None)
+    if request.headers.get("x-request-id") is None and body.request_id:
+        return body.request_id
+    return own or uuid.uuid4().hex
+
+
 @router.post("/classify", response_model=ClassificationResponse, summary="vLLM classify")
 async def classify(request: Request, state: State, body: ClassificationRequest) -> JSONBody:
     """vLLM's `/classify`: each text's label and every label's probability (the logits with `use_activation`
@@ -111,7 +122,7 @@ async def classify(request: Request, state: State, body: ClassificationRequest) 
     data = [{"index": k, "label": s.result.label, "probs": list(scores(s.result, raw).values()),
              "num_classes": len(s.result.scores)} for k, s in enumerate(scored)]
     tokens = sum(s.encoding.n_tokens for s in scored)
-    return JSONBody({"id": f"classify-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
+    return JSONBody({"id": f"classify-{_request_id(request, body)}", "object": "list", "created": int(time.time()),
                      "model": model, "data": data,
                      "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0,
                                "prompt_tokens_details": None}})
