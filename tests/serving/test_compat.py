@@ -202,6 +202,16 @@ def test_vllm_classify(server: Server) -> None:
     assert whole["usage"]["prompt_tokens"] == 16
 
 
+def test_vllm_clients_find_the_model_in_the_openai_list(server: Server) -> None:
+    """vLLM's own example client: the model from ``GET /v1/models``' ``data[0].id``, then ``/classify`` with it."""
+    listed = httpx.get(f"{server.url}/v1/models").json()
+    assert listed["object"] == "list" and listed["data"][0]["id"] == listed["default"] == "tiny"
+    assert sorted(c["id"] for c in listed["data"]) == sorted(m["name"] for m in listed["models"])
+    assert all(c["object"] == "model" and c["max_model_len"] == 16 for c in listed["data"])
+    r = httpx.post(f"{server.url}/classify", json={"model": listed["data"][0]["id"], "input": TEXTS})
+    assert r.status_code == 200 and r.json()["model"] == "tiny"
+
+
 def test_vllm_answer_id_names_the_request_as_vllm_does(server: Server) -> None:
     """``classify-`` and the client's X-Request-ID, else the body's ``request_id``, else the server's request id."""
     url = f"{server.url}/classify"

@@ -288,7 +288,7 @@ def test_poll_mode_follows_the_repository(tmp_path: Path, tiny_backbone_dir: Pat
             assert check(), "the repository change was not followed"  # type: ignore[operator]
 
         assert httpx.get(f"{s.url}/readyz").json()["models"] == []
-        assert httpx.get(f"{s.url}/v1/models").json() == {"default": None, "models": []}
+        assert httpx.get(f"{s.url}/v1/models").json() == {"default": None, "models": [], "object": "list", "data": []}
         r = httpx.post(f"{s.url}/v1/classify", json={"inputs": ["x"]})
         assert r.status_code == 404 and "no default model" in r.json()["error"]["message"]
         r = httpx.post(f"{s.url}/v1/explain", json={"inputs": ["x"], "models": "all"})

@@ -234,10 +234,23 @@ class ModelInfo(BaseModel):
                                           "a model described here is loaded and serves (one that is not is 404)")
 
 
+class ModelCard(BaseModel):
+    """A model as OpenAI's list of models holds it (vLLM's ``GET /v1/models``)."""
+
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(description="Unix time of the answer, as vLLM gives it")
+    owned_by: str = "routing-service"
+    max_model_len: int = Field(description="Tokens a chunk holds, the special tokens included")
+
+
 class ModelList(BaseModel):
     default: str | None = Field(description="The model behind /v1/classify and /v1/explain (null while none is: a "
                                             "server started without models, none loaded since)")
     models: list[ModelInfo]
+    object: Literal["list"] = "list"
+    data: list[ModelCard] = Field(description="The same models in OpenAI's shape, as vLLM lists them, the default "
+                                              "first (vLLM's clients take data[0].id for the model to ask /classify)")
 
 
 class ErrorBody(BaseModel):
