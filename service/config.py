@@ -145,7 +145,7 @@ class Settings(BaseSettings):
     max_chars: int = Field(20000, ge=1, description="Characters per text")
     max_text_tokens: int | None = Field(None, ge=1, description="Tokens per text, special tokens of every chunk "
                                         "included (413 above; none: only max_chars limits a text)")
-    max_body_bytes: int = Field(2_000_000, ge=1024, description="Request body size")
+    max_body_bytes: int = Field(2_000_000, ge=1024, description="Request body size, as sent and once decompressed")
     body_timeout_s: float = Field(30.0, gt=0, description="Time to receive a request body (408 after)")
     header_timeout_s: float = Field(10.0, gt=0, description="Time to receive a request's head after connecting "
                                     "or starting it (408 after)")
