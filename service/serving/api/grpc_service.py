@@ -31,7 +31,10 @@ from service.serving.api.auth import check_admin, check_key
 from service.serving.api.errors import INTERNAL_ERROR
 from service.serving.api.middleware import request_id_of
 from service.serving.api.oip import (
+    LOGGING_INSTEAD,
     SERVER_METADATA,
+    SHARED_MEMORY_INSTEAD,
+    TRACES_INSTEAD,
     check_version,
     controlled,
     infer_tensors,
@@ -108,9 +111,9 @@ def _raw(datatype: str, data: list[Any]) -> bytes:
 NOT_SERVED = {
     "ModelConfig": "a model here has no Triton model configuration; ModelMetadata gives its inputs and outputs",
     "ModelStreamInfer": "send each request with ModelInfer",
-    "TraceSetting": "traces are set with the OTEL_* environment variables",
-    "LogSettings": "logging is set with ROUTING_LOG_LEVEL and ROUTING_LOG_JSON",
-    **{f"{kind}SharedMemory{verb}": "shared memory is not supported: send the tensors in the request"
+    "TraceSetting": TRACES_INSTEAD,
+    "LogSettings": LOGGING_INSTEAD,
+    **{f"{kind}SharedMemory{verb}": SHARED_MEMORY_INSTEAD
        for kind in ("System", "Cuda") for verb in ("Status", "Register", "Unregister")},
 }
 """The protocol's RPCs this server does not serve, each with what to do instead."""

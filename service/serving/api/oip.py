@@ -48,6 +48,12 @@ class ErrorV2(BaseModel):
 
 ERRORS = {s: {"model": ErrorV2} for s in (400, 401, 404, 413, 422, 503, 504)}
 
+# What to do instead of the protocol's trace settings, log settings and shared memory, which neither REST nor gRPC
+# serves (REST answers them 501, gRPC UNIMPLEMENTED, both with these words)
+TRACES_INSTEAD = "traces are set with the OTEL_* environment variables"
+LOGGING_INSTEAD = "logging is set with ROUTING_LOG_LEVEL and ROUTING_LOG_JSON"
+SHARED_MEMORY_INSTEAD = "shared memory is not supported: send the tensors in the request"
+
 
 class TensorOut(BaseModel):  # an output tensor, its data as JSON (no docstring: /openapi.json stays as it was)
     name: str

@@ -23,7 +23,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from service.serving.api.errors import elsewhere
 from service.serving.api.oip import (
     ERRORS,
+    LOGGING_INSTEAD,
     SERVER_METADATA,
+    SHARED_MEMORY_INSTEAD,
+    TRACES_INSTEAD,
     ErrorV2,
     TensorOut,
     check_version,
@@ -196,11 +199,9 @@ NOT_SERVED: list[tuple[str, list[str], list[str], str]] = [
     ("generation", ["POST"], [f"/models/{{model}}{v}/{verb}" for v in ("", "/versions/{version}")
                               for verb in ("generate", "generate_stream")],
      "the models here classify text: POST /v2/models/{model}/infer"),
-    ("trace setting", ["GET", "POST"], ["/trace/setting", "/models/{model}/trace/setting"],
-     "traces are set with the OTEL_* environment variables"),
-    ("log setting", ["GET", "POST"], ["/logging"], "logging is set with ROUTING_LOG_LEVEL and ROUTING_LOG_JSON"),
-    ("shared memory", ["GET", "POST"], _SHARED_MEMORY,
-     "shared memory is not supported: send the tensors in the request"),
+    ("trace setting", ["GET", "POST"], ["/trace/setting", "/models/{model}/trace/setting"], TRACES_INSTEAD),
+    ("log setting", ["GET", "POST"], ["/logging"], LOGGING_INSTEAD),
+    ("shared memory", ["GET", "POST"], _SHARED_MEMORY, SHARED_MEMORY_INSTEAD),
 ]
 """Each function of Triton's HTTP API this server does not serve: its name, methods, paths and what to do instead."""
 
