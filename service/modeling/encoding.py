@@ -42,3 +42,24 @@ class Truncation:
 
     side: Literal["right", "left"] = "right"
     tokens: int | None = None
+
+
+@dataclass(frozen=True)
+class Token:
+    """One token of a text its tokenizer read whole (not cut into chunks), as a tokenize request answers it.
+
+    Attributes:
+        id: the token's id in the vocabulary.
+        piece: the token as the vocabulary spells it (``"[CLS]"``, ``"##ing"``).
+        span: its ``(start, end)`` character span in the text; None for a special token.
+    """
+
+    id: int
+    piece: str
+    span: tuple[int, int] | None
+
+    @property
+    def special(self) -> bool:
+        """Whether the tokenizer added it (``[CLS]``, ``[SEP]``): it stands for no characters of the text."""
+        return self.span is None
+

@@ -20,7 +20,7 @@ from urllib.parse import urlparse
 
 from tokenizers import Tokenizer
 
-from service.modeling.encoding import Encoding, Truncation
+from service.modeling.encoding import Encoding, Token, Truncation
 
 
 class BackboneError(ValueError):
@@ -98,6 +98,15 @@ def _file(path: str, name: str, only_local: bool) -> Path | None:
         raise
     except EntryNotFoundError:  # the repository has no such file
         return None
+
+
+class UnknownTokenId(ValueError):
+    """A token id outside the vocabulary: list ``k``'s id at ``position``."""
+
+    def __init__(self, k: int, position: int, token_id: int, size: int) -> None:
+        super().__init__(f"{token_id} (list {k}, position {position}) is not a token id: the vocabulary's run from 0 "
+                         f"to {size - 1}")
+        self.k, self.position, self.token_id = k, position, token_id
 
 
 class ChunkTokenizer:
@@ -218,3 +227,32 @@ class ChunkTokenizer:
     def token_names(self, encoding: Encoding) -> list[str]:
         """The token of every position of ``encoding`` (special tokens included), as the tokenizer spells it."""
         return [self.tokenizer.id_to_token(i) or "" for c in encoding.chunks for i in c]
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids run from 0 to this, less one (added tokens included)."""
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def read(self, texts: list[str], add_special_tokens: bool = True) -> list[list[Token]]:
+        """Each text's tokens as the tokenizer reads it whole (one call; no chunks, no truncation), with the special
+        tokens of one chunk around them when ``add_special_tokens``."""
+        with self._lock:
+            encoded = self.tokenizer.encode_batch(texts, add_special_tokens=add_special_tokens)
+        return [[Token(i, piece, None if special else (start, end))
+                 for i, piece, special, (start, end) in zip(enc.ids, enc.tokens, enc.special_tokens_mask, enc.offsets,
+                                                            strict=True)]
+                for enc in encoded]
+
+    def decode(self, ids: list[list[int]], skip_special_tokens: bool = True) -> list[str]:
+        """The text of each list of token ids (one call), the special tokens left out when ``skip_special_tokens``.
+
+        Raises:
+            UnknownTokenId: an id outside the vocabulary (the tokenizer would drop it without a word).
+        """
+        size = self.vocab_size
+        for k, one in enumerate(ids):
+            bad = next((j for j, i in enumerate(one) if not 0 <= i < size), None)
+            if bad is not None:
+                raise UnknownTokenId(k, bad, one[bad], size)
+        with self._lock:
+            return self.tokenizer.decode_batch(ids, skip_special_tokens=skip_special_tokens)

@@ -244,6 +244,107 @@ def test_vllm_errors_are_vllm_shaped(server: Server, body: dict, status: int, sa
     assert says in error["message"]
 
 
+# --- the tokenizer alone: TEI's /tokenize and /decode, vLLM's /tokenize and /detokenize ---
+
+def test_tei_tokenize_answers_the_tokenizers_ids_and_spans_and_decode_reverses_it(
+        server: Server, tiny_backbone_dir: Path) -> None:
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(tiny_backbone_dir / "tokenizer.json"))
+    tokenizer.no_padding()  # as saved, it pads to 128
+    (tokens,) = httpx.post(f"{server.url}/tokenize", json={"inputs": TEXTS[1]}).json()  # one text: a list of one
+    assert [t["id"] for t in tokens] == tokenizer.encode(TEXTS[1]).ids
+    first, *words, last = tokens
+    assert first == {"id": first["id"], "text": "[CLS]", "special": True, "start": None, "stop": None}
+    assert last["text"] == "[SEP]" and last["special"] and not any(t["special"] for t in words)
+    assert [t["text"] for t in words] == [TEXTS[1][t["start"]:t["stop"]] for t in words]
+    assert " ".join(t["text"] for t in words) == TEXTS[1]  # whole words here: each token is one
+    # the tokens the model reads: a text of one chunk as /v1/explain shows it
+    explained = httpx.post(f"{server.url}/v1/explain", json={"inputs": [TEXTS[1]]}).json()["results"][0]["tokens"]
+    assert len(explained) == len(tokens)
+    batch = httpx.post(f"{server.url}/tokenize", json={"inputs": TEXTS, "add_special_tokens": False}).json()
+    assert [[t["id"] for t in one] for one in batch] == [tokenizer.encode(t, add_special_tokens=False).ids
+                                                         for t in TEXTS]
+    ids = [[t["id"] for t in one] for one in batch]
+    assert httpx.post(f"{server.url}/decode", json={"ids": ids}).json() == TEXTS
+    with_special = [t["id"] for t in tokens]
+    assert httpx.post(f"{server.url}/decode", json={"ids": with_special}).json() == [TEXTS[1]]  # skipped: TEI's default
+    kept = httpx.post(f"{server.url}/decode", json={"ids": with_special, "skip_special_tokens": False}).json()
+    assert kept == [f"[CLS] {TEXTS[1]} [SEP]"]
+    assert httpx.post(f"{server.url}/tokenize", json={"inputs": ""}).json() == [[first, {**last}]]  # nothing to read
+
+
+def test_vllm_tokenize_counts_what_classify_reads_and_detokenize_reverses_it(server: Server) -> None:
+    r = httpx.post(f"{server.url}/tokenize", json={"model": "tiny", "prompt": TEXTS[0]})
+    assert r.status_code == 200, r.text
+    got = r.json()
+    assert got.keys() == {"count", "max_model_len", "tokens", "token_strs"} and got["token_strs"] is None
+    read = httpx.post(f"{server.url}/classify", json={"model": "tiny", "input": TEXTS[0]}).json()["usage"]
+    assert got["count"] == len(got["tokens"]) == read["prompt_tokens"]
+    assert got["max_model_len"] == httpx.get(f"{server.url}/info").json()["max_input_length"] == 16
+    tei = httpx.post(f"{server.url}/tokenize", json={"inputs": TEXTS[0]}).json()[0]
+    assert got["tokens"] == [t["id"] for t in tei]
+    strs = httpx.post(f"{server.url}/tokenize", json={"prompt": TEXTS[0], "return_token_strs": True}).json()
+    assert strs["token_strs"] == ["[CLS]", *TEXTS[0].split(), "[SEP]"] and strs["tokens"] == got["tokens"]
+    bare = httpx.post(f"{server.url}/tokenize", json={"prompt": TEXTS[0], "add_special_tokens": False}).json()
+    assert bare["tokens"] == got["tokens"][1:-1] and bare["count"] == got["count"] - 2
+    back = httpx.post(f"{server.url}/detokenize", json={"model": "tiny", "tokens": got["tokens"]}).json()
+    assert back == {"prompt": f"[CLS] {TEXTS[0]} [SEP]"}  # special tokens kept, as vLLM decodes
+
+
+@pytest.mark.parametrize(("path", "body", "status", "says"), [
+    ("/tokenize", {"inputs": []}, 422, "at least 1 item"),
+    ("/tokenize", {"inputs": 3}, 422, "inputs"),
+    ("/tokenize", {"inputs": "x", "prompt_name": "query"}, 422, "no prompts"),
+    ("/tokenize", {"inputs": "x", "other": 1}, 422, "other"),
+    ("/tokenize", {"inputs": ["x"] * 9}, 413, "too many inputs"),
+    ("/tokenize", {"inputs": "\ud800"}, 422, "hex escape"),  # half a surrogate pair: no text
+    ("/decode", {"ids": [101, 30522_000]}, 422, "30522000 (list 0, position 1) is not a token id"),
+    ("/decode", {"ids": [[1], [2, -3]]}, 422, "-3 (list 1, position 1) is not a token id"),
+    ("/decode", {"ids": "x"}, 422, "ids must be a list of token ids or a list of those; got the string 'x'"),
+    ("/decode", {"ids": [[1], [2, "a"]]}, 422, "ids.1 must be a list of token ids or a list of those; got item 1: "),
+    ("/decode", {"ids": [[1]] * 9}, 413, "too many inputs"),
+])
+def test_tei_tokenizer_errors_are_tei_shaped(server: Server, path: str, body: dict, status: int, says: str) -> None:
+    r = post_json(f"{server.url}{path}", body)
+    assert r.status_code == status, r.text
+    assert r.json().keys() == {"error", "error_type"} and r.json()["error_type"] == "Validation"
+    assert says in r.json()["error"]
+
+
+@pytest.mark.parametrize(("path", "body", "status", "says"), [
+    ("/tokenize", {"prompt": 3}, 400, "prompt"),
+    ("/tokenize", {"prompt": "x", "model": "nope"}, 404, "nope"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "x"}]}, 400, "send it as prompt"),
+    ("/tokenize", {"prompt": "\ud800"}, 400, "hex escape"),
+    ("/tokenize", {"prompt": "x", "return_token_strs": "yes"}, 400, "return_token_strs"),
+    ("/detokenize", {"tokens": [-1]}, 400, "-1 (list 0, position 0) is not a token id"),
+    ("/detokenize", {"tokens": ["a"]}, 400, "tokens.0"),
+    ("/detokenize", {"tokens": [1], "model": "nope"}, 404, "nope"),
+])
+def test_vllm_tokenizer_errors_are_vllm_shaped(server: Server, path: str, body: dict, status: int, says: str) -> None:
+    r = post_json(f"{server.url}{path}", body)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error.keys() == {"message", "type", "param", "code"} and error["code"] == status
+    assert says in error["message"]
+
+
+def test_the_tokenizer_routes_take_the_model_from_the_header_or_body(server: Server) -> None:
+    r = httpx.post(f"{server.url}/tokenize", json={"inputs": "x"}, headers={"X-Model": "nope"})
+    assert r.status_code == 404 and r.json()["error_type"] == "Validation" and "nope" in r.json()["error"]
+    r = httpx.post(f"{server.url}/decode", json={"ids": [1]}, headers={"X-Model": "tiny-multi"})
+    assert r.status_code == 200
+    r = httpx.post(f"{server.url}/tokenize", json={"prompt": "x"}, headers={"X-Model": "nope"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == 404  # vLLM's shape, the header's model
+
+
+def test_health_is_teis_and_vllms_probe(server: Server) -> None:
+    r = httpx.get(f"{server.url}/health")
+    assert r.status_code == 200 and r.content == b""
+    assert httpx.head(f"{server.url}/health").status_code == 200
+
+
 # --- one batcher, metrics, documentation ---
 
 @pytest.mark.parametrize(("path", "body"), [("/predict", {"inputs": "from tei"}),
@@ -284,7 +385,8 @@ def test_metrics_count_the_new_routes_as_v1(server: Server) -> None:
 
 def test_openapi_documents_the_new_routes(server: Server) -> None:
     paths = httpx.get(f"{server.url}/openapi.json").json()["paths"]
-    for path in ("/predict", "/models/{model}/predict", "/info", "/classify", "/", "/models/{model}"):
+    for path in ("/predict", "/models/{model}/predict", "/info", "/classify", "/", "/models/{model}", "/tokenize",
+                 "/decode", "/detokenize", "/health"):
         assert path in paths, path
     assert "424" in paths["/predict"]["post"]["responses"] and "400" in paths["/classify"]["post"]["responses"]
     props = httpx.get(f"{server.url}/openapi.json").json()["components"]["schemas"]["ClassifyRequest"]["properties"]
@@ -364,7 +466,10 @@ def test_the_same_answers_from_two_fronts(server: Server, repo: Path, logs: Path
              ("/models/tiny-multi/predict", {"inputs": LONG, "truncate": True}, {}),
              ("/", {"inputs": TEXTS[0], "parameters": {"function_to_apply": "sigmoid"}}, {"X-Model": "tiny-multi"}),
              ("/v1/models/tiny-multi/classify", {"inputs": TEXTS}, {}),
-             ("/v1/models/tiny-multi:predict", {"instances": TEXTS, "raw_scores": True}, {})]
+             ("/v1/models/tiny-multi:predict", {"instances": TEXTS, "raw_scores": True}, {}),
+             ("/tokenize", {"inputs": TEXTS}, {"X-Model": "tiny-multi"}),  # a front's tokenizer, and the host's none
+             ("/tokenize", {"model": "tiny-multi", "prompt": LONG, "return_token_strs": True}, {}),
+             ("/decode", {"ids": [[101, 2028], [2048, 102]]}, {})]
 
     def answers(s: Server) -> list[object]:
         got = []

@@ -160,6 +160,8 @@ def test_over_http_a_model_not_in_memory_answers_on_every_protocol(repo: Path, h
         assert r.status_code == 200 and r.json()["predictions"][0]["label"] == alone[NAMES[9]][0][0]
         r = client.post("/v1/explain", json={"inputs": TEXTS[:1], "models": [NAMES[1], NAMES[2]]})
         assert r.status_code == 200 and [m["labels"] for m in r.json()["responses"]] == [["alpha", "beta", "gamma"]] * 2
+        r = client.post("/tokenize", json={"model": NAMES[4], "prompt": TEXTS[0]})  # its head's tokenizer, brought in
+        assert r.status_code == 200 and r.json()["count"] == len(r.json()["tokens"]) > 2
         r = client.post("/v1/models/nope/classify", json={"inputs": ["x"]})
         assert r.status_code == 404 and "nope" in r.json()["error"]["message"]
         in_memory = [m["name"] for m in client.get("/v1/models").json()["models"]]  # what is in memory

@@ -17,7 +17,7 @@ from service.config import Settings
 from service.serving.api import errors, grpc_service
 from service.serving.api.direct import DirectRoutes
 from service.serving.api.middleware import BodyGuard, Observe
-from service.serving.api.routes import health, inference, kserve, models, page, repository, tei, v2, vllm
+from service.serving.api.routes import health, inference, kserve, models, page, repository, tei, tokens, v2, vllm
 from service.serving.observe import tracing
 from service.serving.observe.metrics import Metrics
 from service.serving.state import AppState
@@ -74,6 +74,7 @@ def create_app(settings: Settings | None = None, host: Path | None = None) -> Fa
     app.include_router(tei.router)
     app.include_router(tei.info)
     app.include_router(vllm.router)
+    app.include_router(tokens.router)
     app.include_router(page.router)
     app.mount("/static", page.static, name="static")
 

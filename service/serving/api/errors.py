@@ -24,8 +24,8 @@ INTERNAL_ERROR = "internal error; the request id identifies it in the server log
 
 
 Dialect = Literal["ours", "oip", "tei", "vllm"]
-TEI_PATHS = ("/predict", "/info", "/")
-VLLM_PATHS = ("/classify",)
+TEI_PATHS = ("/predict", "/info", "/", "/health", "/tokenize", "/decode")
+VLLM_PATHS = ("/classify", "/detokenize")  # and /tokenize for a body of vLLM's (see `spoken`)
 
 
 def is_v2(path: str) -> bool:
@@ -34,12 +34,20 @@ def is_v2(path: str) -> bool:
 
 
 def dialect(path: str) -> Dialect:
-    """Whose API the route at ``path`` speaks (whose error shape it answers with)."""
+    """Whose API the route at ``path`` speaks (whose error shape it answers with; see :func:`spoken` for a path two
+    APIs share)."""
     if is_v2(path):
         return "oip"
     if path in TEI_PATHS or path.startswith("/models/"):  # /models/{model}/predict, and Hugging Face's /models/{model}
         return "tei"
     return "vllm" if path in VLLM_PATHS else "ours"
+
+
+def spoken(request: Request) -> Dialect:
+    """Whose API ``request`` speaks: its route's, or at a path two APIs share (TEI's and vLLM's ``/tokenize``) the one
+    its body was found to be (``request.state.dialect``, set before its body is validated)."""
+    found: Dialect | None = request.scope.get("state", {}).get("dialect")
+    return found or dialect(request.url.path)
 
 
 def _texts(value: object) -> bool:
@@ -103,10 +111,11 @@ def _vllm(status: int, message: str) -> tuple[int, dict[str, Any]]:
 
 
 def error_response(status: int, message: str, code: str | None = None, headers: dict[str, str] | None = None,
-                   details: list[dict[str, Any]] | None = None, path: str = "", why: str | None = None
-                   ) -> JSONResponse:
-    """The error answer for a request to ``path`` (``why``: a 503's cause, see :attr:`APIError.why`)."""
-    shape = dialect(path)
+                   details: list[dict[str, Any]] | None = None, path: str = "", why: str | None = None,
+                   shape: Dialect | None = None) -> JSONResponse:
+    """The error answer for a request to ``path`` in the shape of its API (``shape``, else the route's; ``why``: a
+    503's cause, see :attr:`APIError.why`)."""
+    shape = shape or dialect(path)
     if shape == "oip":
         return JSONResponse({"error": message}, status_code=status, headers=headers)
     if shape in ("tei", "vllm"):
@@ -147,7 +156,8 @@ def api_error(request: Request, exc: APIError) -> JSONResponse:
     _count(request, exc.reason)
     if exc.reason == "internal":
         log.error("%s %s: %s", request.method, request.url.path, exc.message)
-    return error_response(exc.status, exc.message, exc.code, exc.headers, exc.details, request.url.path, exc.why)
+    return error_response(exc.status, exc.message, exc.code, exc.headers, exc.details, request.url.path, exc.why,
+                          spoken(request))
 
 
 def install(app: FastAPI) -> None:
@@ -163,7 +173,7 @@ def install(app: FastAPI) -> None:
         details = [_detail(e) for e in exc.errors()]
         message = "; ".join(f"{d['field']}: {d['message']}" for d in details) or "invalid request"
         message += elsewhere(request.url.path, exc.body)
-        return error_response(422, message, details=details, path=request.url.path)
+        return error_response(422, message, details=details, path=request.url.path, shape=spoken(request))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -171,26 +181,26 @@ def install(app: FastAPI) -> None:
         if exc.status_code == 400:  # an unparseable body (e.g. not UTF-8) is an invalid body like any other
             _count(request, "validation")
             why = f" ({exc.__cause__})" if exc.__cause__ is not None else ""  # not UTF-8, nested too deep, ...
-            return error_response(422, f"body: {message}{why}", path=request.url.path)
+            return error_response(422, f"body: {message}{why}", path=request.url.path, shape=spoken(request))
         _count(request, REASONS.get(exc.status_code))
         if exc.status_code == 404 and message == "Not Found":
             message = f"no route {request.method} {request.url.path}"
         headers = exc.headers  # Starlette's HTTPException always has them (None when it sets none)
         if exc.status_code == 405 and headers and "Allow" in headers:
             message = not_allowed(request, headers["Allow"])
-        return error_response(exc.status_code, message, headers=headers, path=request.url.path)
+        return error_response(exc.status_code, message, headers=headers, path=request.url.path, shape=spoken(request))
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:
         # the framework's last resort, for a failure outside the middleware that answers the app's own (`Observe`)
         _count(request, "internal")
         log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return internal_error(request.url.path)
+        return internal_error(request.url.path, spoken(request))
 
 
-def internal_error(path: str) -> JSONResponse:
+def internal_error(path: str, shape: Dialect | None = None) -> JSONResponse:
     """The answer to a request to ``path`` that failed unexpectedly (the failure logged by the caller)."""
-    return error_response(500, INTERNAL_ERROR, path=path)
+    return error_response(500, INTERNAL_ERROR, path=path, shape=shape)
 
 
 def not_allowed(request: Request, allow: str) -> str:

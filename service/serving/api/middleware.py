@@ -101,7 +101,7 @@ class Observe:
             log.exception("unhandled error on %s %s (request %s)", method, path, request_id,
                           extra={"fields": {"request_id": request_id}})
             m.failures.labels("internal").inc()
-            await errors.internal_error(path)(scope, receive, send_with_id)
+            await errors.internal_error(path, scope["state"].get("dialect"))(scope, receive, send_with_id)
         finally:
             life.in_flight -= 1
             m.in_flight.dec()
@@ -112,7 +112,7 @@ class Observe:
             tracing.end_request(traced, endpoint if endpoint != "unmatched" else None, status)
             elapsed = time.perf_counter() - t0
             m.served(endpoint, status, elapsed)
-            if status >= 400 or (self.access_log and endpoint not in ("/metrics", "/healthz", "/readyz")):
+            if status >= 400 or (self.access_log and endpoint not in ("/metrics", "/healthz", "/readyz", "/health")):
                 log.info("%s %s %d %.1f ms (request %s)", method, path, status, 1000 * elapsed, request_id,
                          extra={"fields": {"request_id": request_id, "method": method, "path": path,
                                            "status": status, "duration_ms": round(1000 * elapsed, 2)}})

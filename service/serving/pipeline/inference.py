@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 from service.config import Settings
-from service.modeling.encoding import Encoding, Truncation
-from service.modeling.tokenizer import BackboneError
+from service.modeling.encoding import Encoding, Token, Truncation
+from service.modeling.tokenizer import BackboneError, UnknownTokenId
 from service.serving.core import errors
 from service.serving.core.errors import APIError
 from service.serving.core.lifecycle import Lifecycle
@@ -185,6 +185,34 @@ class Inference:
         for k, text in enumerate(texts):
             if len(text) > s.max_chars:
                 raise APIError(413, f"inputs.{k} has {len(text)} characters, more than the limit of {s.max_chars}")
+
+    # --- the tokenizer alone ---
+
+    async def tokenize(self, model: str, texts: list[str], add_special_tokens: bool = True) -> list[list[Token]]:
+        """Each text's tokens as ``model``'s tokenizer reads it whole (the special tokens of one chunk around them when
+        ``add_special_tokens``); nothing is computed. A text longer than the model's chunk length is read in chunks,
+        each with its own special tokens (see :meth:`run`). With a head cache, the model's head is brought in as a
+        request to classify would bring it (its backbone's tokenizer is the head's), not counted as one."""
+        await self.require([model], count=False)
+        self.check_limits(texts)
+        chunker = self.group_of(model).planner.chunker
+        if sum(map(len, texts)) <= INLINE_CHARS:
+            return chunker.read(texts, add_special_tokens)
+        return await asyncio.get_running_loop().run_in_executor(None, chunker.read, texts, add_special_tokens)
+
+    async def decode(self, model: str, ids: list[list[int]], skip_special_tokens: bool = True) -> list[str]:
+        """The text of each list of ``model``'s token ids (413 for more lists than a request may send texts, 422 for an
+        id outside the vocabulary, naming it)."""
+        await self.require([model], count=False)
+        if len(ids) > self.settings.max_inputs:
+            raise APIError(413, f"too many inputs: {len(ids)} > {self.settings.max_inputs}")
+        chunker = self.group_of(model).planner.chunker
+        try:
+            if sum(map(len, ids)) <= INLINE_CHARS:  # as many ids as characters: a long list off the event loop
+                return chunker.decode(ids, skip_special_tokens)
+            return await asyncio.get_running_loop().run_in_executor(None, chunker.decode, ids, skip_special_tokens)
+        except UnknownTokenId as e:
+            raise APIError(422, f"model {model}: token {e}") from None
 
     # --- the pipeline ---
 

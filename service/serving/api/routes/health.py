@@ -1,4 +1,4 @@
-"""Liveness, readiness and the Prometheus endpoint."""
+"""Liveness, readiness (and TEI's and vLLM's health check, which is readiness) and the Prometheus endpoint."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from service.serving.api.auth import check_key
 from service.serving.api.routes.deps import State
+from service.serving.api.routes.tei import TEIError
 from service.serving.api.schemas import Health
-from service.serving.core.errors import retry_after
+from service.serving.core.errors import APIError, retry_after
 
 router = APIRouter(tags=["health"])
 
@@ -31,10 +32,23 @@ async def readyz(state: State) -> JSONResponse:
     return JSONResponse(body.model_dump(mode="json"), status_code=200 if life.ready else 503, headers=headers)
 
 
+@router.get("/health", response_class=Response, summary="Health, as TEI and vLLM answer it",
+            responses={200: {"description": "Ready: no body"}, 503: {"model": TEIError}})
+async def health(state: State) -> Response:
+    """TEI's and vLLM's health check, which their deployments probe: 200 with no body once every model is loaded and
+    warm, 503 (TEI's error) while loading, draining, or after a failed load (`/readyz` says which)."""
+    life = state.lifecycle
+    if not life.ready:
+        why = "draining" if life.draining else "loading"
+        raise APIError(503, f"unhealthy: models are {life.describe()}", headers=retry_after(why), why=why)
+    return Response(status_code=200)
+
+
 # a probe or load balancer that checks with HEAD gets the same status and headers, no body (not in the schema:
 # the contract documents the GET)
 router.add_api_route("/healthz", healthz, methods=["HEAD"], include_in_schema=False)
 router.add_api_route("/readyz", readyz, methods=["HEAD"], include_in_schema=False)
+router.add_api_route("/health", health, methods=["HEAD"], include_in_schema=False)
 
 
 @router.get("/metrics", summary="Prometheus metrics", response_class=Response)

@@ -34,6 +34,15 @@ def _input(value: Any) -> Any:
     return value
 
 
+def not_a_chat(data: Any, field: str) -> Any:
+    """``data``, unless it is vLLM's other form of a request, a chat (``messages``): said to be one, not ``field`` said
+    to be missing."""
+    if isinstance(data, dict) and "messages" in data and field not in data:
+        raise PydanticCustomError("vllm_chat", "messages (a chat, which vLLM renders with the model's chat template) "
+                                  "is not taken: these models read plain text; send it as {field}", {"field": field})
+    return data
+
+
 class ErrorInfo(BaseModel):
     message: str
     type: str
@@ -68,11 +77,7 @@ class ClassificationRequest(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _not_a_chat(cls, data: Any) -> Any:
-        """vLLM's other form, a chat (``messages``), said to be one, not ``input`` said to be missing."""
-        if isinstance(data, dict) and "messages" in data and "input" not in data:
-            raise PydanticCustomError("vllm_chat", "messages (a chat, which vLLM renders with the model's chat "
-                                      "template) is not taken: these models classify plain text; send it as input")
-        return data
+        return not_a_chat(data, "input")
 
     def truncation(self) -> Truncation | None:
         k = self.truncate_prompt_tokens
