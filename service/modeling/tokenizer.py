@@ -109,6 +109,14 @@ class UnknownTokenId(ValueError):
         self.k, self.position, self.token_id = k, position, token_id
 
 
+class TooLong(ValueError):
+    """Token ids, sent in place of a text, more than a chunk holds (and not to be truncated): list ``k``'s ``n``."""
+
+    def __init__(self, k: int, n: int, length: int) -> None:
+        super().__init__(f"{n} token ids, more than the {length} a chunk of this model holds")
+        self.k, self.n, self.length = k, n, length
+
+
 class ChunkTokenizer:
     """A backbone's fast tokenizer that cuts each text into chunks of at most a model's ``max_length``
     tokens, the special tokens in every chunk.
@@ -209,6 +217,35 @@ class ChunkTokenizer:
             out.append(by_length)
         return out
 
+    def encode_ids(self, ids: Sequence[Sequence[int]], max_lengths: Sequence[int], truncation: Truncation | None = None
+                   ) -> list[dict[int, Encoding]]:
+        """Token ids sent in place of texts, each list read as it is (its special tokens where the client put them),
+        for every chunk length in ``max_lengths``: per list, chunk length -> its :class:`Encoding` of one chunk. With
+        ``truncation``, a list longer than the chunk (or than ``truncation.tokens``) is cut to it on the side it says.
+
+        Raises:
+            UnknownTokenId: an id outside the vocabulary.
+            TooLong: a list longer than a chunk, without ``truncation``.
+        """
+        if truncation is not None and truncation.tokens is not None and truncation.tokens < 1:
+            raise BackboneError(f"truncation to {truncation.tokens} tokens leaves none to read")
+        self.check_ids(ids)
+        special = set(self.prefix) | set(self.suffix) | {
+            i for i, t in self.tokenizer.get_added_tokens_decoder().items() if t.special}
+        lengths = sorted({self.cut(m) for m in max_lengths})
+        out: list[dict[int, Encoding]] = []
+        for k, one in enumerate(ids):
+            by_length: dict[int, Encoding] = {}
+            for length in lengths:
+                if truncation is None and len(one) > length:
+                    raise TooLong(k, len(one), length)
+                keep = len(one) if truncation is None else min(truncation.tokens or length, length)
+                kept = tuple(one[:keep] if truncation is None or truncation.side == "right" else one[-keep:])
+                by_length[length] = Encoding((kept,), ((0, 0),) * len(kept), tuple(i in special for i in kept),
+                                             (-1,) * len(kept))
+            out.append(by_length)
+        return out
+
     def _chunked(self, ids: list[int], offs: list[tuple[int, int]], words: list[int], body: int) -> Encoding:
         """One text's tokens cut into chunks of ``body`` text tokens, the special tokens around each."""
         n_pre, n_suf = len(self.prefix), len(self.suffix)
@@ -243,16 +280,20 @@ class ChunkTokenizer:
                                                             strict=True)]
                 for enc in encoded]
 
+    def check_ids(self, ids: Sequence[Sequence[int]]) -> None:
+        """Raises :class:`UnknownTokenId` for the first id outside the vocabulary."""
+        size = self.vocab_size
+        for k, one in enumerate(ids):
+            bad = next((j for j, i in enumerate(one) if not 0 <= i < size), None)
+            if bad is not None:
+                raise UnknownTokenId(k, bad, one[bad], size)
+
     def decode(self, ids: list[list[int]], skip_special_tokens: bool = True) -> list[str]:
         """The text of each list of token ids (one call), the special tokens left out when ``skip_special_tokens``.
 
         Raises:
             UnknownTokenId: an id outside the vocabulary (the tokenizer would drop it without a word).
         """
-        size = self.vocab_size
-        for k, one in enumerate(ids):
-            bad = next((j for j, i in enumerate(one) if not 0 <= i < size), None)
-            if bad is not None:
-                raise UnknownTokenId(k, bad, one[bad], size)
+        self.check_ids(ids)
         with self._lock:
             return self.tokenizer.decode_batch(ids, skip_special_tokens=skip_special_tokens)

@@ -202,6 +202,41 @@ def test_vllm_classify(server: Server) -> None:
     assert whole["usage"]["prompt_tokens"] == 16
 
 
+def test_vllm_classify_takes_token_ids_as_vllm_does(server: Server) -> None:
+    """A list of ids (or a list of those) is read as it is, in one chunk: the text's own ids answer as the text."""
+    url = f"{server.url}/classify"
+    ids = [httpx.post(f"{server.url}/tokenize", json={"prompt": t}).json()["tokens"] for t in TEXTS]
+    labels = httpx.get(f"{server.url}/v1/models/tiny").json()["labels"]
+    for sent in (ids[0], ids):
+        r = httpx.post(url, json={"model": "tiny", "input": sent})
+        assert r.status_code == 200, r.text
+        got = r.json()
+        lists = [sent] if sent is ids[0] else sent
+        assert got["usage"]["prompt_tokens"] == sum(map(len, lists)) and len(got["data"]) == len(lists)
+        for row, text in zip(got["data"], TEXTS, strict=False):
+            close(dict(zip(labels, row["probs"], strict=True)), v1(server, text)["scores"])
+    long = httpx.post(f"{server.url}/tokenize", json={"prompt": LONG}).json()["tokens"]  # 22: more than a chunk
+    r = httpx.post(url, json={"input": long})
+    assert r.status_code == 400 and "22 token ids, more than the 16 a chunk of this model holds" in r.text
+    for side, kept in (("right", long[:8]), ("left", long[-8:])):
+        cut = httpx.post(url, json={"input": long, "truncate_prompt_tokens": 8, "truncation_side": side}).json()
+        alone = httpx.post(url, json={"input": kept}).json()
+        assert cut["usage"]["prompt_tokens"] == 8 and cut["data"] == alone["data"]
+
+
+@pytest.mark.parametrize(("body", "says"), [
+    ({"input": [[1], []]}, "item 1: an empty list"),
+    ({"input": [101, "a"]}, "item 1: the string 'a'"),
+    ({"input": [[101], ["a"]]}, "item 1: a list holding other than token ids"),
+    ({"input": [101, True]}, "item 1: a boolean"),
+    ({"input": [[101, 2023], [102, 30522_000]]}, "30522000 (list 1, position 1) is not a token id"),
+    ({"input": [101, 2023], "truncate_prompt_tokens": 0}, "truncation to 0 tokens leaves none to read"),
+])
+def test_vllm_token_ids_errors(server: Server, body: dict, says: str) -> None:
+    r = httpx.post(f"{server.url}/classify", json=body)
+    assert r.status_code == 400 and says in r.json()["error"]["message"], r.text
+
+
 def test_vllm_clients_find_the_model_in_the_openai_list(server: Server) -> None:
     """vLLM's own example client: the model from ``GET /v1/models``' ``data[0].id``, then ``/classify`` with it."""
     listed = httpx.get(f"{server.url}/v1/models").json()
@@ -223,7 +258,7 @@ def test_vllm_answer_id_names_the_request_as_vllm_does(server: Server) -> None:
 
 
 @pytest.mark.parametrize(("body", "status", "says"), [
-    ({"input": 3}, 400, "a text or a list of texts"),
+    ({"input": 3}, 400, "a text, a list of texts, a list of token ids or a list of those; got a number (3)"),
     ({"input": []}, 400, "empty list"),
     ({"input": ["x", None]}, 400, "item 1"),
     ({"model": "nope", "input": "x"}, 404, "nope"),
@@ -478,7 +513,8 @@ def test_the_same_answers_from_two_fronts(server: Server, repo: Path, logs: Path
             assert r.status_code == 200, (path, r.text)
             got.append(r.json())
         vllm = httpx.post(f"{s.url}/classify", json={"model": "tiny-multi", "input": TEXTS}).json()
-        return [*got, vllm["data"], vllm["usage"]]
+        ids = httpx.post(f"{s.url}/classify", json={"input": [[101, 2028, 102], [101, 2048, 2093, 102]]}).json()
+        return [*got, vllm["data"], vllm["usage"], ids["data"], ids["usage"]]
 
     def near(a: object, b: object) -> bool:
         if isinstance(a, float) and isinstance(b, float):

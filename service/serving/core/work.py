@@ -53,6 +53,18 @@ class CreditSpec:
 
 
 @dataclass(frozen=True)
+class TokenIds:
+    """Texts a client sent as token ids (vLLM's ``/classify`` takes them): each list is read as it is, the special
+    tokens where the client put them, in one chunk. Scores only: credit is shown on a text's characters and words,
+    which these have none of."""
+
+    ids: tuple[tuple[int, ...], ...]
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+@dataclass(frozen=True)
 class Ask:
     """One head asked of a text: the head's key (see :func:`~service.serving.core.keys.head_key`; None: the
     engine's only or first head) and its credit (None: scores only)."""

@@ -11,7 +11,7 @@ from service.modeling.manifest import Manifest
 from service.modeling.tokenizer import ChunkTokenizer
 from service.serving.core.keys import backbone_key, group_name
 from service.serving.core.results import TokenSpan
-from service.serving.core.work import Ask, ChunkWork, CreditSpec, Task, TextJob
+from service.serving.core.work import Ask, ChunkWork, CreditSpec, Task, TextJob, TokenIds
 
 
 class Planner:
@@ -66,6 +66,12 @@ class Planner:
         :meth:`ChunkTokenizer.encode_lengths`; ``truncation``: to one chunk each): per text, chunk length ->
         encoding."""
         return self.chunker.encode_lengths(texts, [self.max_length(m) for m in models], truncation)
+
+    def encode_ids(self, ids: TokenIds, models: Sequence[str], truncation: Truncation | None = None
+                   ) -> list[dict[int, Encoding]]:
+        """Token ids sent in place of texts, each list one chunk for every chunk length the ``models`` use (see
+        :meth:`ChunkTokenizer.encode_ids`): per list, chunk length -> encoding."""
+        return self.chunker.encode_ids(ids.ids, [self.max_length(m) for m in models], truncation)
 
     def tokens(self, encoding: Encoding) -> list[TokenSpan]:
         """The positions of ``encoding`` as a response shows them (special tokens included)."""

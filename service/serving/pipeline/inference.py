@@ -23,12 +23,12 @@ from typing import Literal
 
 from service.config import Settings
 from service.modeling.encoding import Encoding, Token, Truncation
-from service.modeling.tokenizer import BackboneError, UnknownTokenId
+from service.modeling.tokenizer import BackboneError, TooLong, UnknownTokenId
 from service.serving.core import errors
 from service.serving.core.errors import APIError
 from service.serving.core.lifecycle import Lifecycle
 from service.serving.core.results import Answer, Result, TokenSpan
-from service.serving.core.work import Ask, CreditSpec, Detail, Method, TextJob
+from service.serving.core.work import Ask, CreditSpec, Detail, Method, TextJob, TokenIds
 from service.serving.engine.batcher import DeadlineExceeded, Draining, Overloaded
 from service.serving.engine.group import BackboneGroup, credit_methods
 from service.serving.models.cache import HeadCache
@@ -177,12 +177,13 @@ class Inference:
         s = self.settings
         return time.monotonic() + min(timeout_s or s.request_timeout_s, s.max_request_timeout_s)
 
-    def check_limits(self, texts: Sequence[str]) -> None:
-        """413 for too many texts or a text over the character limit."""
+    def check_limits(self, texts: Sequence[str] | TokenIds) -> None:
+        """413 for too many texts or a text over the character limit (token ids: over the token limit, as they are
+        planned)."""
         s = self.settings
         if len(texts) > s.max_inputs:
             raise APIError(413, f"too many inputs: {len(texts)} > {s.max_inputs}")
-        for k, text in enumerate(texts):
+        for k, text in enumerate(texts if isinstance(texts, Sequence) else ()):
             if len(text) > s.max_chars:
                 raise APIError(413, f"inputs.{k} has {len(text)} characters, more than the limit of {s.max_chars}")
 
@@ -216,15 +217,17 @@ class Inference:
 
     # --- the pipeline ---
 
-    async def run(self, models: Sequence[str], texts: list[str], specs: Sequence[CreditSpec | None],
+    async def run(self, models: Sequence[str], texts: list[str] | TokenIds, specs: Sequence[CreditSpec | None],
                   deadline: float, gone: Gone | None = None, truncation: Truncation | None = None
                   ) -> list[list[Scored]]:
-        """Every text on every model (``specs[m]``: the credit model ``m`` computes, None: scores only), each text
-        cut to one chunk as ``truncation`` says (None: a long text is chunked whole).
+        """Every text (or list of token ids) on every model (``specs[m]``: the credit model ``m`` computes, None:
+        scores only), each text cut to one chunk as ``truncation`` says (None: a long text is chunked whole).
 
         Returns:
-            ``[model][text]`` answers, in the order asked.
+            ``[model][text]`` answers, in the order asked (the text of token ids is ``""``).
         """
+        if isinstance(texts, TokenIds) and any(spec is not None for spec in specs):
+            raise APIError(422, "credit is shown on a text's characters and words: send texts, not token ids")
         self.check_limits(texts)
         if self.cache is not None:
             await self.cache.bring(models, False)  # again: a head may have left memory since the route brought it in
@@ -243,7 +246,7 @@ class Inference:
         self.stats.answered(models, time.perf_counter() - started, ok=True)
         return out
 
-    async def _run(self, groups: list[BackboneGroup], keys: list[str], texts: list[str],
+    async def _run(self, groups: list[BackboneGroup], keys: list[str], texts: list[str] | TokenIds,
                    specs: Sequence[CreditSpec | None], deadline: float, gone: Gone | None,
                    truncation: Truncation | None) -> list[list[Scored]]:
         """:meth:`run` on the heads ``keys[m]`` of ``groups[m]``."""
@@ -265,13 +268,19 @@ class Inference:
             heads = [keys[m] for m in ms]
             with tracing.span("tokenize", **{"routing.backbone": name, "routing.texts": len(texts)}):
                 try:
-                    if sum(map(len, texts)) <= INLINE_CHARS:  # a thread hop would cost more than the tokenizing
+                    if isinstance(texts, TokenIds):
+                        per_text = planner.encode_ids(texts, heads, truncation)
+                    elif sum(map(len, texts)) <= INLINE_CHARS:  # a thread hop would cost more than the tokenizing
                         per_text = planner.encode(texts, heads, truncation)
                     else:
                         per_text = await loop.run_in_executor(None, planner.encode, texts, heads, truncation)
                 except BackboneError as e:  # a truncation the tokenizer cannot make
                     raise APIError(422, str(e), details=[{"field": "truncate", "message": str(e),
                                                           "type": "value_error"}]) from None
+                except UnknownTokenId as e:
+                    raise APIError(422, f"backbone {name}: token {e}") from None
+                except TooLong as e:
+                    raise APIError(422, f"inputs.{e.k} has {e}: send fewer, or ask for truncation") from None
             jobs: list[TextJob] = []
             places: list[int] = []
             for t, by_length in enumerate(per_text):
@@ -297,8 +306,9 @@ class Inference:
             raise APIError(500, failed.error or "", reason="internal")
         explained = {key: enc for key, enc in encodings.items() if specs[key[0]] is not None}
         tokens = await render.off_loop(lambda: self._tokens(groups, explained)) if explained else {}
+        said = texts if isinstance(texts, list) else [""] * len(texts)
         return [[Scored(text, results[(m, t)], encodings[(m, t)], tokens.get(id(encodings[(m, t)])))
-                 for t, text in enumerate(texts)] for m in range(len(keys))]
+                 for t, text in enumerate(said)] for m in range(len(keys))]
 
     @staticmethod
     def _tokens(groups: Sequence[BackboneGroup], encodings: dict[tuple[int, int], Encoding]
@@ -360,9 +370,10 @@ class Inference:
                                ) from e
         return [t.result() for t in tasks]
 
-    async def score(self, model: str, texts: list[str], timeout_s: float | None = None, gone: Gone | None = None,
-                    truncation: Truncation | None = None) -> list[Scored]:
-        """Each text's answer from ``model``, scores only (the other APIs' routes shape them)."""
+    async def score(self, model: str, texts: list[str] | TokenIds, timeout_s: float | None = None,
+                    gone: Gone | None = None, truncation: Truncation | None = None) -> list[Scored]:
+        """Each text's (or list of token ids') answer from ``model``, scores only (the other APIs' routes shape
+        them)."""
         await self.require([model])  # brought in (and counted: once a request)
         (scored,) = await self.run([model], texts, [None], self.deadline(timeout_s), gone, truncation)
         return scored

@@ -1,10 +1,11 @@
 """vLLM's classification API, ``POST /classify`` (at the root, as vLLM serves it; ``/v1/classify`` is this service's
 own), over the same pipeline and batcher as ``/v1``: ``model`` (absent: the default one), ``input`` (a text or a
-list), ``truncate_prompt_tokens`` (keep k tokens, special tokens included; -1: the model's chunk length): the first
-k (``truncation_side`` ``"right"``, the default, as vLLM truncates for classification) or the last k (``"left"``),
-``use_activation`` (false: the logits). Fields vLLM accepts and this service has no use for (``user``,
-``priority``, ...) are ignored, as vLLM ignores the ones it does not know; a chat (``messages``) is refused. Errors
-are vLLM's, ``{"error": {"message", "type", "param", "code"}}`` (see :mod:`service.serving.api.errors`)."""
+list; or token ids, a list or a list of lists, each read as it is in one chunk), ``truncate_prompt_tokens`` (keep k
+tokens, special tokens included; -1: the model's chunk length): the first k (``truncation_side`` ``"right"``, the
+default, as vLLM truncates for classification) or the last k (``"left"``), ``use_activation`` (false: the logits).
+Fields vLLM accepts and this service has no use for (``user``, ``priority``, ...) are ignored, as vLLM ignores the
+ones it does not know; a chat (``messages``) is refused. Errors are vLLM's, ``{"error": {"message", "type", "param",
+"code"}}`` (see :mod:`service.serving.api.errors`)."""
 
 from __future__ import annotations
 
@@ -20,18 +21,31 @@ from service.modeling.encoding import Truncation
 from service.serving.api.responses import JSONBody
 from service.serving.api.routes.deps import State, client_gone, require_json, require_key
 from service.serving.api.schemas import NonBlank, json_kind
+from service.serving.core.work import TokenIds
 from service.serving.pipeline.render import scores
 
 
+def _ids(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(type(i) is int for i in value)
+
+
 def _input(value: Any) -> Any:
-    """``value`` when it is a text or a non-empty list of texts, else one clear error (not one per union branch)."""
-    texts = value if isinstance(value, list) else [value]
-    bad = next((k for k, v in enumerate(texts) if not isinstance(v, str)), None)
-    if not texts or bad is not None:
-        raise PydanticCustomError("vllm_input", "a text or a list of texts; got {got}",
-                                  {"got": "an empty list" if not texts else json_kind(value) if not isinstance(
-                                      value, list) else f"item {bad}: {json_kind(texts[bad])}"})
-    return value
+    """``value`` when it is a text, a non-empty list of texts, a list of token ids or a non-empty list of those (vLLM's
+    four forms), else one clear error (not one per union branch)."""
+    if isinstance(value, str) or _ids(value) or (isinstance(value, list) and value and (
+            all(isinstance(v, str) for v in value) or all(_ids(v) for v in value))):
+        return value
+    if not isinstance(value, list) or not value:
+        got = "an empty list" if value == [] else json_kind(value)
+    else:
+        first = value[0]
+        fits = _ids if isinstance(first, list) else (lambda v: type(v) is int) if type(first) is int else (
+            lambda v: isinstance(v, str))
+        k = next(k for k, v in enumerate(value) if not fits(v))
+        got = f"item {k}: " + ("an empty list" if value[k] == [] else "a list holding other than token ids"
+                               if isinstance(value[k], list) else json_kind(value[k]))
+    raise PydanticCustomError("vllm_input", "a text, a list of texts, a list of token ids or a list of those; got "
+                                            "{got}", {"got": got})
 
 
 def not_a_chat(data: Any, field: str) -> Any:
@@ -61,8 +75,11 @@ router = APIRouter(tags=["vllm"], dependencies=[Depends(require_key), Depends(re
 class ClassificationRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: str | None = Field(None, description="The model (absent: the default one)")
-    input: Annotated[NonBlank | Annotated[list[NonBlank], Field(min_length=1)], BeforeValidator(_input)] = Field(
-        description="A text, or a list of texts", examples=[["I love this!"]])
+    input: Annotated[NonBlank | Annotated[list[NonBlank], Field(min_length=1)] | list[StrictInt]
+                     | Annotated[list[Annotated[list[StrictInt], Field(min_length=1)]], Field(min_length=1)],
+                     BeforeValidator(_input)] = Field(
+        description="A text, a list of texts, or texts as token ids (a list of ids, or a list of those: each read as "
+                    "it is, special tokens included, in one chunk)", examples=[["I love this!"]])
     truncate_prompt_tokens: StrictInt | None = Field(
         None, ge=-1, description="Keep only k tokens of a text (special tokens included); -1: the model's chunk "
         "length. Absent: a long text is read whole, in chunks")
@@ -78,6 +95,16 @@ class ClassificationRequest(BaseModel):
     @classmethod
     def _not_a_chat(cls, data: Any) -> Any:
         return not_a_chat(data, "input")
+
+    def texts(self) -> list[str] | TokenIds:
+        """The texts, or the token ids sent in their place."""
+        if isinstance(self.input, str):
+            return [self.input]
+        if isinstance(self.input[0], int):
+            return TokenIds((tuple(self.input),))  # type: ignore[arg-type]
+        if isinstance(self.input[0], list):
+            return TokenIds(tuple(tuple(ids) for ids in self.input))  # type: ignore[union-attr]
+        return self.input  # type: ignore[return-value]
 
     def truncation(self) -> Truncation | None:
         k = self.truncate_prompt_tokens
@@ -121,8 +148,7 @@ async def classify(request: Request, state: State, body: ClassificationRequest) 
     """vLLM's `/classify`: each text's label and every label's probability (the logits with `use_activation`
     false), in the model's label order, and the tokens read."""
     model = body.model or state.default()
-    texts = [body.input] if isinstance(body.input, str) else body.input
-    scored = await state.inference.score(model, texts, None, client_gone(request), body.truncation())
+    scored = await state.inference.score(model, body.texts(), None, client_gone(request), body.truncation())
     raw = body.use_activation is False
     data = [{"index": k, "label": s.result.label, "probs": list(scores(s.result, raw).values()),
              "num_classes": len(s.result.scores)} for k, s in enumerate(scored)]
