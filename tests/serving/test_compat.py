@@ -164,6 +164,8 @@ def test_huggingface_inference_client(server: Server) -> None:
     assert len(soft) == 2 and all(abs(soft[k] - want["scores"][k]) <= 1e-6 for k in soft)
     one = InferenceClient(base_url=f"{server.url}/models/tiny-multi")  # a model by its path
     close({e.label: e.score for e in one.text_classification(TEXTS[1])}, v1(server, TEXTS[1], "tiny-multi")["scores"])
+    endpoint = InferenceClient(server.url, provider="hf-inference")  # as the client asks a TEI Inference Endpoint
+    assert endpoint.health_check() is True and endpoint.get_endpoint_info()["model_id"] == "tiny"
 
 
 def test_huggingface_route_errors(server: Server) -> None:
