@@ -109,12 +109,14 @@ class UnknownTokenId(ValueError):
         self.k, self.position, self.token_id = k, position, token_id
 
 
-class TooLong(ValueError):
-    """Token ids, sent in place of a text, more than a chunk holds (and not to be truncated): list ``k``'s ``n``."""
+class NotAChunk(ValueError):
+    """Token ids, sent in place of a text, that make no chunk: list ``k`` holds none, or more than a chunk holds (and
+    is not to be truncated)."""
 
     def __init__(self, k: int, n: int, length: int) -> None:
-        super().__init__(f"{n} token ids, more than the {length} a chunk of this model holds")
-        self.k, self.n, self.length = k, n, length
+        super().__init__("holds no token ids" if n == 0 else
+                         f"has {n} token ids, more than the {length} a chunk of this model holds")
+        self.k = k
 
 
 class ChunkTokenizer:
@@ -225,7 +227,7 @@ class ChunkTokenizer:
 
         Raises:
             UnknownTokenId: an id outside the vocabulary.
-            TooLong: a list longer than a chunk, without ``truncation``.
+            NotAChunk: an empty list, or one longer than a chunk without ``truncation``.
         """
         if truncation is not None and truncation.tokens is not None and truncation.tokens < 1:
             raise BackboneError(f"truncation to {truncation.tokens} tokens leaves none to read")
@@ -237,8 +239,8 @@ class ChunkTokenizer:
         for k, one in enumerate(ids):
             by_length: dict[int, Encoding] = {}
             for length in lengths:
-                if truncation is None and len(one) > length:
-                    raise TooLong(k, len(one), length)
+                if not one or (truncation is None and len(one) > length):
+                    raise NotAChunk(k, len(one), length)
                 keep = len(one) if truncation is None else min(truncation.tokens or length, length)
                 kept = tuple(one[:keep] if truncation is None or truncation.side == "right" else one[-keep:])
                 by_length[length] = Encoding((kept,), ((0, 0),) * len(kept), tuple(i in special for i in kept),

@@ -226,6 +226,24 @@ def test_vllm_classify_takes_token_ids_as_vllm_does(server: Server) -> None:
         assert cut["usage"]["prompt_tokens"] == 8 and cut["data"] == alone["data"]
 
 
+def test_vllm_classify_without_special_tokens_and_by_the_older_names_of_use_activation(server: Server) -> None:
+    url = f"{server.url}/classify"
+    bare = httpx.post(f"{server.url}/tokenize", json={"prompt": TEXTS[1], "add_special_tokens": False}).json()
+    got = httpx.post(url, json={"input": TEXTS[1], "add_special_tokens": False}).json()
+    assert got["usage"]["prompt_tokens"] == bare["count"]  # its ids alone, as vLLM reads it then
+    assert got["data"] == httpx.post(url, json={"input": bare["tokens"]}).json()["data"]
+    assert got["data"] != httpx.post(url, json={"input": TEXTS[1]}).json()["data"]
+    r = httpx.post(url, json={"input": LONG, "add_special_tokens": False})  # 20 tokens: more than a chunk
+    assert r.status_code == 400 and "inputs.0 has 20 token ids, more than the 16" in r.json()["error"]["message"]
+    cut = httpx.post(url, json={"input": LONG, "add_special_tokens": False, "truncate_prompt_tokens": 5}).json()
+    assert cut["usage"]["prompt_tokens"] == 5
+    logits = httpx.post(url, json={"input": TEXTS[0], "use_activation": False}).json()["data"]
+    for older in ("softmax", "activation"):
+        assert httpx.post(url, json={"input": TEXTS[0], older: False}).json()["data"] == logits
+    r = httpx.post(url, json={"input": TEXTS[0], "use_activation": True, "softmax": False})
+    assert r.status_code == 400 and "disagree" in r.json()["error"]["message"]
+
+
 @pytest.mark.parametrize(("body", "says"), [
     ({"input": [[1], []]}, "item 1: an empty list"),
     ({"input": [101, "a"]}, "item 1: the string 'a'"),
@@ -233,6 +251,7 @@ def test_vllm_classify_takes_token_ids_as_vllm_does(server: Server) -> None:
     ({"input": [101, True]}, "item 1: a boolean"),
     ({"input": [[101, 2023], [102, 30522_000]]}, "30522000 (list 1, position 1) is not a token id"),
     ({"input": [101, 2023], "truncate_prompt_tokens": 0}, "truncation to 0 tokens leaves none to read"),
+    ({"input": ["x", "\u200b"], "add_special_tokens": False}, "inputs.1 holds no token ids"),  # the tokenizer drops it
 ])
 def test_vllm_token_ids_errors(server: Server, body: dict, says: str) -> None:
     r = httpx.post(f"{server.url}/classify", json=body)

@@ -23,7 +23,7 @@ from typing import Literal
 
 from service.config import Settings
 from service.modeling.encoding import Encoding, Token, Truncation
-from service.modeling.tokenizer import BackboneError, TooLong, UnknownTokenId
+from service.modeling.tokenizer import BackboneError, NotAChunk, UnknownTokenId
 from service.serving.core import errors
 from service.serving.core.errors import APIError
 from service.serving.core.lifecycle import Lifecycle
@@ -279,8 +279,9 @@ class Inference:
                                                           "type": "value_error"}]) from None
                 except UnknownTokenId as e:
                     raise APIError(422, f"backbone {name}: token {e}") from None
-                except TooLong as e:
-                    raise APIError(422, f"inputs.{e.k} has {e}: send fewer, or ask for truncation") from None
+                except NotAChunk as e:
+                    raise APIError(422, f"inputs.{e.k} {e}: token ids (sent, or a text's without its special "
+                                        "tokens) are read as one chunk; ask for truncation to cut them") from None
             jobs: list[TextJob] = []
             places: list[int] = []
             for t, by_length in enumerate(per_text):

@@ -2,7 +2,8 @@
 own), over the same pipeline and batcher as ``/v1``: ``model`` (absent: the default one), ``input`` (a text or a
 list; or token ids, a list or a list of lists, each read as it is in one chunk), ``truncate_prompt_tokens`` (keep k
 tokens, special tokens included; -1: the model's chunk length): the first k (``truncation_side`` ``"right"``, the
-default, as vLLM truncates for classification) or the last k (``"left"``), ``use_activation`` (false: the logits).
+default, as vLLM truncates for classification) or the last k (``"left"``), ``use_activation`` (false: the logits;
+``activation`` and ``softmax``, its older names, too), ``add_special_tokens`` (false: a text read as its ids alone).
 Fields vLLM accepts and this service has no use for (``user``, ``priority``, ...) are ignored, as vLLM ignores the
 ones it does not know; a chat (``messages``) is refused. Errors are vLLM's, ``{"error": {"message", "type", "param",
 "code"}}`` (see :mod:`service.serving.api.errors`)."""
@@ -88,6 +89,11 @@ class ClassificationRequest(BaseModel):
         "the last k")
     use_activation: StrictBool | None = Field(None, description="false: the logits in `probs` (default: "
                                               "probabilities, the model's softmax or sigmoid)")
+    softmax: StrictBool | None = Field(None, description="vLLM's older name of use_activation")
+    activation: StrictBool | None = Field(None, description="vLLM's older name of use_activation")
+    add_special_tokens: StrictBool = Field(True, description="false: a text is read without its special tokens, as "
+                                           "one chunk (longer than one is refused unless truncate_prompt_tokens cuts "
+                                           "it), as vLLM reads it")
     request_id: str | None = Field(None, description="The answer's id is classify-<this>, unless an X-Request-ID "
                                    "header names the request (absent both: the server's own request id)")
 
@@ -95,6 +101,19 @@ class ClassificationRequest(BaseModel):
     @classmethod
     def _not_a_chat(cls, data: Any) -> Any:
         return not_a_chat(data, "input")
+
+    @model_validator(mode="after")
+    def _one_activation(self) -> ClassificationRequest:
+        said = {k: v for k, v in (("use_activation", self.use_activation), ("activation", self.activation),
+                                  ("softmax", self.softmax)) if v is not None}
+        if len(set(said.values())) > 1:
+            raise PydanticCustomError("vllm_activation", "{said} disagree: activation and softmax are vLLM's older "
+                                      "names of use_activation; send one", {"said": said})
+        return self
+
+    def raw(self) -> bool:
+        """Whether the logits are asked for (``use_activation`` false, or its older names)."""
+        return False in (self.use_activation, self.activation, self.softmax)
 
     def texts(self) -> list[str] | TokenIds:
         """The texts, or the token ids sent in their place."""
@@ -148,8 +167,12 @@ async def classify(request: Request, state: State, body: ClassificationRequest) 
     """vLLM's `/classify`: each text's label and every label's probability (the logits with `use_activation`
     false), in the model's label order, and the tokens read."""
     model = body.model or state.default()
-    scored = await state.inference.score(model, body.texts(), None, client_gone(request), body.truncation())
-    raw = body.use_activation is False
+    texts = body.texts()
+    if not body.add_special_tokens and isinstance(texts, list):  # read as vLLM reads them then: as their ids alone
+        read = await state.inference.tokenize(model, texts, add_special_tokens=False)
+        texts = TokenIds(tuple(tuple(t.id for t in tokens) for tokens in read))
+    scored = await state.inference.score(model, texts, None, client_gone(request), body.truncation())
+    raw = body.raw()
     data = [{"index": k, "label": s.result.label, "probs": list(scores(s.result, raw).values()),
              "num_classes": len(s.result.scores)} for k, s in enumerate(scored)]
     tokens = sum(s.encoding.n_tokens for s in scored)
