@@ -72,4 +72,7 @@ EXPOSE 8000 8001
 HEALTHCHECK --interval=15s --timeout=5s --start-period=120s --retries=3 \
     CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:' + os.environ.get('ROUTING_PORT', '8000') + '/healthz', timeout=4)"]
 STOPSIGNAL SIGTERM
-CMD ["routing-service", "serve"]
+# the command line's subcommand is the container's argument: `docker run IMAGE` serves, as does SageMaker's
+# `docker run IMAGE serve`; `docker run IMAGE serve --help` lists its options
+ENTRYPOINT ["routing-service"]
+CMD ["serve"]

@@ -34,7 +34,8 @@ def container(image: str) -> Iterator[tuple[str, str, float]]:
     cid = podman.cli("run", "-d", "--network", "host", "--read-only", "--tmpfs", "/tmp",
                      "--user", "10001:10001", "-e", f"ROUTING_PORT={port}", "-e", "ROUTING_HOST=127.0.0.1",
                      "-e", f"ROUTING_GRPC_PORT={free_port()}",  # the host's network: a port of its own
-                     "-e", "ROUTING_DRAIN_TIMEOUT_S=10", image).stdout.strip()
+                     "-e", "ROUTING_DRAIN_TIMEOUT_S=10", image, "serve").stdout.strip()  # as SageMaker starts it
+    # (compose's test starts the image without an argument)
     url = f"http://127.0.0.1:{port}"
     ready = None
     try:
@@ -69,6 +70,9 @@ def test_image_runs_as_uid_10001_and_serves(container: tuple[str, str, float]) -
     metrics = httpx.get(f"{url}/metrics").text
     assert 'routing_requests_total{endpoint="/v1/classify",status="200"} 1.0' in metrics
     assert httpx.get(f"{url}/").status_code == 200  # the page ships in the image
+    assert httpx.get(f"{url}/ping").status_code == 200  # SageMaker's health check, and its requests' route
+    r = httpx.post(f"{url}/invocations", json={"inputs": "I love this new phone, the battery lasts forever!"})
+    assert r.status_code == 200 and r.json()[0]["label"] == "positive", r.text
 
 
 def test_sigterm_drains_and_exits_0(container: tuple[str, str, float]) -> None:

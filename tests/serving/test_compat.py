@@ -395,10 +395,21 @@ def test_the_tokenizer_routes_take_the_model_from_the_header_or_body(server: Ser
     assert r.status_code == 404 and r.json()["error"]["code"] == 404  # vLLM's shape, the header's model
 
 
-def test_health_is_teis_and_vllms_probe(server: Server) -> None:
-    r = httpx.get(f"{server.url}/health")
-    assert r.status_code == 200 and r.content == b""
-    assert httpx.head(f"{server.url}/health").status_code == 200
+def test_health_is_teis_and_vllms_probe_and_sagemakers_ping(server: Server) -> None:
+    for path in ("/health", "/ping"):
+        r = httpx.get(f"{server.url}{path}")
+        assert r.status_code == 200 and r.content == b""
+        assert httpx.head(f"{server.url}{path}").status_code == 200
+
+
+def test_sagemakers_invocations_is_teis_predict(server: Server) -> None:
+    for body in ({"inputs": TEXTS[0]}, {"inputs": [[t] for t in TEXTS], "raw_scores": True}):
+        r = httpx.post(f"{server.url}/invocations", json=body)
+        assert r.status_code == 200 and r.json() == httpx.post(f"{server.url}/predict", json=body).json()
+    r = httpx.post(f"{server.url}/invocations", json={"inputs": TEXTS[0]}, headers={"X-Model": "tiny-multi"})
+    assert as_dict(r.json()).keys() == v1(server, TEXTS[0], "tiny-multi")["scores"].keys()
+    r = httpx.post(f"{server.url}/invocations", json={"inputs": ["query", "document"]})
+    assert r.status_code == 422 and r.json()["error_type"] == "Validation" and "pair" in r.json()["error"]
 
 
 # --- one batcher, metrics, documentation ---
@@ -442,7 +453,7 @@ def test_metrics_count_the_new_routes_as_v1(server: Server) -> None:
 def test_openapi_documents_the_new_routes(server: Server) -> None:
     paths = httpx.get(f"{server.url}/openapi.json").json()["paths"]
     for path in ("/predict", "/models/{model}/predict", "/info", "/classify", "/", "/models/{model}", "/tokenize",
-                 "/decode", "/detokenize", "/health"):
+                 "/decode", "/detokenize", "/health", "/ping", "/invocations"):
         assert path in paths, path
     assert "424" in paths["/predict"]["post"]["responses"] and "400" in paths["/classify"]["post"]["responses"]
     props = httpx.get(f"{server.url}/openapi.json").json()["components"]["schemas"]["ClassifyRequest"]["properties"]

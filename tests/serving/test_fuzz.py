@@ -18,8 +18,8 @@ def test_schemathesis_finds_no_failure(tiny: Server, tmp_path: Path) -> None:
     paths = set(httpx.get(f"{tiny.url}/openapi.json").json()["paths"])
     assert {"/v2", "/v2/health/ready", "/v2/models/{model}", "/v2/models/{model}/ready", "/v2/models/{model}/infer",
             "/v1/models/{model}:predict", "/v1/models/{model}:explain", "/predict", "/models/{model}/predict", "/info",
-            "/", "/models/{model}", "/classify", "/tokenize", "/decode", "/detokenize", "/health"
-            } <= paths  # the protocols are fuzzed too (TEI, Hugging Face, vLLM)
+            "/", "/models/{model}", "/classify", "/tokenize", "/decode", "/detokenize", "/health", "/ping",
+            "/invocations"} <= paths  # the protocols are fuzzed too (TEI, Hugging Face, vLLM)
     # the first requests to reach the model pay one-time costs (about 100 ms here, against 10-20 ms after): with
     # the schema's shortest deadline (timeout_s 0.1) that first request was answered 504, rightly, which the fuzzer
     # counts as a server error; a warm server is what this test is about

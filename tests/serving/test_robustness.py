@@ -99,11 +99,13 @@ def test_sigterm_during_load_answers_every_accepted_request(tiny_repo: Path, log
     time.sleep(0.1)
     ready = httpx.get(f"{server.url}/readyz", timeout=5)
     health = httpx.get(f"{server.url}/health", timeout=5)  # TEI's and vLLM's probe: a load balancer turns away too
+    ping = httpx.get(f"{server.url}/ping", timeout=5)  # and SageMaker's
     late = httpx.post(f"{server.url}/v1/classify", json={"inputs": ["too late"]}, timeout=5)
     thread.join(60)
     code = server.proc.wait(40)
     assert ready.status_code == 503 and ready.json()["status"] == "draining"
     assert health.status_code == 503 and health.json()["error_type"] == "Unhealthy" and "retry-after" in health.headers
+    assert ping.status_code == 503
     assert late.status_code == 503 and "retry-after" in late.headers
     assert results.count(200) == 24, results  # every accepted request was answered
     assert code == 0, server.log()

@@ -24,7 +24,7 @@ INTERNAL_ERROR = "internal error; the request id identifies it in the server log
 
 
 Dialect = Literal["ours", "oip", "tei", "vllm"]
-TEI_PATHS = ("/predict", "/info", "/", "/health", "/tokenize", "/decode")
+TEI_PATHS = ("/predict", "/info", "/", "/health", "/tokenize", "/decode", "/ping", "/invocations")
 VLLM_PATHS = ("/classify", "/detokenize")  # and /tokenize for a body of vLLM's (see `spoken`)
 
 

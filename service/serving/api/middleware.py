@@ -47,6 +47,10 @@ def request_id_of(headers: list[tuple[bytes, bytes]]) -> str:
     return kept or new_request_id()
 
 
+PROBES = frozenset({"/metrics", "/healthz", "/readyz", "/health", "/ping"})
+"""The routes probes and scrapers call every few seconds: left out of the access log (an error is logged still)."""
+
+
 class Observe:
     """Every HTTP request: a request id (``X-Request-ID``, the client's or a new one; the routes read it as
     ``request.state.request_id``), the in-flight count and
@@ -112,7 +116,7 @@ class Observe:
             tracing.end_request(traced, endpoint if endpoint != "unmatched" else None, status)
             elapsed = time.perf_counter() - t0
             m.served(endpoint, status, elapsed)
-            if status >= 400 or (self.access_log and endpoint not in ("/metrics", "/healthz", "/readyz", "/health")):
+            if status >= 400 or (self.access_log and endpoint not in PROBES):
                 log.info("%s %s %d %.1f ms (request %s)", method, path, status, 1000 * elapsed, request_id,
                          extra={"fields": {"request_id": request_id, "method": method, "path": path,
                                            "status": status, "duration_ms": round(1000 * elapsed, 2)}})

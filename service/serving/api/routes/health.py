@@ -49,6 +49,11 @@ async def health(state: State) -> Response:
 router.add_api_route("/healthz", healthz, methods=["HEAD"], include_in_schema=False)
 router.add_api_route("/readyz", readyz, methods=["HEAD"], include_in_schema=False)
 router.add_api_route("/health", health, methods=["HEAD"], include_in_schema=False)
+# SageMaker's health check of a container, as TEI answers it: `/health`'s answer
+router.add_api_route("/ping", health, methods=["GET"], summary="SageMaker's health check (as /health)",
+                     response_class=Response, responses={200: {"description": "Ready: no body"},
+                                                         503: {"model": TEIError}})
+router.add_api_route("/ping", health, methods=["HEAD"], include_in_schema=False)
 
 
 @router.get("/metrics", summary="Prometheus metrics", response_class=Response)

@@ -1,7 +1,8 @@
 """Text-embeddings-inference's classification API (TEI's router, v1.9) and Hugging Face's ``POST /``, over the same
 pipeline and batcher as ``/v1``: a TEI or ``huggingface_hub.InferenceClient`` user points the client here.
 
-- ``POST /predict`` (and ``/models/{model}/predict``): ``inputs`` one text, or a batch of one-text lists; every
+- ``POST /predict`` (and ``/models/{model}/predict``, and ``/invocations``: SageMaker's route, where TEI serves a
+  classifier's ``/predict`` too): ``inputs`` one text, or a batch of one-text lists; every
   label's score, highest first (a list of those for a batch); ``raw_scores``, ``truncate``,
   ``truncation_direction``. A pair (``["q", "doc"]``) is a 422: these heads classify one text.
 - ``GET /info``: the model as TEI describes it.
@@ -199,6 +200,13 @@ async def _predict(request: Request, state: AppState, model: str, body: PredictR
 async def predict(request: Request, state: State, body: PredictRequest) -> JSONBody:
     """Text-embeddings-inference's `/predict` on the default model (or the one the `X-Model` header names): every
     label's score, highest first; a list of those for a batch."""
+    return await _predict(request, state, model_of(request, state), body)
+
+
+@router.post("/invocations", response_model=list[Prediction] | list[list[Prediction]],
+             summary="TEI predict, at SageMaker's route")
+async def invocations(request: Request, state: State, body: PredictRequest) -> JSONBody:
+    """`/predict` at the route SageMaker sends a container's requests to, as TEI serves a classifier there."""
     return await _predict(request, state, model_of(request, state), body)
 
 
