@@ -1,9 +1,14 @@
 """The bundled models, served as the README's main command serves them (real backbone, CPU): one backbone
 process for all three, each model as accurate on a sample of its test split as its manifest says (the multi-label
-one's micro-F1 too), and several models in one request answering as each alone."""
+one's micro-F1 too), several models in one request answering as each alone, and the README's examples answering
+as it shows them."""
 
+import itertools
+import json
 import math
 import random
+import re
+import shlex
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -138,3 +143,45 @@ def test_end_to_end_credit_of_the_bundled_models_adds_up_to_their_logits(bundled
         assert len(c["depth"]) == len(c["tokens"]) and len(c["depth"][0]) == 7
         assert max(abs(sum(row) - t) for row, t in zip(c["depth"], c["tokens"], strict=True)) <= 1e-5
         assert c["tokens"] != value_path["credit"][label]["tokens"]  # a split of its own, not the value path's
+
+
+def readme_examples() -> list[tuple[str, dict, object]]:
+    """Each example of the README that shows an answer: a bash block of one ``curl`` request to the server (its path
+    and ``-d`` body), followed by a json block of the answer."""
+    blocks = re.findall(r"```(\w+)\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    out = []
+    for (kind, command), (then, answer) in itertools.pairwise(blocks):
+        if kind == "bash" and then == "json" and command.startswith("curl "):
+            args = shlex.split(command.replace("\\\n", " "))
+            url = next(a for a in args if a.startswith("http://127.0.0.1:8000/"))
+            out.append((url.removeprefix("http://127.0.0.1:8000"), json.loads(args[args.index("-d") + 1]),
+                        json.loads(answer)))
+    return out
+
+
+def as_shown(got: object, shown: object, where: str = "") -> None:
+    """``got`` is the answer ``shown``, up to 1e-5 in a number, and but for what is new each time (vLLM's ``id`` and
+    ``created``)."""
+    if isinstance(shown, dict):
+        assert isinstance(got, dict) and got.keys() == shown.keys(), (where, got)
+        new = {"id", "created"} if "created" in shown else set()  # vLLM's answer: its own each time
+        for k in shown.keys() - new:
+            as_shown(got[k], shown[k], f"{where}.{k}")
+    elif isinstance(shown, list):
+        assert isinstance(got, list) and len(got) == len(shown), (where, got)
+        for k, (g, s) in enumerate(zip(got, shown, strict=True)):
+            as_shown(g, s, f"{where}.{k}")
+    elif isinstance(shown, float):
+        assert isinstance(got, float) and abs(got - shown) <= 1e-5, (where, got, shown)
+    else:
+        assert got == shown, (where, got, shown)
+
+
+def test_the_readme_examples_answer_as_it_shows(bundled: Server) -> None:
+    examples = readme_examples()
+    assert len(examples) >= 7  # /v1, OIP, KServe, TEI, vLLM, /tokenize, a multi-label model
+    for path, body, shown in examples:
+        r = httpx.post(f"{bundled.url}{path}", json=body, timeout=60)
+        assert r.status_code == 200, (path, r.text)
+        as_shown(r.json(), shown, path)
+
