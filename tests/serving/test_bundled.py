@@ -3,6 +3,8 @@ process for all three, each model as accurate on a sample of its test split as i
 one's micro-F1 too), several models in one request answering as each alone, and the README's examples answering
 as it shows them."""
 
+import contextlib
+import io
 import itertools
 import json
 import math
@@ -184,4 +186,15 @@ def test_the_readme_examples_answer_as_it_shows(bundled: Server) -> None:
         r = httpx.post(f"{bundled.url}{path}", json=body, timeout=60)
         assert r.status_code == 200, (path, r.text)
         as_shown(r.json(), shown, path)
+    # Hugging Face's client: the block that uses it, run, prints the labels and scores its comment shows
+    (code,) = [c for c in re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+               if "InferenceClient(" in c]
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(code.replace("http://127.0.0.1:8000", bundled.url), {})  # the README's own example
+    pairs = re.compile(r"label='([^']*)', score=([0-9.e-]+)")
+    shown = [(label, float(v)) for label, v in pairs.findall("".join(re.findall(r"^# ?(.*)$", code, re.M)))]
+    got = [(label, float(v)) for label, v in pairs.findall(printed.getvalue())]
+    assert len(shown) == 2 and [g[0] for g in got] == [s[0] for s in shown], (got, shown)
+    assert all(abs(g[1] - s[1]) <= 1e-5 for g, s in zip(got, shown, strict=True)), (got, shown)
 
