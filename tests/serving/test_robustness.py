@@ -72,8 +72,14 @@ def test_api_keys(keyed: Server) -> None:
     assert httpx.get(f"{keyed.url}/healthz").status_code == 200
     assert httpx.get(f"{keyed.url}/readyz").status_code == 200
     assert httpx.get(f"{keyed.url}/metrics").status_code == 200
+    for probe in ("/health", "/ping"):  # TEI's, vLLM's and SageMaker's probes need no key, as /healthz
+        assert httpx.get(f"{keyed.url}{probe}").status_code == 200
+    for path, sent in (("/tokenize", {"inputs": "hi"}), ("/decode", {"ids": [101]}), ("/detokenize", {"tokens": [1]}),
+                       ("/invocations", {"inputs": "hi"})):  # the tokenizer and SageMaker's route do
+        assert httpx.post(f"{keyed.url}{path}", json=sent).status_code == 401, path
+        assert httpx.post(f"{keyed.url}{path}", json=sent, headers={"Authorization": "Bearer k1"}).status_code == 200
     page = httpx.get(f"{keyed.url}/metrics").text
-    assert metric(page, "routing_failures_total", reason="auth") == before + 4
+    assert metric(page, "routing_failures_total", reason="auth") == before + 8
 
 
 def test_protected_metrics(tiny_repo: Path, logs: Path) -> None:
