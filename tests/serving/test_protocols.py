@@ -189,6 +189,21 @@ def test_kserve_v1_predict_and_explain_equal_our_routes(tiny: Server) -> None:
         assert bad.json()["error"]["message"] == f'target: a label, a list of labels, or "all"; {got}'
 
 
+def test_kserve_v1_takes_its_options_in_parameters_as_vertex_ai_sends_them(tiny: Server) -> None:
+    url = f"{tiny.url}/v1/models/tiny"
+    for verb, options in (("predict", {"raw_scores": True, "truncate": True}),
+                          ("explain", {"target": "all", "method": "shares"})):
+        top = httpx.post(f"{url}:{verb}", json={"instances": TEXTS, **options}).json()
+        nested = httpx.post(f"{url}:{verb}", json={"instances": TEXTS, "parameters": options})
+        assert nested.status_code == 200 and nested.json() == top, nested.text
+    assert httpx.post(f"{url}:predict", json={"instances": TEXTS, "parameters": None}).status_code == 200
+    for parameters, says in (({"raw_scores": False}, "['raw_scores'] given both in the body and in parameters"),
+                             (3, "parameters must be an object of options; got a number (3)"),
+                             ({"parameters": {}}, "['parameters'] given both"), ({"top_k": 1}, "top_k")):
+        r = httpx.post(f"{url}:predict", json={"instances": TEXTS, "raw_scores": True, "parameters": parameters})
+        assert r.status_code == 422 and says in r.json()["error"]["message"], r.text
+
+
 def test_kserve_v1_verbs_misused_are_explained(tiny: Server) -> None:
     """GET on a verb, or a verb KServe V1 does not have: not 'unknown model tiny:predict' nor 'use GET'."""
     r = httpx.get(f"{tiny.url}/v1/models/tiny:predict")

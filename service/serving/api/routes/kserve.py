@@ -1,12 +1,14 @@
 """KServe V1 protocol: ``POST /v1/models/{model}:predict`` and ``:explain``, translated into this
-service's own classify and explain requests (same batcher, limits, auth, metrics and answers)."""
+service's own classify and explain requests (same batcher, limits, auth, metrics and answers). The options may come
+in ``parameters`` too, as Vertex AI's clients send a custom container's requests (``{"instances", "parameters"}``)."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
-from pydantic import BaseModel, ConfigDict, Field, StrictFloat
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat, model_validator
+from pydantic_core import PydanticCustomError
 
 from service.serving.api.errors import not_allowed
 from service.serving.api.responses import JSONBody
@@ -21,6 +23,7 @@ from service.serving.api.schemas import (
     Labels,
     NonBlank,
     ScoreOptions,
+    json_kind,
 )
 from service.serving.core.errors import APIError
 
@@ -38,10 +41,32 @@ class TextInstance(BaseModel):
 Instance = Annotated[NonBlank | TextInstance, Field(description='A text, or {"text": "..."}')]
 
 
+def _parameters(data: Any) -> Any:
+    """The body with the options of ``parameters`` (where Vertex AI's clients put them) among its own: the same
+    options, in either place; one given in both is refused."""
+    if not isinstance(data, dict) or "parameters" not in data:
+        return data
+    given = data["parameters"]
+    if given is None:
+        given = {}
+    if not isinstance(given, dict):
+        raise PydanticCustomError("parameters", "parameters must be an object of options; got {got}",
+                                  {"got": json_kind(given)})
+    twice = sorted(set(given) & set(data))  # "parameters" itself among them: options are not nested twice
+    if twice:
+        raise PydanticCustomError("parameters", "{twice} given both in the body and in parameters: send each once",
+                                  {"twice": twice})
+    return {**{k: v for k, v in data.items() if k != "parameters"}, **given}
+
+
 class PredictRequest(ScoreOptions):
     model_config = ConfigDict(extra="forbid")
     instances: list[Instance] = Field(min_length=1, examples=[["I love this!", {"text": "That was terrible."}]])
     timeout_s: StrictFloat | None = Field(None, ge=0.1, le=3600, description="Deadline in seconds (capped)")
+    parameters: dict[str, Any] | None = Field(None, description="The options, as Vertex AI's clients send them (in "
+                                              "place of the body's own fields)")
+
+    _from_parameters = model_validator(mode="before")(_parameters)
 
     def texts(self) -> list[str]:
         return [i if isinstance(i, str) else i.text for i in self.instances]
