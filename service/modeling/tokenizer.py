@@ -135,6 +135,9 @@ class ChunkTokenizer:
         self.max_length = limit
         self._lock = threading.Lock()  # one call at a time on the Rust tokenizer
         self.prefix, self.suffix = self._special_template()
+        self.special_ids = frozenset(self.prefix + self.suffix) | {
+            i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
+        """The ids of the tokenizer's special tokens (those it puts around a text, and the vocabulary's others)."""
         if limit - len(self.prefix) - len(self.suffix) <= 0:
             raise BackboneError(f"max_length={limit} leaves no room for text tokens")
 
@@ -232,8 +235,6 @@ class ChunkTokenizer:
         if truncation is not None and truncation.tokens is not None and truncation.tokens < 1:
             raise BackboneError(f"truncation to {truncation.tokens} tokens leaves none to read")
         self.check_ids(ids)
-        special = set(self.prefix) | set(self.suffix) | {
-            i for i, t in self.tokenizer.get_added_tokens_decoder().items() if t.special}
         lengths = sorted({self.cut(m) for m in max_lengths})
         out: list[dict[int, Encoding]] = []
         for k, one in enumerate(ids):
@@ -243,7 +244,7 @@ class ChunkTokenizer:
                     raise NotAChunk(k, len(one), length)
                 keep = len(one) if truncation is None else min(truncation.tokens or length, length)
                 kept = tuple(one[:keep] if truncation is None or truncation.side == "right" else one[-keep:])
-                by_length[length] = Encoding((kept,), ((0, 0),) * len(kept), tuple(i in special for i in kept),
+                by_length[length] = Encoding((kept,), ((0, 0),) * len(kept), tuple(i in self.special_ids for i in kept),
                                              (-1,) * len(kept))
             out.append(by_length)
         return out

@@ -181,11 +181,15 @@ class Inference:
         """413 for too many texts or a text over the character limit (token ids: over the token limit, as they are
         planned)."""
         s = self.settings
-        if len(texts) > s.max_inputs:
-            raise APIError(413, f"too many inputs: {len(texts)} > {s.max_inputs}")
+        self.check_count(len(texts))
         for k, text in enumerate(texts if isinstance(texts, Sequence) else ()):
             if len(text) > s.max_chars:
                 raise APIError(413, f"inputs.{k} has {len(text)} characters, more than the limit of {s.max_chars}")
+
+    def check_count(self, n: int) -> None:
+        """413 for more inputs than a request may send."""
+        if n > self.settings.max_inputs:
+            raise APIError(413, f"too many inputs: {n} > {self.settings.max_inputs}")
 
     # --- the tokenizer alone ---
 
@@ -205,8 +209,7 @@ class Inference:
         """The text of each list of ``model``'s token ids (413 for more lists than a request may send texts, 422 for an
         id outside the vocabulary, naming it)."""
         await self.require([model], count=False)
-        if len(ids) > self.settings.max_inputs:
-            raise APIError(413, f"too many inputs: {len(ids)} > {self.settings.max_inputs}")
+        self.check_count(len(ids))
         chunker = self.group_of(model).planner.chunker
         try:
             if sum(map(len, ids)) <= INLINE_CHARS:  # as many ids as characters: a long list off the event loop

@@ -121,6 +121,10 @@ class Prediction(BaseModel):
     label: str
 
 
+PREDICTIONS = list[Prediction] | list[list[Prediction]]
+"""What /predict answers: every label of one text, or of each text of a batch."""
+
+
 class ClassifierModel(BaseModel):
     id2label: dict[str, str]
     label2id: dict[str, int]
@@ -196,21 +200,19 @@ async def _predict(request: Request, state: AppState, model: str, body: PredictR
     return JSONBody(out if batch else out[0])
 
 
-@router.post("/predict", response_model=list[Prediction] | list[list[Prediction]], summary="TEI predict")
+@router.post("/predict", response_model=PREDICTIONS, summary="TEI predict")
 async def predict(request: Request, state: State, body: PredictRequest) -> JSONBody:
     """Text-embeddings-inference's `/predict` on the default model (or the one the `X-Model` header names): every
     label's score, highest first; a list of those for a batch."""
     return await _predict(request, state, model_of(request, state), body)
 
 
-@router.post("/invocations", response_model=list[Prediction] | list[list[Prediction]],
-             summary="TEI predict, at SageMaker's route")
-async def invocations(request: Request, state: State, body: PredictRequest) -> JSONBody:
-    """`/predict` at the route SageMaker sends a container's requests to, as TEI serves a classifier there."""
-    return await _predict(request, state, model_of(request, state), body)
+# SageMaker's route for a container's requests, where TEI serves a classifier's /predict too
+router.add_api_route("/invocations", predict, methods=["POST"], response_model=PREDICTIONS,
+                     summary="TEI predict, at SageMaker's route")
 
 
-@router.post("/models/{model}/predict", response_model=list[Prediction] | list[list[Prediction]],
+@router.post("/models/{model}/predict", response_model=PREDICTIONS,
              summary="TEI predict, one model")
 async def predict_model(request: Request, state: State, model: str, body: PredictRequest) -> JSONBody:
     """`/predict` on the model named in the path."""
