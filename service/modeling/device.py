@@ -10,12 +10,15 @@ TORCH_DTYPES = {name: getattr(torch, name) for name in DTYPES}
 
 
 def resolve_device(device: str) -> torch.device:
-    """``auto`` picks the first GPU when there is one, else the CPU."""
+    """``auto`` picks the first GPU when there is one, else the CPU; ``cuda`` is the current GPU, by its index (what a
+    manifest or a log records names the card)."""
     if device == "auto":
         return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {device!r} requested but CUDA is not available")
+    if dev.type == "cuda" and dev.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
     return dev
 
 

@@ -10,9 +10,12 @@ cutting it into length groups costs a call of every operation per group.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+MAX_GROUPS = 1023  # groups one grouped product takes on a GPU (its CUDA kernels: fewer than 1024)
 
 
 @dataclass(frozen=True)
@@ -63,7 +66,35 @@ def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.T
     if grouped is None:
         raise RuntimeError(f"torch {torch.__version__} has no grouped matrix product")
     dtype = _product_dtype(a)
-    return grouped(a.to(dtype), b.to(dtype), offs=offs)  # each keeps its strides (a transposed view stays one)
+    a, b = a.to(dtype), b.to(dtype)  # each keeps its strides (a transposed view stays one)
+    if offs.shape[0] <= MAX_GROUPS:
+        return grouped(a, b, offs=offs)
+    return _in_parts(grouped, a, b, offs)
+
+
+def _in_parts(grouped: Callable[..., torch.Tensor], a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor
+              ) -> torch.Tensor:
+    """The grouped product of more groups than one call takes, in calls of at most :data:`MAX_GROUPS` groups: each
+    call's groups are ``G_part`` of the ``G``, behind one more that covers the rows (or, for ``[m, I] @ [I, n]``, the
+    inputs) before them, as a grouped product's first group starts at 0. Nothing is read back from the device (the
+    parts are the same for every batch of ``G`` groups: a CUDA graph captures them).
+
+    ``a [m, I] @ b [I, n]`` (groups over the inputs) -> ``[G, m, n]``, the parts' products concatenated;
+    ``a [R, k] @ b [G, k, n]`` (groups over the rows) -> ``[R, n]``, each row taken from the part holding its group
+    (what a part writes elsewhere is not read).
+    """
+    G, step = offs.shape[0], MAX_GROUPS - 1
+    starts = range(0, G, step)
+    if b.dim() == 2:  # groups over the inputs
+        parts = [grouped(a, b, offs=offs[max(s - 1, 0):s + step]) for s in starts]  # each [g+1 m n], [g m n] first
+        return torch.cat([parts[0], *(p[1:] for p in parts[1:])])  # [Gmn]
+    rows = torch.arange(a.shape[0], device=a.device)  # [R]
+    out = grouped(a, b[:step], offs=offs[:step])  # [Rn] right on rows before offs[step - 1]
+    for s in starts[1:]:
+        part = grouped(a, b[s - 1:s + step], offs=offs[s - 1:s + step])  # [Rn] right on its groups' rows
+        ours = (rows >= offs[s - 1]) & (rows < offs[min(s + step, G) - 1])  # [R]
+        out = torch.where(ours.unsqueeze(1), part, out)  # [Rn]
+    return out
 
 
 def _product_dtype(a: torch.Tensor) -> torch.dtype:

@@ -5,8 +5,8 @@ import copy
 import pytest
 import torch
 
-from service.routing import EfficientVectorRouting
-from service.routing.segments import Segments, Slots, contract, per_sample, sum_by_sample
+from service.routing import EfficientVectorRouting, segments
+from service.routing.segments import Segments, Slots, contract, per_sample, sum_by_sample, times_slot
 
 LENGTHS = [1, 4, 9, 2, 4]
 
@@ -32,6 +32,32 @@ def test_the_grouped_products_are_each_samples_own() -> None:
         torch.testing.assert_close(got_contract[k], a_k.T @ b_k)
         torch.testing.assert_close(got_per_sample.split(LENGTHS)[k], a_k @ m[k])
         torch.testing.assert_close(got_sum[k], a_k.sum(dim=0))
+
+
+@pytest.mark.parametrize("max_groups", [2, 3, 4])
+def test_more_groups_than_one_call_takes_go_in_parts_with_the_same_products(max_groups: int,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GPU's grouped product takes fewer than 1024 groups (a shape bucket of 1,456 samples, a thousand heads'
+    slots): more go in parts of ``MAX_GROUPS``, each sample's product the one it has in a single call (empty samples
+    and a transposed operand too)."""
+    lengths = [3, 0, 1, 4, 2, 2, 0, 5, 1, 3, 2]
+    gen = torch.Generator().manual_seed(0)
+    s = segments_of(lengths)
+    a, b = torch.randn(sum(lengths), 8, generator=gen), torch.randn(sum(lengths), 16, generator=gen)
+    m = torch.randn(len(lengths), 8, 16, generator=gen)
+    y, w = torch.randn(len(lengths), 2, 8, generator=gen), torch.randn(len(lengths), 8, 16, generator=gen)
+    slots = Slots.of(torch.arange(len(lengths)), torch.tensor(lengths), len(lengths))
+    rows = (slots.sample_ends * 2).to(torch.int32)
+    whole = contract(a, b, s), per_sample(a, m, s), times_slot(y, w, slots, rows)
+    monkeypatch.setattr(segments, "MAX_GROUPS", max_groups)
+    calls = []
+    grouped = torch.nn.functional.grouped_mm
+    monkeypatch.setattr(torch.nn.functional, "grouped_mm",
+                        lambda *args, **kw: calls.append(kw["offs"].shape[0]) or grouped(*args, **kw))
+    parts = contract(a, b, s), per_sample(a, m, s), times_slot(y, w, slots, rows)
+    assert calls and max(calls) <= max_groups and len(calls) == 3 * -(-len(lengths) // (max_groups - 1))
+    for got, want in zip(parts, whole, strict=True):
+        assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("public", [True, False])
