@@ -155,13 +155,20 @@ def main() -> None:
             from torch.profiler import ProfilerActivity, profile
 
             bs = batches(cmd["budget"], cmd["max_texts"])[: cmd["batches"]]
+            pipelined = cmd.get("pipelined", False)  # two batches in flight, as the server's process runs them
             run(bs[0])
             sync()
             activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+            t = time.perf_counter()
             with profile(activities=activities) as prof:
-                for b in bs:
-                    run(b)
+                if pipelined:
+                    for _ in engine.run_pipelined([Task(texts[k], encodings[k], model) for k in b] for b in bs):
+                        pass
+                else:
+                    for b in bs:
+                        run(b)
                 sync()
+            wall = time.perf_counter() - t
             events = prof.events()
             # the engine's ranges appear on the device too (each spanning its kernels): they are no kernels
             ranges = [e for e in events if e.device_type == DeviceType.CUDA and e.name.startswith("engine.")]
@@ -177,7 +184,13 @@ def main() -> None:
                 inside = sum(k.time_range.elapsed_us() for k in kernels
                              if r.time_range.start <= k.time_range.start and k.time_range.end <= r.time_range.end)
                 phases[r.name] = phases.get(r.name, 0.0) + inside / 1000 / len(bs)
-            answer({"batches": len(bs), "kernels_per_batch": len(kernels) / len(bs),
+            host: dict[str, float] = {}  # the process's own time by what it was in (operators, CUDA calls)
+            for e in events:
+                if e.device_type == DeviceType.CPU:
+                    host[e.name[:80]] = host.get(e.name[:80], 0.0) + e.self_cpu_time_total / len(bs)
+            answer({"batches": len(bs), "pipelined": pipelined, "kernels_per_batch": len(kernels) / len(bs),
+                    "wall_ms_per_batch_profiled": 1000 * wall / len(bs),
+                    "top_host_us_per_batch": dict(sorted(host.items(), key=lambda kv: -kv[1])[:25]),
                     "top_kernels_us_per_batch": dict(sorted(by_name.items(), key=lambda kv: -kv[1])[:20]),
                     "phase_device_ms_per_batch": phases,
                     "copies_per_batch": (len(device) - len(kernels)) / len(bs),

@@ -54,6 +54,10 @@ ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("engine_worker.py")
 
 
+IN_FLIGHT = ", two in flight"
+"""The suffix of a profile of an engine's batches two in flight (as the server's process runs them)."""
+
+
 class EngineWorker:
     """An engine of the version in ``tree`` (a folder holding its ``service`` package) in a process of its own (see
     :mod:`service.bench.engine_worker`)."""
@@ -372,8 +376,11 @@ def run(device: str, model: str, repository: Path, n_texts: int, budgets: list[i
         step("load", lambda: {name: (workers.setdefault(name, worker(tree, name, engine=variants.get(name)))).loaded
                               for name, tree in versions.items()})
         step("engine", lambda: engine_turns(workers, budgets, max_texts, seconds, rounds))
-        step("profile", lambda: {name: w.ask("profile", budget=default_budget, max_texts=max_texts,
-                                                         batches=8) for name, w in workers.items()})
+        step("profile", lambda: {
+            **{name: w.ask("profile", budget=default_budget, max_texts=max_texts, batches=8)
+               for name, w in workers.items()},
+            **{f"{name}{IN_FLIGHT}": w.ask("profile", budget=default_budget, max_texts=max_texts, batches=8,
+                                           pipelined=True) for name, w in workers.items() if name != "baseline"}})
         step("latency", lambda: {name: w.ask("latency", n=200) for name, w in workers.items()})
     finally:
         for w in workers.values():
@@ -438,11 +445,17 @@ def summarize(results: dict[str, Any], budget: int) -> dict[str, Any]:
     out["kernels_per_batch"] = prof.get("kernels_per_batch")
     out["torch_ops_per_batch"] = prof.get("torch_ops_per_batch")
     out["baseline_kernels_per_batch"] = get("profile", "baseline", "kernels_per_batch")
-    for name in (n for n in get("profile") or {} if n.startswith("current-")):
+    for name in (n for n in get("profile") or {} if n.startswith("current-") and not n.endswith(IN_FLIGHT)):
         out[f"kernels_per_batch_{name}"] = get("profile", name, "kernels_per_batch")
         busy_v = get("profile", name, "device_busy_ms_per_batch")
         ms_v = [r["ms_per_batch"] for r in (engine.get(name) or {}).get(str(budget)) or []]
         out[f"device_busy_share_{name}"] = busy_v / min(ms_v) if busy_v and ms_v else None
+    for name in (n for n in get("profile") or {} if n.endswith(IN_FLIGHT)):  # busy share at two in flight
+        busy_v, engine_name = get("profile", name, "device_busy_ms_per_batch"), name.removesuffix(IN_FLIGHT)
+        rows = (engine.get(engine_name) or {}).get(str(budget)) or []
+        piped = [1000 * r["texts_per_batch"] / r["texts_per_s_pipelined"] for r in rows
+                 if r.get("texts_per_s_pipelined")]
+        out[f"device_busy_share_two_in_flight_{engine_name}"] = busy_v / min(piped) if busy_v and piped else None
     ms = [r["ms_per_batch"] for r in (engine.get("current") or {}).get(str(budget)) or []]
     busy = prof.get("device_busy_ms_per_batch")
     out["device_busy_share"] = busy / min(ms) if busy and ms else None

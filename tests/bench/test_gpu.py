@@ -9,7 +9,7 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
-from service.bench.gpu import ROOT, closed_loop, labelled_test, write_labelled
+from service.bench.gpu import IN_FLIGHT, ROOT, closed_loop, labelled_test, write_labelled
 from service.cli import app
 
 
@@ -40,6 +40,13 @@ def test_every_section_runs_and_every_field_is_written_on_the_cpu(tiny_repo: Pat
     empty = {k for k, v in summary.items() if v is None}
     assert all(k.startswith("device_busy_share") for k in empty), empty  # a CPU has no device to be busy
     assert summary["kernels_per_batch"] == 0 and summary["torch_ops_per_batch"] > 0
+    profiles = results["profile"]  # each of this version's engines profiled two batches in flight too (the
+    # baseline has no such run), with the host's time by what it was in
+    assert {k for k in profiles if k.endswith(IN_FLIGHT)} == {f"current{IN_FLIGHT}", *(
+        f"{k}{IN_FLIGHT}" for k in results["engine"] if k.startswith("current-"))}
+    assert profiles[f"current{IN_FLIGHT}"]["pipelined"] and not profiles["current"]["pipelined"]
+    assert all(p["top_host_us_per_batch"] and p["wall_ms_per_batch_profiled"] > 0 for p in profiles.values())
+    assert "device_busy_share_two_in_flight_current" in summary
     both = "current-packed_heads-False-buckets-eager-head_dtype-bfloat16"  # one variant of three settings
     assert set(results["engine"]) == {"current", "baseline", both}  # a truth parsed
     assert summary[f"buckets_{both}"]["bucketed"] > 0 and summary[f"buckets_{both}"]["failed"] == {}
