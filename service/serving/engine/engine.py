@@ -24,6 +24,7 @@ import torch
 from torch.profiler import record_function
 
 from service.allocator import keep_freed_memory
+from service.collector import settle
 from service.modeling.backbone import Backbone, BackboneError, Encoded
 from service.modeling.buckets import choose_buckets, draw_lengths
 from service.modeling.classifier import Classified, RoutingClassifier, classify, scoring
@@ -226,6 +227,7 @@ class Engine(Compute):
             if mode == "auto":
                 mode = "cuda" if dev.type == "cuda" and dt == torch.bfloat16 and engine.backbone.stream else "off"
             engine.use_buckets(mode, max_texts=buckets.max_texts, budget=buckets.budget)
+        settle()  # what was loaded, out of every garbage collection from now on (see service.collector)
         engine.load_seconds = time.perf_counter() - t0
         engine.head_seconds = dict.fromkeys(engine.models, engine.load_seconds)
         return engine
@@ -267,6 +269,7 @@ class Engine(Compute):
             except Exception:
                 self.remove_heads(keys)
                 raise
+        settle()
         self.head_seconds.update(dict.fromkeys(keys, time.perf_counter() - t0))
 
     def remove_heads(self, keys: Sequence[str]) -> None:
@@ -276,6 +279,7 @@ class Engine(Compute):
         if self._buckets is not None:
             for k in keys:
                 self._buckets.slots.drop(k)
+        settle()  # the dropped heads freed, cycles too
 
     def use_buckets(self, mode: str, lengths: Sequence[int] | None = None, max_texts: int = 1024,
                     budget: int | None = None, capacity: int = 64, count: int = 32, deadline_s: float = 20.0
