@@ -24,7 +24,7 @@ import torch
 from torch.profiler import record_function
 
 from service.allocator import keep_freed_memory
-from service.collector import settle
+from service.collector import keep, settle
 from service.modeling.backbone import Backbone, BackboneError, Encoded
 from service.modeling.buckets import choose_buckets, draw_lengths
 from service.modeling.classifier import Classified, RoutingClassifier, classify, scoring
@@ -269,7 +269,7 @@ class Engine(Compute):
             except Exception:
                 self.remove_heads(keys)
                 raise
-        settle()
+        keep()  # the new heads, out of every garbage collection too (see service.collector)
         self.head_seconds.update(dict.fromkeys(keys, time.perf_counter() - t0))
 
     def remove_heads(self, keys: Sequence[str]) -> None:
@@ -279,7 +279,6 @@ class Engine(Compute):
         if self._buckets is not None:
             for k in keys:
                 self._buckets.slots.drop(k)
-        settle()  # the dropped heads freed, cycles too
 
     def use_buckets(self, mode: str, lengths: Sequence[int] | None = None, max_texts: int = 1024,
                     budget: int | None = None, capacity: int = 64, count: int = 32, deadline_s: float = 20.0
