@@ -603,8 +603,9 @@ def bench_gpu(
                                                            "settings changed (e.g. head_call_overhead=8192, or "
                                                            "packed_heads=false,head_dtype=bfloat16), in turns too")
                        ] = None,
-    served_buckets: Annotated[str, typer.Option(help="Also serve with ROUTING_BUCKETS set to this (cuda on a GPU, "
-                                                     "eager on a CPU; '' to skip): time to ready and the top levels")
+    served_buckets: Annotated[str, typer.Option(help="Also serve with ROUTING_BUCKETS set to this (against the "
+                                                     "default, auto: off on a GPU, eager on a CPU; '' to skip): time "
+                                                     "to ready and the top levels")
                               ] = "",
     model_repository: Path = Path("models"),
     out: Annotated[Path, typer.Option(help="JSON result file")] = Path("bench-results/gpu.json"),

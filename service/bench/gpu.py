@@ -401,7 +401,7 @@ def run(device: str, model: str, repository: Path, n_texts: int, budgets: list[i
     levels = [(c, 1) for c in concurrencies] + [(64, 16)]
     step("served", lambda: served(repository, model, device, texts, levels, served_seconds,
                                               load_processes, logs))
-    if served_buckets:  # the server with its plain batches in shape buckets: ready time and the top levels
+    if served_buckets:  # the server with ROUTING_BUCKETS other than its default: ready time and the top levels
         step("served_buckets", lambda: served(repository, model, device, texts, levels[-2:], served_seconds,
                                               load_processes, logs, {"ROUTING_BUCKETS": served_buckets}))
     if (peers or fronts) and peer_levels:
