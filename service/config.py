@@ -62,7 +62,8 @@ class Settings(BaseSettings):
                                "the first to load)")
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$", description="auto | cpu | cuda[:n]")
     dtype: DType = Field("auto", description="Backbone precision: auto is bfloat16 on a GPU (the heads compute in "
-                         "float32 there too), float32 on a CPU; half precisions: GPU only")
+                         "float32 there too, their matrix products in bfloat16 where shape buckets are captured), "
+                         "float32 on a CPU; half precisions: GPU only")
     warmup: bool = Field(True, description="Run one batch per model before reporting ready")
     buckets: Literal["off", "auto", "eager", "cuda"] = Field(
         "auto", description="Plain batches (every text one chunk, one model, no credit) in shape buckets chosen "
