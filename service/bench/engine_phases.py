@@ -99,7 +99,7 @@ def phases(engine: Engine, batches: list[list[str]]) -> dict[str, Any]:
                                                                            if e.name == p) / 1000 / n
                                           for p in PHASES}}
     if cuda:  # the ranges appear on the device too, spanning their kernels: they are none
-        device = [e for e in events if e.device_type == DeviceType.CUDA and e.name not in PHASES]
+        device = [e for e in events if e.device_type == DeviceType.CUDA and not e.name.startswith("engine.")]
         out["kernels_per_batch"] = sum(1 for e in device if not e.name.startswith(("Memcpy", "Memset"))) / n
         out["device_busy_ms"] = sum(e.time_range.elapsed_us() for e in device) / 1000 / n
         out["device_ms"] = {p.removeprefix("engine."): sum(e.device_time_total for e in ranges if e.name == p)

@@ -76,6 +76,16 @@ def main() -> None:
 
     gc.collect()  # what was loaded kept out of collections, as every serving process keeps it (service.collector,
     gc.freeze()  # 2026-11-29 on); an older version's engine is measured alike
+    collecting = {"s": 0.0, "runs": 0, "since": 0.0}  # the time the process spent in garbage collections
+
+    def on_collection(phase: str, info: dict) -> None:
+        if phase == "start":
+            collecting["since"] = time.perf_counter()
+        else:
+            collecting["s"] += time.perf_counter() - collecting["since"]
+            collecting["runs"] += info.get("generation", 0) == 2
+
+    gc.callbacks.append(on_collection)
     cuda = engine.device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     labels = engine.labels(model)
@@ -127,9 +137,12 @@ def main() -> None:
             sync()
             clock = getattr(engine, "clock", None)
             host0 = clock.host_s if clock is not None else None
+            gc0, full0 = collecting["s"], collecting["runs"]
             n, wall = passes(bs, cmd["seconds"], False)
             out = {"texts_per_s": n * len(texts) / wall, "ms_per_batch": 1000 * wall / (n * len(bs)),
-                   "texts_per_batch": len(texts) / len(bs), "tokens_per_batch": sum(tokens) / len(bs)}
+                   "texts_per_batch": len(texts) / len(bs), "tokens_per_batch": sum(tokens) / len(bs),
+                   "collecting_ms_per_batch": 1000 * (collecting["s"] - gc0) / (n * len(bs)),
+                   "full_collections": collecting["runs"] - full0}
             if host0 is not None:
                 out["host_us_per_text"] = 1e6 * (clock.host_s - host0) / (n * len(texts))
             if getattr(engine, "bucket_stats", None) is not None:
@@ -163,7 +176,7 @@ def main() -> None:
             run(bs[0])
             sync()
             activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
-            t = time.perf_counter()
+            t, gc0 = time.perf_counter(), collecting["s"]
             with profile(activities=activities) as prof:
                 if pipelined:
                     for _ in engine.run_pipelined([Task(texts[k], encodings[k], model) for k in b] for b in bs):
@@ -194,6 +207,7 @@ def main() -> None:
                     host[e.name[:80]] = host.get(e.name[:80], 0.0) + e.self_cpu_time_total / len(bs)
             answer({"batches": len(bs), "pipelined": pipelined, "kernels_per_batch": len(kernels) / len(bs),
                     "wall_ms_per_batch_profiled": 1000 * wall / len(bs),
+                    "collecting_ms_per_batch": 1000 * (collecting["s"] - gc0) / len(bs),
                     "top_host_us_per_batch": dict(sorted(host.items(), key=lambda kv: -kv[1])[:25]),
                     "top_kernels_us_per_batch": dict(sorted(by_name.items(), key=lambda kv: -kv[1])[:20]),
                     "phase_device_ms_per_batch": phases,

@@ -57,6 +57,7 @@ def test_every_section_runs_and_every_field_is_written_on_the_cpu(tiny_repo: Pat
     for rows in results["engine"]["current"].values():  # both rounds, sequential and two batches in flight
         assert len(rows) == 2 and all(r["texts_per_s"] > 0 and r["texts_per_s_pipelined"] > 0 for r in rows)
         assert all(r["host_us_per_text"] > 0 for r in rows)
+        assert all(r["collecting_ms_per_batch"] >= 0 and r["full_collections"] >= 0 for r in rows)
     assert sorted(results["engine"]["current"]) == ["64", "8192"]  # the CPU's default budget is added
     assert summary["accuracy"]["texts"] == 20 and 0 <= summary["accuracy"]["accuracy_float32"] <= 1
     assert summary["accuracy"]["largest_probability_change_alone_vs_mixed_float32"] <= 1e-5  # batch invariance

@@ -426,7 +426,8 @@ class Engine(Compute):
         of its scores to the host begun; :meth:`finish` waits for them and reads the results."""
         t0, forward0 = time.perf_counter(), self.backbone.forward_seconds
         try:
-            return self._submit(works)
+            with _phase("engine.submit"):
+                return self._submit(works)
         finally:
             self.clock.wall_s += time.perf_counter() - t0
             self.clock.forward_s += self.backbone.forward_seconds - forward0
@@ -435,14 +436,15 @@ class Engine(Compute):
         """The results of a :meth:`submit` ted batch, each text's answer at its last chunk's place."""
         t0 = time.perf_counter()
         try:
-            if submitted.ready is not None:  # waiting for the device: its time, not the host's
-                submitted.ready.synchronize()
-                self.clock.forward_s += time.perf_counter() - t0
-            with _phase("engine.results"):
-                results = read_results(submitted.calls, submitted.done, submitted.logits, self.manifests)
-            done = submitted.done
-            return [[results[(pos, a)] for a in range(len(done[pos].asks))] if pos in done else None
-                    for pos in range(submitted.size)]
+            with _phase("engine.finish"):
+                if submitted.ready is not None:  # waiting for the device: its time, not the host's
+                    submitted.ready.synchronize()
+                    self.clock.forward_s += time.perf_counter() - t0
+                with _phase("engine.results"):
+                    results = read_results(submitted.calls, submitted.done, submitted.logits, self.manifests)
+                done = submitted.done
+                return [[results[(pos, a)] for a in range(len(done[pos].asks))] if pos in done else None
+                        for pos in range(submitted.size)]
         finally:
             self.clock.batches += 1
             self.clock.wall_s += time.perf_counter() - t0
