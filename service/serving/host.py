@@ -23,6 +23,7 @@ import sys
 import time
 from pathlib import Path
 
+from service.collector import settle
 from service.config import Settings
 from service.serving.core.errors import APIError
 from service.serving.core.keys import model_of
@@ -32,7 +33,7 @@ from service.serving.models.loader import default_model_at_start
 from service.serving.models.local import LocalEngine
 from service.serving.models.registry import Registry
 from service.serving.observe.logs import setup_logging
-from service.serving.observe.metrics import Metrics
+from service.serving.observe.metrics import Metrics, record_frozen
 from service.serving.remote import wire
 
 log = logging.getLogger("service.host")
@@ -91,6 +92,7 @@ class EngineHost:
         if self.lifecycle.failed:
             print(f"failed: {self.lifecycle.error}", flush=True)
             return False
+        record_frozen(settle())  # what was loaded, out of every garbage collection (see service.collector)
         server = await asyncio.start_unix_server(self.front, path=str(self.path))
         print("ready", flush=True)
         async with server:

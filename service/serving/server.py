@@ -4,7 +4,6 @@ SIGTERM, exit codes (1: the models could not be loaded; 3: the address cannot be
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import socket
 import sys
@@ -15,12 +14,13 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI
 
+from service.collector import settle
 from service.config import Settings
 from service.serving.api.app import create_app
 from service.serving.api.http11 import HttpLimits, guarded_protocol
 from service.serving.listen import check_ports
 from service.serving.observe.logs import setup_logging, warn_unknown_variables
-from service.serving.observe.metrics import freeze_garbage_collection
+from service.serving.observe.metrics import record_frozen
 from service.serving.state import AppState
 
 log = logging.getLogger("service.http")
@@ -67,21 +67,11 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-YOUNG_COLLECTION_THRESHOLD = 10_000  # tracked objects allocated (net) before a young collection; Python's is 700
-
-
 def tune_garbage_collector() -> None:
-    """Once the models have loaded: leave the objects alive then (the libraries' modules, the tokenizers, the app:
-    about 75,000 tracked here) out of the garbage collector's full collections from now on, and collect the young
-    generation less often. Requests' objects that live through two young collections (those in flight) set off a
-    full collection every second or two under load, and one over every object of the process held the event loop
-    about 30 ms; and a request's short-lived objects (a parsed body, a response) passed Python's 700 often enough
-    for a young collection every few requests. What the startup objects would leave as cyclic garbage (a model
-    unloaded at runtime) stays in memory."""
-    gc.collect()
-    frozen = freeze_garbage_collection()
-    gc.set_threshold(YOUNG_COLLECTION_THRESHOLD, *gc.get_threshold()[1:])
-    log.debug("garbage collector: %d startup objects frozen", frozen)
+    """Once the models have loaded: the objects alive then (the libraries' modules, the tokenizers, the app: about
+    75,000 tracked here) out of the garbage collector's collections, young ones collected less often (see
+    :mod:`service.collector`), and the frozen objects counted for ``routing_process_gc_frozen_objects``."""
+    record_frozen(settle())
 
 
 def run_server(settings: Settings) -> None:

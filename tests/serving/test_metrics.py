@@ -15,9 +15,10 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from service.bench.server import children, process_state
+from service.collector import settle
 from service.modeling.encoding import Encoding
 from service.serving.core.work import Ask, TextJob
-from service.serving.observe.metrics import Metrics, freeze_garbage_collection
+from service.serving.observe.metrics import Metrics, record_frozen
 from tests.serving.server import Server, metric
 
 EXPECTED = {  # name: (type, labels)
@@ -167,8 +168,10 @@ def test_a_scrape_reports_the_frozen_objects_counted_when_they_were_frozen(monke
     """Counting the frozen objects walks every one of them (1-4 ms of the event loop for the bundled models'
     server): the count is taken once, when they are frozen, not on every scrape."""
     registry = Metrics().registry
+    threshold = gc.get_threshold()
     try:
-        frozen = freeze_garbage_collection()
+        frozen = settle()
+        record_frozen(frozen)
         assert frozen == gc.get_freeze_count() > 0
 
         def walked() -> int:
@@ -177,10 +180,12 @@ def test_a_scrape_reports_the_frozen_objects_counted_when_they_were_frozen(monke
         assert metric(generate_latest(registry).decode(), "routing_process_gc_frozen_objects") == frozen
     finally:
         gc.unfreeze()
+        gc.set_threshold(*threshold)
 
 
 def test_tuning_collects_the_startups_garbage_then_freezes_and_collects_young_objects_less_often() -> None:
-    from service.serving.server import YOUNG_COLLECTION_THRESHOLD, tune_garbage_collector
+    from service.collector import YOUNG_COLLECTION_THRESHOLD
+    from service.serving.server import tune_garbage_collector
 
     class Node:
         pass

@@ -10,7 +10,6 @@ import logging
 import os
 from collections.abc import Awaitable, Callable
 
-from service.collector import settle
 from service.config import Settings
 from service.serving.core.lifecycle import Lifecycle
 from service.serving.engine.group import LocalGroup
@@ -75,7 +74,6 @@ class LocalEngine:
             self.control.start()
             if self.cache is not None:
                 self.cache.start()
-            settle()  # what this process loaded, out of every garbage collection (see service.collector)
             self.lifecycle.loaded()
         except Exception as e:
             if self.loader.launches.stopped:  # the server stopped it: shutting down while loading is no failure

@@ -107,7 +107,7 @@ class _BackboneProcessCollector(Collector):
 class _GcCollector(Collector):
     """This process's garbage collector: collections and the seconds they took per generation (from gc's callbacks,
     installed once per process, counting from then), and the objects frozen out of its collections (counted as
-    :func:`freeze_garbage_collection` freezes them)."""
+    :func:`record_frozen` is told)."""
 
     collections: ClassVar[list[int]] = [0, 0, 0]  # one timer per process, whatever the apps
     seconds: ClassVar[list[float]] = [0.0, 0.0, 0.0]
@@ -141,14 +141,12 @@ class _GcCollector(Collector):
         return [collections, seconds, frozen]
 
 
-def freeze_garbage_collection() -> int:
-    """Leave every object alive now out of the garbage collector's collections from now on (``gc.freeze``), and
-    count them once for ``routing_process_gc_frozen_objects``: counting walks every one of them, and a scrape that
+def record_frozen(count: int) -> None:
+    """``routing_process_gc_frozen_objects``: the objects frozen out of this process's garbage collections, counted
+    once, as they are frozen (:func:`service.collector.settle`): counting walks every one of them, and a scrape that
     counted again held the event loop 1-4 ms longer (the bundled models' server; 10 ms for 108,000 objects in one
-    measure). The count is returned."""
-    gc.freeze()
-    _GcCollector.frozen = gc.get_freeze_count()
-    return _GcCollector.frozen
+    measure)."""
+    _GcCollector.frozen = count
 
 
 class Metrics:

@@ -23,7 +23,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from service.collector import settle
 from service.config import Settings
 from service.modeling.manifest import read_manifest
 from service.modeling.tokenizer import ChunkTokenizer
@@ -180,7 +179,6 @@ class RemoteEngine:
         try:
             self.link = await HostLink.connect(self.path, os.getpid(), self._serve)
             self.control.link = self.link
-            settle()  # what this process loaded, out of every garbage collection (see service.collector)
             self.lifecycle.loaded()
         except Exception as e:
             self.lifecycle.fail(f"{type(e).__name__}: {e}")
