@@ -5,10 +5,13 @@ status."""
 from __future__ import annotations
 
 import asyncio
+import sys
 from pathlib import Path
 
+import pytest
+
 from service.config import Settings
-from service.serving.host import EngineHost
+from service.serving.host import EngineHost, _loop_factory
 from service.serving.remote.wire import Applied, Control, Controlled, Hello, Models, frame, read_to_front
 
 
@@ -46,3 +49,14 @@ async def test_a_change_of_models_returns_once_every_front_serves_it(tmp_path: P
         assert isinstance(answer, Controlled) and answer.id == 7 and answer.status == 404
         assert "no model folder 'no-such-model'" in answer.message
         w1.close()
+
+
+def test_the_host_runs_on_uvloop_where_it_is_installed_else_on_asyncios_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every front's requests pass through the host's event loop: uvloop's where installed (less CPU a request), as
+    uvicorn chooses for the fronts; asyncio's otherwise (the host still starts)."""
+    uvloop = pytest.importorskip("uvloop")  # installed with uvicorn[standard], the service's dependency
+    assert _loop_factory() is uvloop.new_event_loop
+    with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+        assert isinstance(runner.get_loop(), uvloop.Loop)
+    monkeypatch.setitem(sys.modules, "uvloop", None)  # not installed: importing it fails
+    assert _loop_factory() is None
