@@ -7,7 +7,9 @@ fails records its error and the run goes on):
   version against another (``--baseline``: a folder holding that version's ``service`` package, e.g. a
   ``git worktree`` of it) in turns, each in a process of its own computing on its main thread; with each, the
   host's microseconds per text (everything but the encoder's and heads' forward calls and the wait for the
-  device, timed without the profiler, where the version keeps that clock);
+  device, timed without the profiler, where the version keeps that clock). This version's engine (``current``) runs
+  as the server's defaults have it on the device: in captured shape buckets on a GPU (:data:`SERVED_ENGINE_ON_GPU`),
+  and each ``--variant`` is those settings with its own over them (``buckets=off``: the eager engine);
 - ``profile``: kernels executed, copies, device-busy milliseconds and torch operators per batch at the default
   budget, from a torch profile; the device-busy share is its busy time over the unprofiled time per batch;
 - ``latency``: one text a batch, p50, p90 and p99 milliseconds, every version;
@@ -15,10 +17,11 @@ fails records its error and the run goes on):
 - ``accuracy``: the test texts' accuracy in float32 and in the default precision (bfloat16 on a GPU), the largest
   probability change between them, and between each text alone and in mixed batches;
 - ``head_precision``: the same for the heads' scores in float32 against bfloat16 (``Engine.head_dtype``), the
-  backbone in its default precision (``--variant head_dtype=bfloat16`` measures their speed in the engine's turns);
+  backbone in its default precision (``--variant buckets=off,head_dtype=bfloat16`` measures their speed in the
+  engine's turns);
 - ``buckets``: the same for plain batches in shape buckets (``Engine.use_buckets``: captured as CUDA graphs on a
   GPU, padded eagerly on a CPU) against none, the heads' products in bfloat16 in both (as ``cuda`` computes them),
-  and what the warm-up took (``--variant buckets=cuda`` measures their speed in the engine's turns);
+  and what the warm-up took (``--variant buckets=off`` measures the eager engine's speed in the turns, on a GPU);
 - ``served``: the server started on the device, driven by clients in several processes (one aiohttp process tops
   out near 3,500 requests/s) with its default fronts (their number recorded): single-text requests at the given
   concurrencies and 16-text requests, requests and texts per second, p50 and p99;
@@ -53,6 +56,10 @@ from service.bench import report
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("engine_worker.py")
 
+
+SERVED_ENGINE_ON_GPU = {"buckets": "cuda"}
+"""The engine's settings the server's defaults give on a GPU (``ROUTING_BUCKETS=auto``), where ``bench gpu`` measures
+this version's engine (``current``) as it serves."""
 
 IN_FLIGHT = ", two in flight"
 """The suffix of a profile of an engine's batches two in flight (as the server's process runs them)."""
@@ -369,11 +376,16 @@ def run(device: str, model: str, repository: Path, n_texts: int, budgets: list[i
         section(results, name, fn, None if checkpoint is None else lambda r: checkpoint(settings, r))
 
     versions = {"current": ROOT, **({"baseline": baseline.resolve()} if baseline else {})}
-    variants = {"current-" + "-".join(f"{k}-{v}" for k, v in v.items()): v for v in variant or []}  # settings changed
-    versions.update(dict.fromkeys(variants, ROOT))
+    # this version's engine as the server computes on this device (ROUTING_BUCKETS=auto: captured shape buckets on
+    # a GPU); a variant is those settings with its own over them
+    engines = {"current": dict(SERVED_ENGINE_ON_GPU if cuda else {})}
+    engines.update({"current-" + "-".join(f"{k}-{v}" for k, v in v.items()): {**engines["current"], **v}
+                    for v in variant or []})
+    versions.update({name: ROOT for name in engines if name != "current"})
+    settings["engines"] = engines
     workers: dict[str, EngineWorker] = {}
     try:
-        step("load", lambda: {name: (workers.setdefault(name, worker(tree, name, engine=variants.get(name)))).loaded
+        step("load", lambda: {name: (workers.setdefault(name, worker(tree, name, engine=engines.get(name)))).loaded
                               for name, tree in versions.items()})
         step("engine", lambda: engine_turns(workers, budgets, max_texts, seconds, rounds))
         step("profile", lambda: {

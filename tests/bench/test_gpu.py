@@ -48,6 +48,9 @@ def test_every_section_runs_and_every_field_is_written_on_the_cpu(tiny_repo: Pat
     assert all(p["top_host_us_per_batch"] and p["wall_ms_per_batch_profiled"] > 0 for p in profiles.values())
     assert "device_busy_share_two_in_flight_current" in summary
     both = "current-packed_heads-False-buckets-eager-head_dtype-bfloat16"  # one variant of three settings
+    # this version as served on a CPU (no buckets: auto is off there), each variant its own settings over it
+    assert doc["settings"]["engines"] == {"current": {}, both: {"packed_heads": False, "buckets": "eager",
+                                                                 "head_dtype": "bfloat16"}}
     assert set(results["engine"]) == {"current", "baseline", both}  # a truth parsed
     assert summary[f"buckets_{both}"]["bucketed"] > 0 and summary[f"buckets_{both}"]["failed"] == {}
     buckets = summary["buckets"]  # the labelled texts in buckets answer as without (eagerly padded on a CPU), the
