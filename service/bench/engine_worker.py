@@ -109,16 +109,20 @@ def main() -> None:
     def run(batch: list[int]) -> list:
         return engine.run([Task(texts[k], encodings[k], model) for k in batch])
 
+    def one_pass(bs: list[list[int]], pipelined: bool) -> None:
+        """Every batch of ``bs`` once (``pipelined``: two batches in flight)."""
+        if pipelined:
+            for _ in engine.run_pipelined([Task(texts[k], encodings[k], model) for k in b] for b in bs):
+                pass
+        else:
+            for b in bs:
+                run(b)
+
     def passes(bs: list[list[int]], seconds: float, pipelined: bool) -> tuple[int, float]:
         """Whole passes over ``bs`` for at least ``seconds`` (``pipelined``: two batches in flight): passes, wall."""
         n, start = 0, time.perf_counter()
         while True:
-            if pipelined:
-                for _ in engine.run_pipelined([Task(texts[k], encodings[k], model) for k in b] for b in bs):
-                    pass
-            else:
-                for b in bs:
-                    run(b)
+            one_pass(bs, pipelined)
             n += 1
             if time.perf_counter() - start >= seconds:
                 break
@@ -178,12 +182,7 @@ def main() -> None:
             activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
             t, gc0 = time.perf_counter(), collecting["s"]
             with profile(activities=activities) as prof:
-                if pipelined:
-                    for _ in engine.run_pipelined([Task(texts[k], encodings[k], model) for k in b] for b in bs):
-                        pass
-                else:
-                    for b in bs:
-                        run(b)
+                one_pass(bs, pipelined)
                 sync()
             wall = time.perf_counter() - t
             events = prof.events()
