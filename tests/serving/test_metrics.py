@@ -172,7 +172,8 @@ def test_a_scrape_reports_the_frozen_objects_counted_when_they_were_frozen(monke
     try:
         frozen = settle()
         record_frozen(frozen)
-        assert frozen == gc.get_freeze_count() > 0
+        # frozen objects are still freed when nothing refers to them (another test's thread may drop some meanwhile)
+        assert 0 < gc.get_freeze_count() <= frozen
 
         def walked() -> int:
             raise AssertionError("a scrape counted the frozen objects again")
