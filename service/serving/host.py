@@ -17,18 +17,23 @@ then exits once every front has gone (or the drain timeout has passed).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import signal
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import cast
+
+import msgspec
 
 from service.collector import settle
 from service.config import Settings
 from service.serving.core.errors import APIError
 from service.serving.core.keys import model_of
 from service.serving.core.lifecycle import Lifecycle
+from service.serving.core.results import Answer
 from service.serving.engine.batcher import DeadlineExceeded, Draining, Overloaded
 from service.serving.models.loader import default_model_at_start
 from service.serving.models.local import LocalEngine
@@ -51,7 +56,7 @@ class EngineHost:
         self.engine = LocalEngine(settings, self.registry, self.metrics, self.lifecycle, announce=self.broadcast)
         self.fronts: dict[wire.Outbox, int] = {}  # each front's connection -> the Models version it serves
         self.version = 0
-        self._applied = asyncio.Condition()
+        self._applied = asyncio.Event()  # set when a front says it serves a version, or goes
         self._controls: set[asyncio.Task[None]] = set()
         self._stopping = asyncio.Event()
 
@@ -75,8 +80,10 @@ class EngineHost:
         for out in list(self.fronts):
             out.put(msg)
         try:
-            async with asyncio.timeout(self.settings.drain_timeout_s), self._applied:
-                await self._applied.wait_for(lambda: all(v >= version for v in self.fronts.values()))
+            async with asyncio.timeout(self.settings.drain_timeout_s):
+                while not all(v >= version for v in self.fronts.values()):
+                    self._applied.clear()
+                    await self._applied.wait()
         except TimeoutError:
             log.warning("fronts %s did not apply models version %d in time",
                         [v for v in self.fronts.values() if v < version], version)
@@ -94,7 +101,7 @@ class EngineHost:
             print(f"failed: {self.lifecycle.error}", flush=True)
             return False
         record_frozen(settle())  # what was loaded, out of every garbage collection (see service.collector)
-        server = await asyncio.start_unix_server(self.front, path=str(self.path))
+        server = await self.listen()
         print("ready", flush=True)
         async with server:
             await self._stopping.wait()
@@ -109,49 +116,45 @@ class EngineHost:
         self.lifecycle.stop()
         return True
 
+    async def listen(self) -> asyncio.Server:
+        """The fronts' socket, served."""
+        return await asyncio.get_running_loop().create_unix_server(lambda: FrontConnection(self), path=str(self.path))
+
     def _stop(self) -> None:
         """SIGTERM: drain once loaded; while loading, stop the backbones' processes loading."""
         self._stopping.set()
         if self.lifecycle.loading:
             self.engine.stop_loading()
 
-    async def front(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """One front's connection: its requests, each answered on its own task, until it closes."""
-        hello = await wire.read_to_host(reader)
-        if not isinstance(hello, wire.Hello):
-            writer.close()
-            return
-        out = wire.Outbox(writer)  # what this front is answered in one turn of the loop goes in one write
-        self.fronts[out] = self.version
-        out.put(self.models())
-        running: dict[int, asyncio.Task[None]] = {}
-        try:
-            while (msg := await wire.read_to_host(reader)) is not None:
-                if isinstance(msg, wire.Run):
-                    task = asyncio.create_task(self._run(msg, out))
-                    running[msg.id] = task
-                    task.add_done_callback(lambda _, k=msg.id: running.pop(k, None))
-                elif isinstance(msg, wire.Cancel) and msg.id in running:
-                    running[msg.id].cancel()
-                elif isinstance(msg, wire.Applied):
-                    async with self._applied:
-                        self.fronts[out] = max(self.fronts.get(out, 0), msg.version)
-                        self._applied.notify_all()
-                elif isinstance(msg, wire.Scrape):
-                    out.put(wire.Scraped(msg.id, self.metrics.reading()))
-                elif isinstance(msg, wire.Control):
-                    self._controls.add(task := asyncio.create_task(self._control(msg, out)))
-                    task.add_done_callback(self._controls.discard)
-        except (ConnectionError, asyncio.IncompleteReadError):
-            pass
-        finally:  # the front has gone: nobody waits for its requests
-            for task in list(running.values()):
-                task.cancel()
-            async with self._applied:
-                self.fronts.pop(out, None)
-                self._applied.notify_all()
-            writer.close()
-            log.info("front %d disconnected", hello.front)
+    def received(self, front: FrontConnection, msg: wire.ToHost) -> None:
+        """A message of a front that said :class:`~service.serving.remote.wire.Hello`."""
+        out = front.out
+        if isinstance(msg, wire.Run):
+            self._run(msg, front)
+        elif isinstance(msg, wire.Cancel):
+            if (answers := front.running.get(msg.id)) is not None:
+                answers.cancel()
+        elif isinstance(msg, wire.Applied):
+            if out in self.fronts:
+                self.fronts[out] = max(self.fronts[out], msg.version)
+            self._applied.set()
+        elif isinstance(msg, wire.Scrape):
+            out.put(wire.Scraped(msg.id, self.metrics.reading()))
+        elif isinstance(msg, wire.Control):
+            self._controls.add(task := asyncio.create_task(self._control(msg, out)))
+            task.add_done_callback(self._controls.discard)
+
+    def joined(self, front: FrontConnection) -> None:
+        """A front said hello: it is told what the host serves."""
+        self.fronts[front.out] = self.version
+        front.out.put(self.models())
+
+    def left(self, front: FrontConnection) -> None:
+        """A front has gone: nobody waits for its requests."""
+        for answers in list(front.running.values()):
+            answers.cancel()
+        self.fronts.pop(front.out, None)
+        self._applied.set()
 
     async def _control(self, msg: wire.Control, out: wire.Outbox) -> None:
         """A repository request, carried out by the host's model control (every front serves a change before it is
@@ -173,32 +176,85 @@ class EngineHost:
             reply = wire.Controlled(msg.id, 500, f"{type(e).__name__}: {e}")
         out.put(reply)
 
-    async def _run(self, msg: wire.Run, out: wire.Outbox) -> None:
-        """A front's request on its backbone's batcher, answered with the texts' answers or why there are none."""
+    def _run(self, msg: wire.Run, front: FrontConnection) -> None:
+        """A front's request on its backbone's batcher, answered (:meth:`_answer`) with the texts' answers or why
+        there are none; no task waits for it."""
         group = self.registry.groups.get(msg.backbone)
-        reply: wire.Answered | wire.Refused
         if group is None:
-            reply = wire.Refused(msg.id, "failed", f"no backbone {msg.backbone!r} here")
-        else:
-            jobs = [job.text_job() for job in msg.jobs]
-            keys = list({ask.model or group.planner.default for job in jobs for ask in job.asks})
-            started = time.perf_counter()
-            try:
-                with self.registry.holding(keys):  # a retired head answers what it took before it goes
-                    reply = wire.Answered(msg.id, await group.submit(jobs, msg.deadline))
-            except Overloaded as e:
-                reply = wire.Refused(msg.id, "overloaded", str(e))
-            except Draining as e:
-                reply = wire.Refused(msg.id, "draining", str(e))
-            except DeadlineExceeded as e:
-                reply = wire.Refused(msg.id, "deadline", str(e))
-            except Exception as e:  # the batch failed: the front answers 500 with why
-                reply = wire.Refused(msg.id, "failed", f"{type(e).__name__}: {e}")
-            # every front's requests in one place (/v2/models/stats); their time here: queued and computed
-            self.metrics.stats.answered(sorted({model_of(k) for k in keys}), time.perf_counter() - started,
-                                        ok=isinstance(reply, wire.Answered) and all(
-                                            not r.error for answer in reply.answers for r in answer))
-        out.put(reply)
+            front.out.put(wire.Refused(msg.id, "failed", f"no backbone {msg.backbone!r} here"))
+            return
+        jobs = [job.text_job() for job in msg.jobs]
+        default = group.planner.default
+        keys = list({ask.model or default for job in jobs for ask in job.asks})
+        started = time.perf_counter()
+        self.registry.hold(keys)  # a retired head answers what it took before it goes
+        answers = front.running[msg.id] = group.submit(jobs, msg.deadline)
+        answers.add_done_callback(functools.partial(self._answer, front, msg.id, keys, started))
+
+    def _answer(self, front: FrontConnection, k: int, keys: list[str], started: float,
+                answers: asyncio.Future[list[Answer]]) -> None:
+        """Request ``k`` of ``front`` is settled: its answers or its refusal go back, unless it was cancelled (its
+        client or its front has gone, and nobody waits)."""
+        front.running.pop(k, None)
+        self.registry.release(keys)
+        if answers.cancelled():
+            return
+        reply: wire.Answered | wire.Refused
+        exc = answers.exception()
+        reply = wire.Answered(k, answers.result()) if exc is None else wire.Refused(k, *_refusal(exc))
+        # every front's requests in one place (/v2/models/stats); their time here: queued and computed
+        self.metrics.stats.answered(sorted({model_of(key) for key in keys}), time.perf_counter() - started,
+                                    ok=isinstance(reply, wire.Answered) and all(
+                                        not r.error for answer in reply.answers for r in answer))
+        front.out.put(reply)
+
+
+class FrontConnection(asyncio.Protocol):
+    """One front's connection to the host: its messages handled as they arrive (each request on its batcher, no
+    task a request), until it closes; the first must be :class:`~service.serving.remote.wire.Hello`."""
+
+    def __init__(self, host: EngineHost) -> None:
+        self.host = host
+        self.frames = wire.Frames(wire.TO_HOST)
+        self.running: dict[int, asyncio.Future[list[Answer]]] = {}  # request id -> its answers, not yet settled
+        self.front: int | None = None  # which front, once it said hello
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # a stream's (uvloop's are not asyncio's subclasses)
+        self.out = wire.Outbox(self.transport)  # what this front is answered in one turn of the loop goes in one write
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            messages = self.frames.feed(data)
+        except msgspec.DecodeError:
+            log.exception("front %s sent what is not a message: its connection is closed", self.front)
+            self.transport.close()
+            return
+        for msg in messages:
+            if self.front is None:
+                if not isinstance(msg, wire.Hello):
+                    self.transport.close()
+                    return
+                self.front = msg.front
+                self.host.joined(self)
+            else:
+                self.host.received(self, msg)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.front is not None:
+            self.host.left(self)
+            log.info("front %d disconnected", self.front)
+
+
+def _refusal(exc: BaseException) -> tuple[wire.Refusal, str]:
+    """Why a request got no answers, as the front reads it."""
+    if isinstance(exc, Overloaded):
+        return "overloaded", str(exc)
+    if isinstance(exc, Draining):
+        return "draining", str(exc)
+    if isinstance(exc, DeadlineExceeded):
+        return "deadline", str(exc)
+    return "failed", f"{type(exc).__name__}: {exc}"  # the batch failed: the front answers 500 with why
 
 
 def main(path: Path) -> int:

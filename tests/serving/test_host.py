@@ -6,12 +6,23 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import threading
+import time
+from collections.abc import Sequence
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
 from service.config import Settings
+from service.serving.core.results import Answer, Result
+from service.serving.core.work import Ask, ChunkWork
+from service.serving.engine.batcher import Batcher, BatchLimits
+from service.serving.engine.group import LocalGroup
 from service.serving.host import EngineHost, _loop_factory
+from service.serving.observe.observer import NullObserver
+from service.serving.remote import wire
 from service.serving.remote.wire import Applied, Control, Controlled, Hello, Models, frame, read_to_front
 
 
@@ -26,7 +37,7 @@ async def _connect(path: Path, front: int) -> tuple[asyncio.StreamReader, asynci
 async def test_a_change_of_models_returns_once_every_front_serves_it(tmp_path: Path) -> None:
     path = tmp_path / "host.sock"
     host = EngineHost(Settings(model_repository=tmp_path, default_model="none"), path)
-    server = await asyncio.start_unix_server(host.front, path=str(path))
+    server = await host.listen()
     async with server:
         (r1, w1, first), (r2, w2, _) = await _connect(path, 1), await _connect(path, 2)
         assert first.version == 0 and first.served == {} and first.backbones == []
@@ -49,6 +60,63 @@ async def test_a_change_of_models_returns_once_every_front_serves_it(tmp_path: P
         assert isinstance(answer, Controlled) and answer.id == 7 and answer.status == 404
         assert "no model folder 'no-such-model'" in answer.message
         w1.close()
+
+
+class Drops(NullObserver[ChunkWork, Answer | None]):
+    def __init__(self) -> None:
+        self.reasons: list[str] = []
+
+    def on_drop(self, reason: str, payloads: Sequence[ChunkWork]) -> None:
+        self.reasons += [reason] * len(payloads)
+
+
+async def test_requests_are_answered_refused_at_their_deadline_and_dropped_when_cancelled_or_their_front_goes(
+        tmp_path: Path) -> None:
+    """The host takes a front's requests with no task each: an answer goes back when the batch computes it, a refusal
+    as soon as the deadline passes (the text is dropped from the queue as late), and a cancelled request, or one
+    whose front has gone, gets no answer and is dropped from the queue before compute."""
+    path = tmp_path / "host.sock"
+    host = EngineHost(Settings(model_repository=tmp_path, default_model="none"), path)
+    computing, release, computed = threading.Event(), threading.Event(), []
+
+    def run_chunks(works: list[ChunkWork]) -> list[Answer | None]:
+        computing.set()
+        release.wait(10)
+        computed.extend(w.ids for w in works)
+        return [[Result(label=f"text {w.ids[0]}", scores={})] for w in works]
+
+    drops = Drops()
+    compute: Any = SimpleNamespace(default="m@1", name="b", models=[], device="cpu", dtype="float32")
+    host.registry.groups["b"] = LocalGroup(compute, Batcher(run_chunks, BatchLimits(8, 1000, 0.001, 100), drops))
+    host.registry.groups["b"].batcher.start()
+
+    def run(k: int, seconds: float) -> bytes:
+        return frame(wire.Run(k, "b", [wire.Job(((k, 100),), (Ask("m@1"),))], time.monotonic() + seconds))
+
+    server = await host.listen()
+    async with server:
+        (r1, w1, _), (_, w2, _) = await _connect(path, 1), await _connect(path, 2)
+        w1.write(run(1, 10))
+        await asyncio.to_thread(computing.wait, 5)  # request 1 computes; the rest queue behind it
+        w1.write(run(2, 0.2) + run(3, 10) + frame(wire.Cancel(3)))
+        w2.write(run(4, 10))
+        await asyncio.sleep(0.05)
+        w2.close()  # front 2 goes, its request with it
+        late = await asyncio.wait_for(read_to_front(r1), 5)
+        assert isinstance(late, wire.Refused) and (late.id, late.kind) == (2, "deadline")
+        assert "deadline passed" in late.message and not computed  # refused at its deadline, not after the batch
+        release.set()
+        answered = await asyncio.wait_for(read_to_front(r1), 5)
+        assert isinstance(answered, wire.Answered) and answered.id == 1
+        assert [[r.label for r in a] for a in answered.answers] == [["text 1"]]
+        w1.write(run(5, 10))  # the next batch drops what nobody waits for, and computes request 5 alone
+        answered = await asyncio.wait_for(read_to_front(r1), 5)
+        assert isinstance(answered, wire.Answered) and answered.id == 5
+        assert computed == [(1, 100), (5, 100)]
+        assert sorted(drops.reasons) == ["deadline", "disconnected", "disconnected"]
+        assert not host.registry._using  # every request released the heads it held
+        w1.close()
+    await host.registry.groups["b"].batcher.stop(1)
 
 
 def test_the_host_runs_on_uvloop_where_it_is_installed_else_on_asyncios_loop(monkeypatch: pytest.MonkeyPatch) -> None:

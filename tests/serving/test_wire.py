@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from typing import Any
 
 import msgspec
 
@@ -38,7 +37,7 @@ class Recorder:
 
 async def test_the_frames_of_one_turn_go_in_one_write() -> None:
     writer = Recorder()
-    out = wire.Outbox(writer)  # type: ignore[arg-type]
+    out = wire.Outbox(writer)
     for k in range(3):
         out.put(wire.Cancel(k))
     assert writer.writes == []  # at the end of the turn
@@ -46,16 +45,16 @@ async def test_the_frames_of_one_turn_go_in_one_write() -> None:
     out.put(wire.Cancel(3))
     await asyncio.sleep(0)
     assert writer.writes == [b"".join(wire.frame(wire.Cancel(k)) for k in range(3)), wire.frame(wire.Cancel(3))]
-
-    async def read(data: bytes) -> list[Any]:
-        reader = asyncio.StreamReader()
-        reader.feed_data(data)
-        reader.feed_eof()
-        return [m async for m in _messages(reader)]
-
-    assert [m.id for m in await read(b"".join(writer.writes))] == [0, 1, 2, 3]
+    assert [m.id for m in wire.Frames(wire.TO_HOST).feed(b"".join(writer.writes))] == [0, 1, 2, 3]
 
 
-async def _messages(reader: asyncio.StreamReader) -> Any:
-    while (msg := await wire.read_to_host(reader)) is not None:
-        yield msg
+def test_messages_are_cut_from_the_bytes_as_they_arrive_in_pieces_of_any_size() -> None:
+    sent = [wire.Hello(1), wire.Run(7, "b", [wire.Job(((1, 2, 3),), ())], 9.5), wire.Cancel(7), wire.Applied(2),
+            wire.Run(8, "b" * 300, [], 1.0)]
+    data = b"".join(wire.frame(m) for m in sent)
+    for size in (1, 2, 3, 5, 64, len(data)):
+        frames = wire.Frames(wire.TO_HOST)
+        got = [m for at in range(0, len(data), size) for m in frames.feed(data[at:at + size])]
+        assert got == sent, size
+    frames = wire.Frames(wire.TO_HOST)
+    assert frames.feed(data[:-1]) == sent[:-1] and frames.feed(data[-1:]) == sent[-1:]  # the last frame once whole

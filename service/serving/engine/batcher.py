@@ -51,6 +51,7 @@ from service.serving.observe.observer import BatchObserver, NullObserver
 
 P = TypeVar("P")
 R = TypeVar("R")
+T = TypeVar("T")
 log = logging.getLogger(__name__)
 SIMILAR = 4  # an item joins a batch only if it costs at most this many times the batch's anchor
 FILL_SHARE = 0.1  # a free runner waits at most this share of its last batch's compute time for a batch to fill
@@ -130,6 +131,7 @@ class Batcher(Generic[P, R]):
         self._expected = 0  # items waiting when a runner last became free, and those it had just answered
         self._unfollowed = 0  # requests submitted so far that did not come within a fill's cap of a batch's end
         self._paces: collections.deque[_Pace] = collections.deque(maxlen=2 * RECENT)  # see _answer_driven
+        self._depth_due = False  # the queue's depth is reported at the end of this turn of the loop
 
     @property
     def queue_depth(self) -> int:
@@ -161,15 +163,19 @@ class Batcher(Generic[P, R]):
         if self._worker is None:
             self._worker = asyncio.get_running_loop().create_task(self._loop(), name=f"batcher-{self.name}")
 
-    async def submit(self, payloads: Sequence[P], costs: Sequence[int], deadline: float,
-                     groups: Sequence[Hashable] | None = None) -> list[R]:
-        """Queue one request's items and wait for all their results (``deadline`` is monotonic time).
-        ``groups[k]``: the group of item k (default: each item its own group).
+    def enqueue(self, payloads: Sequence[P], costs: Sequence[int], deadline: float, finish: Callable[[list[R]], T],
+                groups: Sequence[Hashable] | None = None) -> asyncio.Future[T]:
+        """Queue one request's items: the future of ``finish`` of all their results, in order (``deadline`` is
+        monotonic time; ``groups[k]``: the group of item k, default each item its own group). No task waits for
+        them: the items' answers settle it (an engine host takes every front's requests on one event loop).
+
+        The future's exception is the first an item got (the rest of the request is dropped), or
+        :class:`DeadlineExceeded` once the deadline passes (what is left is dropped, counted as late); cancelling it
+        drops what is still queued of the request (counted as gone: the caller went away).
 
         Raises:
             Overloaded: the queue has no room for all items (nothing is queued then).
             Draining: the batcher is stopping.
-            DeadlineExceeded: the deadline passed first.
         """
         keys: Sequence[Hashable] = groups if groups is not None else [object() for _ in payloads]
         self.check_room(len(set(keys)))
@@ -184,24 +190,21 @@ class Batcher(Generic[P, R]):
             self._unfollowed += 1
         self._arrived = now
         self._queued.update(it.group for it in items)
-        self.observer.on_queue_depth(len(self._pending))
+        self._report_depth()
         self._wakeup.set()
-        futures = [it.future for it in items]
-        try:
-            timeout = max(0.0, deadline - time.monotonic())
-            done, pending = await asyncio.wait(futures, timeout=timeout, return_when=asyncio.FIRST_EXCEPTION)
-            failed = next((f for f in done if f.exception() is not None), None)
-            if failed is not None:
-                raise failed.exception()  # type: ignore[misc]
-            if pending:
-                for f in pending:
-                    _fail(f, DeadlineExceeded("deadline passed before this text was computed"))
-                raise DeadlineExceeded(f"deadline passed after {timeout:.3f} s")
-            return [f.result() for f in futures]
-        finally:  # on any early exit (cancellation: the caller went away) release the rest
-            for f in futures:
-                if not f.done():
-                    f.cancel()
+        return _Request(loop, [it.future for it in items], deadline, finish).whole
+
+    async def submit(self, payloads: Sequence[P], costs: Sequence[int], deadline: float,
+                     groups: Sequence[Hashable] | None = None) -> list[R]:
+        """Queue one request's items and wait for all their results (see :meth:`enqueue`; a cancelled caller drops
+        what is still queued of the request).
+
+        Raises:
+            Overloaded: the queue has no room for all items (nothing is queued then).
+            Draining: the batcher is stopping.
+            DeadlineExceeded: the deadline passed first.
+        """
+        return await self.enqueue(payloads, costs, deadline, _same, groups)
 
     async def stop(self, drain_timeout: float) -> None:
         """Stop accepting, answer what is queued (up to ``drain_timeout``), then stop the worker."""
@@ -227,7 +230,7 @@ class Batcher(Generic[P, R]):
                 _fail(it.future, Draining(f"{self.name}: {reason}"))
                 answered += 1
         self._set_pending([])
-        self.observer.on_queue_depth(0)
+        self._report_depth()
         return answered
 
     def flush(self) -> None:
@@ -257,7 +260,7 @@ class Batcher(Generic[P, R]):
             self.observer.on_drop("deadline", late)
         if gone or late:
             self._set_pending(keep)
-            self.observer.on_queue_depth(len(keep))
+            self._report_depth()
 
     def _take_batch(self, free: list[int]) -> tuple[int, list[_Item[P]]]:
         """A batch for one of the ``free`` runners: the anchor (the oldest item of the group that has
@@ -293,6 +296,17 @@ class Batcher(Generic[P, R]):
         self._pending = items
         self._queued = Counter(it.group for it in items)
         self._pinned = {g: r for g, r in self._pinned.items() if g in self._queued}
+
+    def _report_depth(self) -> None:
+        """Tell the observer the queue's depth at the end of this turn of the event loop (once, however many
+        requests came in it: the engine host takes every front's requests of a turn in one go)."""
+        if not self._depth_due:
+            self._depth_due = True
+            asyncio.get_running_loop().call_soon(self._depth_now)
+
+    def _depth_now(self) -> None:
+        self._depth_due = False
+        self.observer.on_queue_depth(len(self._pending))
 
     def _fill_cap(self) -> float:
         """The longest a free runner waits for a batch to fill: a tenth of its last batch's compute time, or
@@ -376,7 +390,7 @@ class Batcher(Generic[P, R]):
                     self._wakeup.clear()
                     await self._wakeup.wait()
                     continue
-                self.observer.on_queue_depth(len(self._pending))
+                self._report_depth()
                 log.debug("fill %s: %d items, %.1f ms after the runner was free", self.name, len(batch),
                           1000 * (time.monotonic() - self._freed))
                 self._computing[runner] = batch
@@ -422,6 +436,65 @@ class Batcher(Generic[P, R]):
                   len({it.group for it in batch}), cost, finished - started)
         self.observer.on_batch([it.payload for it in batch], results if ok else None, cost,
                                [started - it.enqueued for it in batch], finished - started, runner)
+
+
+class _Request(Generic[R, T]):
+    """One request's items answered together: :attr:`whole` gets ``finish`` of every item's result (in order), the
+    first exception an item got, or :class:`DeadlineExceeded` at ``deadline``; once it is settled (or cancelled by
+    its caller), the items not answered yet are cancelled, and the batcher drops them."""
+
+    __slots__ = ("finish", "items", "left", "timeout", "timer", "whole")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, items: list[asyncio.Future[R]], deadline: float,
+                 finish: Callable[[list[R]], T]) -> None:
+        self.items, self.left, self.finish = items, len(items), finish
+        self.whole: asyncio.Future[T] = loop.create_future()
+        self.timeout = max(0.0, deadline - time.monotonic())
+        self.timer = loop.call_later(self.timeout, self._expire)
+        self.whole.add_done_callback(self._release)
+        if not items:
+            self._settle([])
+        for f in items:
+            f.add_done_callback(self._answered)
+
+    def _answered(self, item: asyncio.Future[R]) -> None:
+        if self.whole.done():
+            return
+        if item.cancelled():
+            self.whole.cancel()
+        elif (exc := item.exception()) is not None:
+            self.whole.set_exception(exc)
+            self._release(self.whole)
+        else:
+            self.left -= 1
+            if not self.left:
+                self._settle([f.result() for f in self.items])
+
+    def _settle(self, results: list[R]) -> None:
+        try:
+            self.whole.set_result(self.finish(results))
+        except Exception as e:
+            self.whole.set_exception(e)
+        self._release(self.whole)
+
+    def _expire(self) -> None:
+        if self.whole.done():
+            return
+        for f in self.items:
+            if not f.done():
+                _fail(f, DeadlineExceeded("deadline passed before this text was computed"))
+        self.whole.set_exception(DeadlineExceeded(f"deadline passed after {self.timeout:.3f} s"))
+
+    def _release(self, _: object) -> None:
+        """The request is settled or its caller went away: no timer, and nothing of it left queued."""
+        self.timer.cancel()
+        for f in self.items:
+            if not f.done():
+                f.cancel()
+
+
+def _same(results: list[R]) -> list[R]:
+    return results
 
 
 def _fail(future: asyncio.Future[Any], exc: BaseException) -> None:

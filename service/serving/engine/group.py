@@ -3,10 +3,12 @@ implementation (:class:`LocalGroup`: the loaded backbone and its batcher, in thi
 a front's side of a group on the engine host, is :class:`~service.serving.remote.client.RemoteGroup`.
 
 The pipeline plans a text's jobs with the group's :attr:`~BackboneGroup.planner` and submits them; each job comes
-back answered, whether its chunks were batched here or on the host."""
+back answered, whether its chunks were batched here or on the host. A submission is a future, not a coroutine: the
+engine host answers every front's requests from callbacks, with no task a request."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -47,8 +49,9 @@ class BackboneGroup(Protocol):
         """Raise ``Overloaded`` (or ``Draining``) unless ``n`` more texts may queue now."""
         ...
 
-    async def submit(self, jobs: Sequence[TextJob], deadline: float) -> list[Answer]:
-        """Every job computed (its chunks batched with other requests'), each job's answer in order."""
+    def submit(self, jobs: Sequence[TextJob], deadline: float) -> asyncio.Future[list[Answer]]:
+        """The future of every job computed (its chunks batched with other requests'): each job's answer in order, or
+        the refusal or failure as its exception (never raised here); cancelling it drops what is still queued."""
         ...
 
     @property
@@ -67,6 +70,13 @@ class BackboneGroup(Protocol):
     async def stop(self, timeout_s: float) -> None:
         """Take nothing more; answer what was accepted within ``timeout_s``, the rest with ``Draining``."""
         ...
+
+
+def refused(exc: Exception) -> asyncio.Future[list[Answer]]:
+    """A submission answered with ``exc`` at once (what :meth:`BackboneGroup.submit` returns when it cannot queue)."""
+    future: asyncio.Future[list[Answer]] = asyncio.get_running_loop().create_future()
+    future.set_exception(exc)
+    return future
 
 
 def credit_methods(group: BackboneGroup, key: str) -> list[str]:
@@ -100,10 +110,13 @@ class LocalGroup:
     def check_room(self, n: int) -> None:
         self.batcher.check_room(n)
 
-    async def submit(self, jobs: Sequence[TextJob], deadline: float) -> list[Answer]:
+    def submit(self, jobs: Sequence[TextJob], deadline: float) -> asyncio.Future[list[Answer]]:
         chunks = [w for job in jobs for w in job.chunks()]
-        got = await self.batcher.submit(chunks, [w.cost for w in chunks], deadline, groups=[w.job for w in chunks])
-        return answers_of(chunks, got)
+        try:
+            return self.batcher.enqueue(chunks, [w.cost for w in chunks], deadline, lambda got: answers_of(chunks, got),
+                                        groups=[w.job for w in chunks])
+        except Exception as e:  # refused (Overloaded, Draining)
+            return refused(e)
 
     @property
     def idle(self) -> bool:

@@ -3,7 +3,7 @@ and the heads that requests in flight hold. The request pipeline reads it; model
 engine host's announcements (in a front) change it.
 
 A model's name leads to the key of its current head (:func:`~service.serving.core.keys.head_key`). A request holds
-the heads it was planned with until it is answered (:meth:`Registry.holding`), so a head that a reload or an unload
+the heads it was planned with until it is answered (:meth:`Registry.hold`), so a head that a reload or an unload
 retires answers everything accepted before, while new requests go to the new head (or get 404)."""
 
 from __future__ import annotations
@@ -56,18 +56,26 @@ class Registry:
 
     @contextlib.contextmanager
     def holding(self, keys: Sequence[str]) -> Iterator[None]:
-        """Hold heads ``keys`` while the block runs: a retired head is dropped only once nothing holds it (see
-        :meth:`released`)."""
-        self._using.update(keys)
+        """Hold heads ``keys`` while the block runs (see :meth:`hold`)."""
+        self.hold(keys)
         try:
             yield
         finally:
-            for key in keys:
-                self._using[key] -= 1
-                if self._using[key] <= 0:
-                    del self._using[key]
-                    if key in self._released:
-                        self._released[key].set()
+            self.release(keys)
+
+    def hold(self, keys: Sequence[str]) -> None:
+        """Hold heads ``keys`` until :meth:`release`: a retired head is dropped only once nothing holds it (see
+        :meth:`released`)."""
+        self._using.update(keys)
+
+    def release(self, keys: Sequence[str]) -> None:
+        """What :meth:`hold` held, released."""
+        for key in keys:
+            self._using[key] -= 1
+            if self._using[key] <= 0:
+                del self._using[key]
+                if key in self._released:
+                    self._released[key].set()
 
     async def released(self, key: str, timeout_s: float) -> bool:
         """Wait until no request in flight holds head ``key`` (retired: no new one takes it); False on timeout."""

@@ -32,6 +32,7 @@ from service.serving.core.lifecycle import Lifecycle
 from service.serving.core.results import Answer
 from service.serving.core.work import TextJob
 from service.serving.engine.batcher import Draining
+from service.serving.engine.group import refused
 from service.serving.engine.planner import Planner
 from service.serving.models.loader import label_metrics, publish
 from service.serving.models.registry import Registry
@@ -56,7 +57,7 @@ class RemoteGroup:
         self._device, self._dtype = info.device, info.dtype
         self._descriptions = info.descriptions
         self._accepting = True
-        self._requests: set[int] = set()  # requests sent, not yet answered
+        self._requests: set[asyncio.Future[list[Answer]]] = set()  # requests sent, not yet answered
 
     @property
     def planner(self) -> Planner:
@@ -93,17 +94,15 @@ class RemoteGroup:
         if not self._accepting:
             raise Draining(f"{self._planner.name} is draining")
 
-    async def submit(self, jobs: Sequence[TextJob], deadline: float) -> list[Answer]:
-        self.check_room(len(jobs))
+    def submit(self, jobs: Sequence[TextJob], deadline: float) -> asyncio.Future[list[Answer]]:
         try:
-            k, future = self.link.send(self._planner.name, jobs, deadline)
-            self._requests.add(k)
-            try:
-                return await self.link.wait(k, future)
-            finally:
-                self._requests.discard(k)
-        except HostGone as e:
-            raise Draining(str(e)) from None
+            self.check_room(len(jobs))
+            future = self.link.send(self._planner.name, jobs, deadline)
+        except Draining as e:  # draining, or the host has gone (HostGone)
+            return refused(e)
+        self._requests.add(future)
+        future.add_done_callback(self._requests.discard)
+        return future
 
     def flush(self) -> None:
         pass  # the host's batcher flushes as the server drains (its SIGTERM comes with the fronts')
@@ -111,7 +110,12 @@ class RemoteGroup:
     def abort(self, reason: str) -> int:
         """Answer every request still waiting with :class:`Draining` now (503), and drop them on the host."""
         self._accepting = False
-        return sum(self.link.fail(k, Draining(f"{self._planner.name}: {reason}")) for k in list(self._requests))
+        answered = 0
+        for future in list(self._requests):
+            if not future.done():
+                future.set_exception(Draining(f"{self._planner.name}: {reason}"))  # the link drops it on the host
+                answered += 1
+        return answered
 
     async def stop(self, timeout_s: float) -> None:
         self._accepting = False

@@ -36,8 +36,8 @@ from service.serving.remote.wire import (
 log = logging.getLogger("service.fronts")
 
 
-class HostGone(RuntimeError):
-    """The engine host closed the connection (it exited)."""
+class HostGone(Draining):
+    """The engine host closed the connection (it exited): what waits on it is refused as a draining server's."""
 
 
 ServeModels = Callable[["HostLink", Models], Awaitable[None]]
@@ -98,9 +98,16 @@ class HostLink:
                 future.set_exception(HostGone("the engine host exited while this request was computed"))
         self._waiting.clear()
 
-    def send(self, backbone: str, jobs: Sequence[TextJob], deadline: float) -> tuple[int, asyncio.Future[list[Answer]]]:
-        """Send the jobs of one request to the host: its number, and the future of each job's answer (in order)."""
-        return self._ask(lambda k: Run(k, backbone, [Job(j.encoding.chunks, j.asks) for j in jobs], deadline))
+    def send(self, backbone: str, jobs: Sequence[TextJob], deadline: float) -> asyncio.Future[list[Answer]]:
+        """Send the jobs of one request to the host: the future of each job's answer (in order). Cancelling it, or
+        answering it with an exception here, drops the request on the host.
+
+        Raises:
+            HostGone: the host has exited.
+        """
+        k, future = self._ask(lambda k: Run(k, backbone, [Job(j.encoding.chunks, j.asks) for j in jobs], deadline))
+        future.add_done_callback(lambda _: self._drop(k))
+        return future
 
     def _ask(self, message: Callable[[int], Run | Control | Scrape]) -> tuple[int, asyncio.Future[Any]]:
         """Send ``message(k)`` under a new request number ``k``: ``k``, and the future its answer sets."""
@@ -112,23 +119,11 @@ class HostLink:
         self._out.put(message(k))
         return k, future
 
-    async def wait(self, k: int, future: asyncio.Future[list[Answer]]) -> list[Answer]:
-        """The answers of request ``k``; a cancelled caller cancels the request on the host."""
-        try:
-            return await future
-        except asyncio.CancelledError:
-            if self._waiting.pop(k, None) is not None:
-                self._out.put(Cancel(k))
-            raise
-
-    def fail(self, k: int, exc: BaseException) -> bool:
-        """Answer request ``k`` with ``exc`` now, and drop it on the host; False if it was answered already."""
-        future = self._waiting.pop(k, None)
-        if future is None or future.done():
-            return False
-        future.set_exception(exc)
-        self._out.put(Cancel(k))
-        return True
+    def _drop(self, k: int) -> None:
+        """Request ``k`` was settled here, not by the host's answer (its caller went away, or the front answered it
+        while draining): the host drops it."""
+        if self._waiting.pop(k, None) is not None and not self.closed:
+            self._out.put(Cancel(k))
 
     async def control(self, op: Literal["index", "load", "unload", "stats"], name: str = "", ready_only: bool = False,
                       names: list[str] | None = None) -> Controlled:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import struct
-from typing import Any, Literal
+from typing import Any, Generic, Literal, Protocol, TypeVar
 
 import msgspec
 
@@ -23,6 +23,7 @@ from service.modeling.encoding import Encoding
 from service.serving.core.results import Answer
 from service.serving.core.work import Ask, TextJob
 
+M = TypeVar("M")
 FRAME = struct.Struct("<I")  # a frame's length
 MAX_FRAME = 1 << 31
 
@@ -150,7 +151,7 @@ ToHost = Hello | Run | Cancel | Applied | Control | Scrape
 ToFront = Models | Answered | Refused | Controlled | Scraped
 
 _encoder = msgspec.msgpack.Encoder()
-_to_host = msgspec.msgpack.Decoder(ToHost)
+TO_HOST = msgspec.msgpack.Decoder(ToHost)
 _to_front = msgspec.msgpack.Decoder(ToFront)
 
 
@@ -160,12 +161,18 @@ def frame(msg: ToHost | ToFront) -> bytes:
     return FRAME.pack(len(body)) + body
 
 
+class Writes(Protocol):
+    """Where frames go: a stream's writer, or a protocol's transport."""
+
+    def write(self, data: bytes) -> None: ...
+
+
 class Outbox:
     """A stream's frames written together: every frame given in one turn of the event loop goes out in one write at
     its end (a front sends the requests of every client it read in that turn, the host the answers of a batch, with
     one system call, not one each). Frames go in the order given; a closed stream takes nothing more."""
 
-    def __init__(self, writer: asyncio.StreamWriter) -> None:
+    def __init__(self, writer: Writes) -> None:
         self.writer = writer
         self._frames: list[bytes] = []
 
@@ -180,6 +187,31 @@ class Outbox:
             self.writer.write(data)
 
 
+class Frames(Generic[M]):
+    """The messages of a stream's bytes as they arrive (a protocol's ``data_received``), decoded by ``decoder``: no
+    coroutine a message, for the engine host's connections, which every request of every front passes through."""
+
+    def __init__(self, decoder: msgspec.msgpack.Decoder[M]) -> None:
+        self.decoder = decoder
+        self._buffer = bytearray()
+
+    def feed(self, data: bytes) -> list[M]:
+        """Every message whose frame is whole now, in order (what is left of a frame waits for the next bytes)."""
+        buffer = self._buffer
+        buffer += data
+        messages, start, end = [], 0, len(buffer)
+        with memoryview(buffer) as view:
+            while end - start >= FRAME.size:
+                (n,) = FRAME.unpack_from(view, start)
+                if end - start - FRAME.size < n:
+                    break
+                start += FRAME.size
+                messages.append(self.decoder.decode(view[start:start + n]))
+                start += n
+        del buffer[:start]
+        return messages
+
+
 async def _read(reader: asyncio.StreamReader) -> bytes | None:
     """The next frame's body, None at the end of the stream."""
     try:
@@ -188,11 +220,6 @@ async def _read(reader: asyncio.StreamReader) -> bytes | None:
         return None
     (n,) = FRAME.unpack(head)
     return await reader.readexactly(n)
-
-
-async def read_to_host(reader: asyncio.StreamReader) -> ToHost | None:
-    body = await _read(reader)
-    return None if body is None else _to_host.decode(body)
 
 
 async def read_to_front(reader: asyncio.StreamReader) -> ToFront | None:
