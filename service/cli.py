@@ -137,7 +137,7 @@ def serve(
                                                             "among them)")] = None,
     workers: Annotated[str | None, typer.Option(help="Front processes on one port over one engine host (HTTP, "
                                                      "gRPC, tokenizing): a number, or auto (one on a CPU, on a GPU "
-                                                     "one for every 4 usable CPUs, 2 to 8)")] = None,
+                                                     "one for every 2 usable CPUs, 2 to 8)")] = None,
 ) -> None:
     """Start the HTTP service (options override ROUTING_* environment variables)."""
     from pydantic import ValidationError

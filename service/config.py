@@ -40,12 +40,14 @@ def auto_fronts(settings: Settings) -> int:
     """The fronts ``ROUTING_WORKERS=auto`` chooses. One where the models compute on the CPU: there the fronts take
     the model's cores (on 2 cores two fronts served 0.95x one at c = 8 and 1.06x at c = 32, and took 134 MiB more:
     bench-results/serve-fronts-cpu-3.json), and one where a head cache is set (it needs one). On a GPU one for every
-    4 usable CPUs, 2 to 8: there the device waits on the fronts (one front served under 1,000 requests/s on an H200
-    whose engine alone did 15,821 texts/s: bench-results/gpu-h200-2.json); how many pay is for the prepared
-    ``bench gpu`` run to measure (1, 2, 4 and 8 fronts), not measured on a GPU yet."""
+    2 usable CPUs, 2 to 8: there the device waits on the fronts, and more served more. On an H200 with 16 CPUs
+    (bench-results/gpu-h200-3.json) 1, 2, 4 and 8 fronts served 922, 1,033, 896 and 1,203 single-text requests/s to
+    32 clients and 1,171, 1,674, 1,767 and 1,860 to 64; 4 fronts took 0.79-0.88 ms of CPU a request in all there,
+    so their 4 cores serve at most about 4,500-5,000 a second (4,696 at 256 clients): 8, not the 4 of one for every
+    4 CPUs before."""
     if settings.head_cache_bytes is not None or not on_gpu(settings):
         return 1
-    return max(2, min(8, available_cpus() // 4))
+    return max(2, min(8, available_cpus() // 2))
 
 
 class Settings(BaseSettings):
@@ -123,7 +125,7 @@ class Settings(BaseSettings):
     workers: Annotated[int, Field(ge=1, le=64)] | Literal["auto"] = Field(
         "auto", description="Front processes on one port (HTTP and gRPC), each validating, tokenizing and rendering, "
         "over one engine host that batches every front's texts; auto: one where the models compute on the CPU or a "
-        "head cache is set, on a GPU one for every 4 usable CPUs (2 to 8)")
+        "head cache is set, on a GPU one for every 2 usable CPUs (2 to 8)")
     omp_wait_policy: Literal["active", "passive"] | None = Field(
         None, description="How idle OpenMP threads wait (OMP_WAIT_POLICY; default: the runtime's own, a short "
         "spin then sleep); applies when set before torch loads, as `routing-service serve` does")
