@@ -231,26 +231,31 @@ def _argmax(p: list[float]) -> int:
 
 
 def closed_loop(url: str, texts: list[str], concurrency: int, per_request: int, seconds: float,
-                processes: int) -> dict[str, Any]:
+                processes: int, cpu: Callable[[], dict[str, float] | None] | None = None) -> dict[str, Any]:
     """``concurrency`` clients spread over ``processes`` load processes, each sending ``per_request`` texts at a
-    time for ``seconds``: requests and texts per second answered 200, latency percentiles (ms), errors."""
+    time for ``seconds``: requests and texts per second answered 200, latency percentiles (ms), errors; the texts a
+    batch and the share of the time the engine computed (the server's metrics); with ``cpu`` (the server's parts'
+    CPU seconds so far), each part's CPU milliseconds a text (``server_cpu_ms``, ``host_cpu_ms``, ``models_cpu_ms``,
+    ``load_generator_cpu_ms``): where the machine's CPU went."""
     from service.bench.load import closed_loop as clients
     from service.bench.load import run_async
 
     t0 = time.monotonic()
     level = run_async(clients(url, "/v1/classify", texts, concurrency, seconds, processes=processes,
-                              per_request=per_request))
+                              per_request=per_request, cpu=cpu))
     row = level.row()
     return {"concurrency": concurrency, "texts_per_request": per_request, "load_processes": row["load_processes"],
             "requests_per_s": row["requests_per_s"], "texts_per_s": row["throughput"], "errors": row["errors"],
-            "p50_ms": row["p50_ms"], "p99_ms": row["p99_ms"], "wall_s": time.monotonic() - t0}
+            "p50_ms": row["p50_ms"], "p99_ms": row["p99_ms"], "wall_s": time.monotonic() - t0,
+            "mean_batch": row["mean_batch"], "engine_busy": row["model_busy"], "batch_ms": row["batch_ms"],
+            **{k: v for k, v in row.items() if k.endswith("_cpu_ms")}}
 
 
 def served(repository: Path, model: str, device: str, texts: list[str], levels: list[tuple[int, int]],
            seconds: float, processes: int, logs: Path, settings: dict[str, str] | None = None) -> dict[str, Any]:
     """This version's server on ``device`` (with ``settings``, ``ROUTING_*`` variables, beside its defaults), driven at
     each (concurrency, texts per request) of ``levels``; ``ready_s``: from its start to ready."""
-    from service.bench.server import ServerProcess, free_port, fronts_of
+    from service.bench.server import ServerProcess, free_port, fronts_of, server_cpu
 
     port = free_port()
     command = [sys.executable, "-m", "service", "serve", "--model-repository", str(repository), "--models", model,
@@ -265,8 +270,10 @@ def served(repository: Path, model: str, device: str, texts: list[str], levels: 
         out: dict[str, Any] = {"ready_s": time.perf_counter() - t0, "fronts": fronts_of(server.proc.pid),
                                "settings": settings or {}, "levels": []}  # the default fronts (ROUTING_WORKERS=auto)
         closed_loop(server.url, texts, 8, 1, min(1.0, seconds), 1)  # warm-up
+        fronts = out["fronts"]
         for concurrency, per_request in levels:
-            row = closed_loop(server.url, texts, concurrency, per_request, seconds, processes)
+            row = closed_loop(server.url, texts, concurrency, per_request, seconds, processes,
+                              lambda: server_cpu(server.proc.pid, fronts))
             report.echo(f"bench gpu: served c={concurrency} x{per_request}: {row['requests_per_s']:.0f} requests/s, "
                         f"p99 {row['p99_ms']:.1f} ms", err=True)
             out["levels"].append(row)
@@ -491,7 +498,8 @@ def summarize(results: dict[str, Any], budget: int) -> dict[str, Any]:
     for name in ("served", "served_buckets"):
         out[name] = {f"c{r['concurrency']}x{r['texts_per_request']}": {
             "requests_per_s": r["requests_per_s"], "texts_per_s": r["texts_per_s"], "p99_ms": r["p99_ms"],
-            "errors": r["errors"]} for r in get(name, "levels") or []} or None
+            "errors": r["errors"], "mean_batch": r.get("mean_batch"), "engine_busy": r.get("engine_busy"),
+            **{k: v for k, v in r.items() if k.endswith("_cpu_ms")}} for r in get(name, "levels") or []} or None
     out["ready_s"] = get("served", "ready_s")
     out["ready_s_buckets"] = get("served_buckets", "ready_s")
     multi = next((r for r in levels if r["texts_per_request"] > 1), None)

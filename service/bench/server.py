@@ -204,28 +204,8 @@ class LocalServer(ServerProcess):
         return self
 
     def cpu(self) -> dict[str, float] | None:
-        """CPU seconds used so far by the server's processes (HTTP, tokenizer, batcher: with several fronts, the
-        supervisor, the fronts and the engine host) and by the backbones' processes (running, or exited and started
-        again); with several fronts also the engine host's alone (``host``, a part of ``server``: it receives every
-        front's texts); None where ``/proc`` cannot be read."""
-        server, exited = cpu_seconds(self.proc.pid), cpu_seconds(self.proc.pid, exited_children=True)
-        if server is None or exited is None:
-            return None
-        models = 0.0 if self.fronts > 1 else exited  # the supervisor's exited children are fronts started again
-        server += 0.0 if self.fronts == 1 else exited
-        host = 0.0
-        for pid in descendants(self.proc.pid):
-            own, gone = cpu_seconds(pid), cpu_seconds(pid, exited_children=True)
-            if own is None or gone is None:
-                continue  # it exited meanwhile
-            if is_backbone_process(pid):
-                models += own
-            else:
-                server += own
-                models += gone  # the engine host's exited children: backbones' processes
-                if self.fronts > 1 and _runs(pid, b"service.serving.host"):
-                    host += own
-        return {"server": server, "models": models, **({"host": host} if self.fronts > 1 else {})}
+        """CPU seconds used so far by the server's parts (see :func:`server_cpu`)."""
+        return server_cpu(self.proc.pid, self.fronts)
 
     def pss(self) -> dict[str, float] | None:
         """Proportional set size (bytes) of the server's processes (with several fronts: the supervisor, the fronts
@@ -253,6 +233,31 @@ def _runs(pid: int, *modules: bytes) -> bool:
     except OSError:
         return False
     return any(module in cmdline for module in modules)
+
+
+def server_cpu(pid: int, fronts: int) -> dict[str, float] | None:
+    """CPU seconds used so far by the processes of the server of process ``pid`` running ``fronts`` fronts (HTTP,
+    tokenizer, batcher: with several fronts, the supervisor, the fronts and the engine host) and by the backbones'
+    processes (running, or exited and started again); with several fronts also the engine host's alone (``host``, a
+    part of ``server``: it receives every front's texts); None where ``/proc`` cannot be read."""
+    server, exited = cpu_seconds(pid), cpu_seconds(pid, exited_children=True)
+    if server is None or exited is None:
+        return None
+    models = 0.0 if fronts > 1 else exited  # the supervisor's exited children are fronts started again
+    server += 0.0 if fronts == 1 else exited
+    host = 0.0
+    for child in descendants(pid):
+        own, gone = cpu_seconds(child), cpu_seconds(child, exited_children=True)
+        if own is None or gone is None:
+            continue  # it exited meanwhile
+        if is_backbone_process(child):
+            models += own
+        else:
+            server += own
+            models += gone  # the engine host's exited children: backbones' processes
+            if fronts > 1 and _runs(child, b"service.serving.host"):
+                host += own
+    return {"server": server, "models": models, **({"host": host} if fronts > 1 else {})}
 
 
 def fronts_of(pid: int) -> int:

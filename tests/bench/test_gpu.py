@@ -70,6 +70,9 @@ def test_every_section_runs_and_every_field_is_written_on_the_cpu(tiny_repo: Pat
     served = summary["served"]
     assert set(served) == {"c4x1", "c64x16"} and all(v["errors"] == 0 and v["texts_per_s"] > 0
                                                       for v in served.values())
+    # where a served level's time went: texts a batch, the engine's busy share, each part's CPU a text
+    assert all(v["mean_batch"] >= 1 and 0 < v["engine_busy"] <= 1.2 and v["server_cpu_ms"] > 0
+               and v["models_cpu_ms"] > 0 for v in served.values())
     # one front, two fronts and mosec where it is installed (the bench extra; named as missing otherwise), each
     # answering every request
     beside, has_mosec = summary["beside"]["c4"], find_spec("mosec") is not None
