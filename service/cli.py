@@ -60,6 +60,11 @@ def fronts_option(value: str) -> list[int]:
     return fronts
 
 
+def served_settings(value: str) -> dict[str, str]:
+    """``--served-variant`` of ``bench gpu``: NAME=VALUE[,NAME=VALUE] as the server's ``ROUTING_NAME`` variables."""
+    return {f"ROUTING_{name.upper()}": str(v) for name, v in variants_option(value.split(",") if value else []).items()}
+
+
 def variants_option(values: list[str] | None) -> dict[str, Any]:
     """``--variant`` of a bench: NAME=VALUE engine settings (a number or true/false is read as one; else a string)."""
     variants: dict[str, Any] = {}
@@ -603,9 +608,10 @@ def bench_gpu(
                                                            "settings changed (e.g. head_call_overhead=8192, or "
                                                            "packed_heads=false,head_dtype=bfloat16), in turns too")
                        ] = None,
-    served_buckets: Annotated[str, typer.Option(help="Also serve with ROUTING_BUCKETS set to this (against the "
-                                                     "default, auto: off on a GPU, eager on a CPU; '' to skip): time "
-                                                     "to ready and the top levels")
+    served_variant: Annotated[str, typer.Option(help="NAME=VALUE[,NAME=VALUE]: also serve with these settings "
+                                                     "(ROUTING_NAME=VALUE) over the defaults, e.g. "
+                                                     "batches_in_flight=1 or buckets=off ('' to skip): time to ready "
+                                                     "and the top levels")
                               ] = "",
     model_repository: Path = Path("models"),
     out: Annotated[Path, typer.Option(help="JSON result file")] = Path("bench-results/gpu.json"),
@@ -639,7 +645,8 @@ def bench_gpu(
         result = gpu.run(device, model, model_repository, n_texts, numbers(budgets, "--budgets"), seconds, rounds,
                          baseline, served_seconds, numbers(concurrency, "--concurrency"), load_processes,
                          accuracy_texts, out.parent / "logs", texts_file, checkpoint, variants, peer_names,
-                         fronts, numbers(peer_concurrency, "--peer-concurrency"), served_buckets)
+                         fronts, numbers(peer_concurrency, "--peer-concurrency"),
+                         served_settings(served_variant))
     summary = result["summary"]
     typer.echo(json.dumps(summary, indent=1))
     path = report.write_json(out, "gpu", result["settings"], result["results"], summary)

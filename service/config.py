@@ -114,6 +114,10 @@ class Settings(BaseSettings):
                                 "waits for the event loop's GIL; false: in a thread of the server's process")
     torch_threads: int | None = Field(None, ge=1, description="Torch intra-op threads (default: the CPUs this "
                                       "process may use: affinity mask, capped by a cgroup CPU quota)")
+    batches_in_flight: Annotated[int, Field(ge=1, le=2)] | Literal["auto"] = Field(
+        "auto", description="Batches a backbone's process holds at once (with model_process): 2 submits the next "
+        "batch while the device computes one, so the host's work on it (receiving, planning, packing, launching) "
+        "overlaps the device's; auto: 2 on a GPU, 1 on a CPU (where the host computes the batch itself)")
     model_replicas: int = Field(1, ge=1, description="Processes per model, each computing batches of its own "
                                 "(needs model_process; torch threads default to the usable CPUs shared among them). "
                                 "On small CPUs two processes of one thread served more than one of two threads; "
@@ -163,6 +167,12 @@ class Settings(BaseSettings):
     def engine_devices(self) -> list[str]:
         """The device of each engine process of a backbone: ``devices``, else ``device`` once per replica."""
         return self.devices or [self.device] * self.model_replicas
+
+    def in_flight(self, device: str) -> int:
+        """Batches a backbone's process on ``device`` (a torch device's name, or auto) holds at once."""
+        if self.batches_in_flight != "auto":
+            return self.batches_in_flight
+        return 2 if device.startswith("cuda") or (device == "auto" and cuda_here()) else 1
 
     def batch_limits(self, device: str) -> tuple[int, int]:
         """``max_batch_size``, ``max_batch_tokens`` for a backbone on ``device`` (a torch device's name): as set, else

@@ -25,8 +25,9 @@ fails records its error and the run goes on):
 - ``served``: the server started on the device, driven by clients in several processes (one aiohttp process tops
   out near 3,500 requests/s) with its default fronts (their number recorded): single-text requests at the given
   concurrencies and 16-text requests, requests and texts per second, p50 and p99;
-- ``served_buckets`` (with ``--served-buckets``): the server again with ``ROUTING_BUCKETS`` set (its time to ready,
-  which includes capturing the buckets' graphs), at the last single-text level and the 16-text one;
+- ``served_variant`` (with ``--served-variant``): the server again with settings over its defaults (e.g. one batch
+  in flight, or no buckets): its time to ready (which includes capturing the buckets' graphs), at the last
+  single-text level and the 16-text one;
 - ``beside``: single-text requests at the peer levels to this service with one front and with more (how many
   fronts a device needs), and to mosec and LitServe with this version's engine inside, in turns;
 - ``routing_headline``: the reference library's headline (``bench routing --headline``): 1,000,000 vectors of
@@ -335,11 +336,11 @@ def run(device: str, model: str, repository: Path, n_texts: int, budgets: list[i
         accuracy_texts: int, logs: Path, texts_file: Path | None = None,
         checkpoint: Callable[[dict[str, Any], dict[str, Any]], None] | None = None,
         variant: list[dict[str, Any]] | None = None, peers: list[str] | None = None, fronts: list[int] | None = None,
-        peer_levels: list[int] | None = None, served_buckets: str = "") -> dict[str, Any]:
+        peer_levels: list[int] | None = None, served_variant: dict[str, str] | None = None) -> dict[str, Any]:
     """Every section (see the module's docstring); ``results`` and a ``summary`` of the headline numbers.
     ``checkpoint(settings, results)`` after each section. ``peers``, ``fronts``, ``peer_levels``: see :func:`beside`
-    (none of either: no such section). ``served_buckets``: the server again with ``ROUTING_BUCKETS`` set so, at the
-    last two levels (``""``: not)."""
+    (none of either: no such section). ``served_variant``: the server again with these ``ROUTING_*`` variables, at
+    the last two levels (none: not)."""
     import torch
 
     from service.config import CPU_BATCH, GPU_BATCH
@@ -375,7 +376,7 @@ def run(device: str, model: str, repository: Path, n_texts: int, budgets: list[i
                 "concurrencies": concurrencies, "load_processes": load_processes, "accuracy_texts": accuracy_texts,
                 "texts_file": str(given_texts) if given_texts else None, "variant": variant,
                 "peers": peers or [], "fronts": fronts or [], "peer_levels": peer_levels or [],
-                "served_buckets": served_buckets,
+                "served_variant": served_variant or {},
                 "cuda_device": torch.cuda.get_device_name(0) if cuda and torch.cuda.is_available() else None}
     results: dict[str, Any] = {}
 
@@ -420,9 +421,9 @@ def run(device: str, model: str, repository: Path, n_texts: int, budgets: list[i
     levels = [(c, 1) for c in concurrencies] + [(64, 16)]
     step("served", lambda: served(repository, model, device, texts, levels, served_seconds,
                                               load_processes, logs))
-    if served_buckets:  # the server with ROUTING_BUCKETS other than its default: ready time and the top levels
-        step("served_buckets", lambda: served(repository, model, device, texts, levels[-2:], served_seconds,
-                                              load_processes, logs, {"ROUTING_BUCKETS": served_buckets}))
+    if served_variant:  # the server with settings other than its defaults: ready time and the top levels
+        step("served_variant", lambda: served(repository, model, device, texts, levels[-2:], served_seconds,
+                                              load_processes, logs, served_variant))
     if (peers or fronts) and peer_levels:
         step("beside", lambda: beside(repository, model, device, texts, peers or [], fronts or [], peer_levels,
                                       served_seconds, 1, load_processes, logs))
@@ -495,13 +496,13 @@ def summarize(results: dict[str, Any], budget: int) -> dict[str, Any]:
             out[f"buckets_{name}"] = {k: last.get(k) for k in ("bucketed", "replayed", "unfit", "padded_share",
                                                                "capture_s", "buckets", "failed")}
     levels = get("served", "levels") or []
-    for name in ("served", "served_buckets"):
+    for name in ("served", "served_variant"):
         out[name] = {f"c{r['concurrency']}x{r['texts_per_request']}": {
             "requests_per_s": r["requests_per_s"], "texts_per_s": r["texts_per_s"], "p99_ms": r["p99_ms"],
             "errors": r["errors"], "mean_batch": r.get("mean_batch"), "engine_busy": r.get("engine_busy"),
             **{k: v for k, v in r.items() if k.endswith("_cpu_ms")}} for r in get(name, "levels") or []} or None
     out["ready_s"] = get("served", "ready_s")
-    out["ready_s_buckets"] = get("served_buckets", "ready_s")
+    out["ready_s_variant"] = get("served_variant", "ready_s")
     multi = next((r for r in levels if r["texts_per_request"] > 1), None)
     offline = cur.get(str(budget))
     out["served_over_offline_multi_text"] = multi["texts_per_s"] / offline if multi and offline else None

@@ -23,19 +23,20 @@ def test_every_section_runs_and_every_field_is_written_on_the_cpu(tiny_repo: Pat
         "--texts-file", str(texts), "--texts", "32", "--budgets", "64", "--seconds", "0.05", "--rounds", "2",
         "--baseline", str(ROOT), "--served-seconds", "0.3", "--concurrency", "4", "--load-processes", "2",
         "--accuracy-texts", "20", "--variant", "packed_heads=false,buckets=eager,head_dtype=bfloat16",
-        "--served-buckets", "eager", "--peers", "mosec",
+        "--served-variant", "buckets=eager,batches_in_flight=2", "--peers", "mosec",
         "--workers", "2", "--peer-concurrency", "4", "--out", str(out)])
     assert res.exit_code == 0, res.output
     doc = json.loads(out.read_text())
     results, summary = doc["results"], doc["summary"]
     assert summary["failed_sections"] == [], {k: v.get("error") for k, v in results.items() if "error" in v}
     sections = {"load", "engine", "profile", "latency", "accuracy", "head_precision", "buckets", "served",
-                "served_buckets", "beside", "gpu_tests", "routing_headline"}
+                "served_variant", "beside", "gpu_tests", "routing_headline"}
     assert set(results) == sections | {"seconds"} and set(results["seconds"]) == sections
     assert set(summary["section_seconds"]) == sections and all(v >= 0 for v in summary["section_seconds"].values())
     assert summary["seconds_in_all"] == round(sum(results["seconds"].values()), 1) > 0
-    assert results["served_buckets"]["settings"] == {"ROUTING_BUCKETS": "eager"} and summary["ready_s_buckets"] > 0
-    assert all(v["errors"] == 0 and v["texts_per_s"] > 0 for v in summary["served_buckets"].values())
+    assert results["served_variant"]["settings"] == {"ROUTING_BUCKETS": "eager", "ROUTING_BATCHES_IN_FLIGHT": "2"}
+    assert summary["ready_s_variant"] > 0
+    assert all(v["errors"] == 0 and v["texts_per_s"] > 0 for v in summary["served_variant"].values())
     assert results["routing_headline"]["n_inp"] == 2000 and results["routing_headline"]["finite"]
     empty = {k for k, v in summary.items() if v is None}
     assert all(k.startswith("device_busy_share") for k in empty), empty  # a CPU has no device to be busy

@@ -111,3 +111,34 @@ def test_captured_buckets_answer_as_the_eager_engine(tiny_repo: Path, tiny_backb
     for got, ref in zip(engine.run(tasks), at_start.run(tasks), strict=True):
         assert max(abs(p - ref.scores[k]) for k, p in got.scores.items()) <= 1e-5
     assert at_start.bucket_stats.replayed == 1
+
+
+def test_a_process_with_two_batches_in_flight_answers_as_with_one(tiny_repo: Path) -> None:
+    """A backbone's process in captured buckets holding two batches at once (the next replayed before the one ahead
+    of it is read, ``batches_in_flight=2``, a GPU's default) answers every batch as a process holding one."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from service.serving.engine.pipe import BucketPlan
+    from service.serving.engine.process import BackboneProcess
+
+    texts = [f"text {k} " + "word " * (k % 9) for k in range(48)]
+    plan = BucketPlan("cuda", 64, 2048)
+    one = BackboneProcess(tiny_repo / "tiny", device="cuda", dtype="bfloat16", buckets=plan)
+    two = BackboneProcess(tiny_repo / "tiny", device="cuda", dtype="bfloat16", buckets=plan, in_flight=2)
+    try:
+        batches = [[w for plan_ in one.plan([Task(t) for t in texts[k:k + 4]]) for w in plan_]
+                   for k in range(0, len(texts), 4)]
+        want = [one.run_chunks(b) for b in batches]
+
+        def run(parity: int) -> list[tuple[int, list]]:
+            return [(k, two.runners[parity](b)) for k, b in enumerate(batches) if k % 2 == parity]
+
+        with ThreadPoolExecutor(2) as pool:
+            got = dict(r for rs in pool.map(run, [0, 1]) for r in rs)
+        for k, answers in enumerate(want):
+            for a, b in zip(answers, got[k], strict=True):
+                assert a is not None and b is not None and a[0].label == b[0].label
+                assert max(abs(p - b[0].scores[c]) for c, p in a[0].scores.items()) <= 1e-6, k
+    finally:
+        one.close()
+        two.close()

@@ -173,26 +173,13 @@ def test_replicas_answer_as_one_process_and_keep_a_texts_chunks_together(tiny_re
     from service.bench.server import cpu_seconds
     from tests.serving.server import metric
 
-    engine = Engine.load(tiny_repo / "tiny", device="cpu")
-    expected = engine.run([Task(t, credit=CreditSpec()) for t in TEXTS])
-    special = [e.special for e in engine.chunker.encode(TEXTS, engine.max_length("tiny"))]
     srv = Server(tmp_path, model_repository=tiny_repo, default_model="tiny", model_replicas=2, max_batch_size=2,
                  max_wait_ms=0).wait_ready()
     try:
         pids = [int(p) for p in re.findall(r"\['tiny'\]\) computes in process (\d+)", srv.full_log())]
         assert len(set(pids)) == 2 and "computes in 2 processes (cpu, cpu) of 1 torch threads each" in srv.full_log()
         before = [cpu_seconds(p) or 0.0 for p in pids]
-        with httpx.Client(base_url=srv.url, timeout=60) as client, ThreadPoolExecutor(6) as pool:
-            rs = list(pool.map(lambda _: client.post("/v1/classify", json={"inputs": TEXTS, "explain": True}),
-                               range(12)))
-            page = client.get("/metrics").text
-        for r in rs:
-            assert r.status_code == 200, r.text
-            for got, want, sp in zip(r.json()["results"], expected, special, strict=True):
-                assert got["label"] == want.label and close(list(got["scores"].values()), list(want.scores.values()))
-                assert want.credit is not None  # the API lists the text's own tokens, not the special ones
-                words = [c for c, s in zip(want.credit.targets[0].tokens, sp, strict=True) if not s]
-                assert close([t["credit"] for t in got["explanation"]["tokens"]], words)
+        page = _answers_as_the_engines(srv, tiny_repo)
         assert all((cpu_seconds(p) or 0.0) > b for p, b in zip(pids, before, strict=True))  # both computed
         assert metric(page, "routing_backbone_process_resident_memory_bytes", backbone="tiny-bert@random") > 0
     finally:
@@ -200,6 +187,42 @@ def test_replicas_answer_as_one_process_and_keep_a_texts_chunks_together(tiny_re
     for p in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(p, 0)
+
+
+def _answers_as_the_engines(srv: Server, tiny_repo: Path) -> str:
+    """Twelve concurrent requests of :data:`TEXTS` with credit (batches of two chunks: the long text spans several)
+    answered as the engine answers them in this process; the server's metrics page after them."""
+    engine = Engine.load(tiny_repo / "tiny", device="cpu")
+    expected = engine.run([Task(t, credit=CreditSpec()) for t in TEXTS])
+    special = [e.special for e in engine.chunker.encode(TEXTS, engine.max_length("tiny"))]
+    with httpx.Client(base_url=srv.url, timeout=60) as client, ThreadPoolExecutor(6) as pool:
+        rs = list(pool.map(lambda _: client.post("/v1/classify", json={"inputs": TEXTS, "explain": True}),
+                           range(12)))
+        page = client.get("/metrics").text
+    for r in rs:
+        assert r.status_code == 200, r.text
+        for got, want, sp in zip(r.json()["results"], expected, special, strict=True):
+            assert got["label"] == want.label and close(list(got["scores"].values()), list(want.scores.values()))
+            assert want.credit is not None  # the API lists the text's own tokens, not the special ones
+            words = [c for c, s in zip(want.credit.targets[0].tokens, sp, strict=True) if not s]
+            assert close([t["credit"] for t in got["explanation"]["tokens"]], words)
+    return page
+
+
+def test_a_server_with_two_batches_in_flight_answers_as_the_engine(tiny_repo: Path, tmp_path: Path) -> None:
+    """``ROUTING_BATCHES_IN_FLIGHT=2`` (a GPU's default) on the CPU: the batcher's two runners send batches to one
+    process, which answers each with its own texts' answers."""
+    from tests.serving.server import metric
+
+    srv = Server(tmp_path, model_repository=tiny_repo, default_model="tiny", batches_in_flight=2, max_batch_size=2,
+                 max_wait_ms=0).wait_ready()
+    try:
+        page = _answers_as_the_engines(srv, tiny_repo)
+        batches = [metric(page, "routing_engine_batches_total", backbone="tiny-bert@random", engine=str(k),
+                          device="cpu") for k in (0, 1)]
+        assert all(n > 0 for n in batches)  # both runners sent batches
+    finally:
+        srv.stop()
 
 
 def test_a_batchs_answers_carry_the_engines_phases_across_the_process(model: BackboneProcess) -> None:
@@ -210,3 +233,75 @@ def test_a_batchs_answers_carry_the_engines_phases_across_the_process(model: Bac
     phases = answers.phases  # type: ignore[attr-defined]
     assert set(phases) == {"encode", "heads", "host"} and phases["encode"] > 0 and phases["heads"] > 0
     assert all(s >= 0 for s in phases.values())
+
+
+def test_two_batches_in_flight_are_answered_in_order_with_the_engines_answers(tiny_repo: Path) -> None:
+    """A process holding two batches at once (``batches_in_flight=2``: the next is submitted before the one ahead of
+    it is answered) answers each batch with its own texts' answers, batches sent from two threads at once, a long
+    text's chunks over several batches of one runner included."""
+    engine = Engine.load(tiny_repo / "tiny", device="cpu")
+    texts = [f"text number {k} of many, {'long ' * (k % 7)}" for k in range(24)] + ["Long one. " * 30]
+    expected = engine.run([Task(t) for t in texts])
+    mp = BackboneProcess(tiny_repo / "tiny", device="cpu", in_flight=2)
+    try:
+        assert len(mp.runners) == 2 and mp.runner_devices == ["cpu", "cpu"]
+
+        def run(ks: list[int]) -> list[tuple[int, str, list[float]]]:
+            chunks = [w for plan in mp.plan([Task(texts[k]) for k in ks]) for w in plan]
+            answers: list = []
+            for at in range(0, len(chunks), 3):  # batches of three chunks, one after another on this runner
+                answers += mp.runners[ks[0] % 2](chunks[at:at + 3])
+            return [(k, a.label, list(a.scores.values())) for k, (a,) in zip(ks, answers_of(chunks, answers),
+                                                                               strict=True)]
+
+        with ThreadPoolExecutor(2) as pool:
+            got = [r for rs in pool.map(run, [list(range(0, 25, 2)), list(range(1, 25, 2))]) for r in rs]
+        assert sorted(k for k, _, _ in got) == list(range(25))
+        for k, label, scores in got:
+            assert label == expected[k].label and close(scores, list(expected[k].scores.values())), k
+    finally:
+        mp.close(timeout_s=30)
+
+
+def test_two_batches_in_flight_when_the_process_exits_are_both_computed_again(tiny_repo: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """The process exits with two batches sent to it: each is computed again by the process started in its place,
+    the one behind learning so from the restart (its reply would never come), and a change of heads waits for
+    the batches sent before it."""
+    import threading
+
+    mp = BackboneProcess(tiny_repo / "tiny", device="cpu", in_flight=2)
+    try:
+        work = [[w for plan in mp.plan([Task(t)]) for w in plan] for t in ("a short text", "another text")]
+        want = [mp.run_chunks(w)[0][0].label for w in work]  # type: ignore[index]
+        both_sent = threading.Barrier(2, timeout=30)
+        send, reply, first, sent = mp._send, mp._reply, threading.local(), []
+
+        def send_then_kill(msg: object) -> tuple[int, int]:
+            turn = send(msg)  # type: ignore[arg-type]
+            sent.append(turn)
+            if len(sent) == 1:
+                os.kill(mp.pid, signal.SIGKILL)  # gone with the first batch, before the second is sent
+                mp._proc.wait()
+            return turn
+
+        def reply_once_both_sent(turn: tuple[int, int]) -> object:
+            if not getattr(first, "done", False):
+                first.done = True
+                both_sent.wait()
+            return reply(turn)
+
+        with monkeypatch.context() as m:  # seen running when the two batches are sent, exited once they are
+            m.setattr(mp, "_send", send_then_kill)
+            m.setattr(mp, "_reply", reply_once_both_sent)
+            m.setattr(mp._proc, "poll", lambda real=mp._proc.poll: None if len(sent) < 2 else real())
+            with ThreadPoolExecutor(2) as pool:
+                got = list(pool.map(lambda k: mp.runners[k](work[k]), [0, 1]))
+        assert [t for t in sent[:2]] == [(2, 0), (3, 0)] and [g for _, g in sent[2:]] == [1, 1]  # again, once each
+        assert [a[0][0].label for a in got] == want and all(a[0][0].error is None for a in got)  # type: ignore[index]
+        assert mp.restarts() == 1
+        mp.add_heads([tiny_repo / "tiny"], ["again"], warmup=False)  # on the new process, between batches
+        assert mp.run_chunks(work[0])[0][0].label == want[0]  # type: ignore[index]
+    finally:
+        mp.close(timeout_s=30)
+    assert mp._proc.returncode == 0

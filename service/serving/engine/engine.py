@@ -115,6 +115,18 @@ class Submitted:
 
 
 @dataclass
+class Begun:
+    """A batch :meth:`Engine.begin` submitted: its chunks, their texts' counts and states before (to run it again in
+    parts if the device has no memory for it), what was submitted (or the device's error: it did not fit whole),
+    and the engine's clock over its submission (wall, forward, encoder seconds)."""
+
+    works: list[ChunkWork]
+    held: list[tuple[TextJob, int, list[Any]]]
+    submitted: Submitted | torch.OutOfMemoryError
+    clock: tuple[float, float, float]
+
+
+@dataclass
 class EngineClock:
     """Where the batches' time went, since the engine started (``routing-service bench gpu`` reads it): ``wall_s`` in
     :meth:`Engine.run_chunks` in all, ``forward_s`` of it in the encoder's and heads' forward calls and waiting for
@@ -374,37 +386,79 @@ class Engine(Compute):
 
         A batch the device has no memory for is split in two and each half run in turn (and so on); a chunk that
         does not fit even alone fails its text only, answered ``unavailable`` (the server says 503: retry)."""
-        wall, forward, encode = self.clock.wall_s, self.clock.forward_s, self.backbone.forward_seconds
-        answers = self._run_chunks(works)
-        wall, forward = self.clock.wall_s - wall, self.clock.forward_s - forward
-        encode = self.backbone.forward_seconds - encode
+        return self.complete(self.begin(works))
+
+    @torch.inference_mode()
+    def begin(self, works: list[ChunkWork]) -> Begun:
+        """The first half of :meth:`run_chunks`: the batch submitted (see :meth:`submit`), so that another may be
+        begun before this one is completed (a backbone's process with two batches in flight)."""
+        held = [(w.job, w.job.left, list(w.job.states)) for w in works]
+        clock = self._clock_now()
+        submitted: Submitted | torch.OutOfMemoryError
+        try:
+            submitted = self.submit(works)
+        except torch.OutOfMemoryError as e:  # completed in parts (see complete)
+            self._restore(held)
+            submitted = e
+        return Begun(works, held, submitted, self._clock_since(clock))
+
+    @torch.inference_mode()
+    def complete(self, begun: Begun) -> Answers:
+        """The second half of :meth:`run_chunks`: the batch's answers, with its phases (this batch's own time in
+        :meth:`begin` and here, not another batch's begun between them)."""
+        clock = self._clock_now()
+        if isinstance(begun.submitted, torch.OutOfMemoryError):
+            answers = self._split(begun.works, begun.submitted)
+        else:
+            try:
+                answers = self.finish(begun.submitted)
+            except torch.OutOfMemoryError as e:
+                self._restore(begun.held)
+                answers = self._split(begun.works, e)
+        wall, forward, encode = (a + b for a, b in zip(begun.clock, self._clock_since(clock), strict=True))
         return Answers(answers, {"encode": encode, "heads": max(forward - encode, 0.0),
                                  "host": max(wall - forward, 0.0)})
 
+    def _clock_now(self) -> tuple[float, float, float]:
+        """The engine's clock (wall, forward) and the encoder's seconds so far."""
+        return self.clock.wall_s, self.clock.forward_s, self.backbone.forward_seconds
+
+    def _clock_since(self, then: tuple[float, float, float]) -> tuple[float, float, float]:
+        now = self._clock_now()
+        return now[0] - then[0], now[1] - then[1], now[2] - then[2]
+
+    def _restore(self, held: list[tuple[TextJob, int, list[Any]]]) -> None:
+        """Texts' chunk counts and states as before an attempt the device had no memory for."""
+        for job, left, states in held:
+            job.left, job.states = left, states
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
     def _run_chunks(self, works: list[ChunkWork]) -> list[Answer | None]:
-        """:meth:`run_chunks`'s answers (a half of a batch split for memory comes here again)."""
+        """The answers of ``works``, a part of a batch split for memory (split again if it does not fit)."""
         held = [(w.job, w.job.left, list(w.job.states)) for w in works]
         try:
             return self.finish(self.submit(works))
         except torch.OutOfMemoryError as e:
-            for job, left, states in held:  # as before the attempt: each half starts from there
-                job.left, job.states = left, states
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
-            if len(works) > 1:
-                log.warning("backbone %s: out of memory for a batch of %d chunks (%d tokens): split in two",
-                            self.name, len(works), sum(len(w.ids) for w in works))
-                half = len(works) // 2
-                return self._run_chunks(works[:half]) + self._run_chunks(works[half:])
-            (w,) = works
-            job = w.job
-            job.failed = f"the device ran out of memory for this text's chunk of {len(w.ids)} tokens alone: {e}"
-            log.error("backbone %s: %s", self.name, job.failed)
-            job.left -= 1
-            if job.left:  # answered once its last chunk comes (see _submit)
-                return [None]
-            job.states = []
-            return [[Result(label="", scores={}, error=job.failed, unavailable=True) for _ in job.asks]]
+            self._restore(held)
+            return self._split(works, e)
+
+    def _split(self, works: list[ChunkWork], e: torch.OutOfMemoryError) -> list[Answer | None]:
+        """A batch the device had no memory for, in two halves run in turn; a chunk alone fails its text."""
+        if len(works) > 1:
+            log.warning("backbone %s: out of memory for a batch of %d chunks (%d tokens): split in two",
+                        self.name, len(works), sum(len(w.ids) for w in works))
+            half = len(works) // 2
+            return self._run_chunks(works[:half]) + self._run_chunks(works[half:])
+        (w,) = works
+        job = w.job
+        job.failed = f"the device ran out of memory for this text's chunk of {len(w.ids)} tokens alone: {e}"
+        log.error("backbone %s: %s", self.name, job.failed)
+        job.left -= 1
+        if job.left:  # answered once its last chunk comes (see _submit)
+            return [None]
+        job.states = []
+        return [[Result(label="", scores={}, error=job.failed, unavailable=True) for _ in job.asks]]
 
     def run_pipelined(self, batches: Iterable[list[Task]]) -> Iterator[list[Result]]:
         """Each batch's results, as :meth:`run` gives them, with two batches in flight: batch ``k + 1`` is packed and

@@ -38,7 +38,7 @@ from service.modeling.manifest import MANIFEST, ModelLoadError, read_manifest
 from service.modeling.tokenizer import BackboneError, ChunkTokenizer
 from service.serving.core.results import Answer, Answers, Result
 from service.serving.core.work import ChunkWork, RunBatch, TextJob
-from service.serving.engine.compute import Compute
+from service.serving.engine.compute import Compute, Runner
 from service.serving.engine.pipe import (
     BucketPlan,
     Computed,
@@ -52,7 +52,7 @@ from service.serving.engine.pipe import (
 from service.serving.observe import logs
 
 if TYPE_CHECKING:
-    from service.serving.engine.engine import Engine
+    from service.serving.engine.engine import Begun, Engine
 
 log = logging.getLogger("service.process")
 
@@ -113,30 +113,55 @@ def _serve(conn: Connection) -> None:
     conn.send(Loaded({m: engine.describe(m) for m in engine.models}, str(engine.device),
                      str(engine.dtype).removeprefix("torch."), engine.device_memory()))
     held: dict[int, TextJob] = {}  # texts with chunks still to come: their states so far
+    begun: Begun | None = None  # a batch submitted, its answers not sent yet
     while True:
+        if begun is not None and not conn.poll():  # no batch behind it yet: answer it
+            _complete(engine, begun, held, conn)
+            begun = None
+            continue
         try:
             msg: RunBatch | LoadHeads | UnloadHeads | None = conn.recv()
         except EOFError:  # the server's process is gone
             return
-        if msg is None:
-            return
-        if isinstance(msg, LoadHeads | UnloadHeads):
+        if not isinstance(msg, RunBatch):  # heads change, or the server closes, between two batches
+            if begun is not None:
+                _complete(engine, begun, held, conn)
+                begun = None
+            if msg is None:
+                return
             conn.send(_change_heads(engine, msg))
             continue
         for key in msg.forget:
             held.pop(key, None)
         works = [_held(w, held) for w in msg.works]
-        try:
-            answers = engine.run_chunks(works)
-        except Exception as e:  # the batch fails (its texts are answered 500); the process goes on
+        try:  # submitted before the batch ahead of it is answered: the device computes that one meanwhile
+            following = engine.begin(works)
+        except Exception as e:
+            following = e
+        if begun is not None:
+            _complete(engine, begun, held, conn)
+        begun = None
+        if isinstance(following, Exception):  # the batch fails (its texts are answered 500); the process goes on
             for w in works:
                 held.pop(w.job.key, None)
-            conn.send(Failed(f"{type(e).__name__}: {e}"))
-            continue
-        for w in works:
-            if w.job.left == 0:
-                held.pop(w.job.key, None)
-        conn.send(Computed(answers, engine.device_memory(), len(held)))
+            conn.send(Failed(f"{type(following).__name__}: {following}"))
+        else:
+            begun = following
+
+
+def _complete(engine: Engine, begun: Begun, held: dict[int, TextJob], conn: Connection) -> None:
+    """Send a begun batch's answers (or why it failed), forgetting the texts it completed."""
+    try:
+        answers = engine.complete(begun)
+    except Exception as e:  # the batch fails (its texts are answered 500); the process goes on
+        for w in begun.works:
+            held.pop(w.job.key, None)
+        conn.send(Failed(f"{type(e).__name__}: {e}"))
+        return
+    for w in begun.works:
+        if w.job.left == 0:
+            held.pop(w.job.key, None)
+    conn.send(Computed(answers, engine.device_memory(), len(held)))
 
 
 def _change_heads(engine: Engine, msg: LoadHeads | UnloadHeads) -> HeadsLoaded | Failed:
@@ -182,6 +207,8 @@ class BackboneProcess(Compute):
         torch_threads: intra-op threads of the backbone's process (None: the CPUs it may use).
         chunker: the backbone's tokenizer when it is already loaded (another process of the same backbone).
         launches: where the process is registered while it loads (a server shutting down stops it there).
+        in_flight: batches the process may hold at once (the batcher's runners on it): with 2, the next batch is
+            submitted while the device computes one (on a GPU: its host work overlaps the device's).
 
     Raises:
         ModelLoadError: a manifest or the tokenizer cannot be read.
@@ -191,7 +218,7 @@ class BackboneProcess(Compute):
     def __init__(self, folders: Path | list[Path], device: str = "auto", dtype: str = "auto", warmup: bool = True,
                  torch_threads: int | None = None, chunker: ChunkTokenizer | None = None,
                  keys: list[str] | None = None, launches: Launches | None = None,
-                 buckets: BucketPlan | None = None) -> None:
+                 buckets: BucketPlan | None = None, in_flight: int = 1) -> None:
         folders = [folders] if isinstance(folders, Path) else list(folders)
         manifests = [read_manifest(f) for f in folders]
         if chunker is None:
@@ -204,7 +231,11 @@ class BackboneProcess(Compute):
         self._load = LoadBackbone(tuple(str(f) for f in folders), tuple(self.models), device, dtype, warmup,
                                   torch_threads, logs.current(), buckets or BucketPlan())
         self._launches = launches or Launches()
-        self._lock = threading.Lock()  # one batch at a time on the pipe
+        self.in_flight = in_flight
+        self._lock = threading.Lock()  # one message at a time onto the pipe (and a restart between two)
+        self._replies = threading.Condition()  # replies come in the order their messages went: each waits its turn
+        self._sent = self._read = 0  # messages sent to the process, and replies read, since it started
+        self._generation = 0  # starts of the process: a reply awaited from one that exited never comes
         self._forget: collections.deque[int] = collections.deque()  # texts given up, to tell the process
         self._watched: set[int] = set()  # texts of several chunks whose freeing is watched
         self._lost: set[int] = set()  # texts with chunks computed by a process that has exited
@@ -261,43 +292,90 @@ class BackboneProcess(Compute):
     def device_memory(self) -> list[dict[str, float | str]]:
         return list(self._memory)  # as of the last batch (or the warm-up)
 
+    @property
+    def runners(self) -> list[Runner]:
+        """One for each batch the process may hold at once (see ``in_flight``)."""
+        return [self.run_chunks] * self.in_flight
+
+    @property
+    def runner_devices(self) -> list[str]:
+        return [str(self.device)] * self.in_flight
+
     def run_chunks(self, works: list[ChunkWork]) -> list[Answer | None]:
         """Compute a batch in the backbone's process (started again first if it has exited). A text whose
         earlier chunks a process that exited had computed is answered with an error, not computed. A process that
         exits while computing the batch (killed, or dead just before the batch reached it) is started again and the
-        batch computed once more; a second exit fails the batch."""
-        with self._lock:
-            for attempt in (1, 2):
+        batch computed once more; a second exit fails the batch. Batches sent from several threads (``in_flight``)
+        are answered in the order they went."""
+        for attempt in (1, 2):
+            with self._lock:
                 if self._proc.poll() is not None:
                     log.error("the process of backbone %s had exited (code %s): starting it again", self.name,
                               self._proc.returncode)
-                    self._conn.close()
-                    self._lost |= self._watched  # their earlier chunks' states went with it
-                    self._restarts += 1
-                    self._start()
+                    self._restart()
                 answers, send = self._sendable(works)
                 if not send:
                     return answers
                 forget = [self._forget.popleft() for _ in range(len(self._forget))]
-                try:
-                    self._conn.send(RunBatch(_computed_part([works[pos] for pos in send]), forget))
-                    msg: Computed | Failed = self._conn.recv()
-                    break
-                except (EOFError, OSError):
-                    with contextlib.suppress(subprocess.TimeoutExpired):
-                        self._proc.wait(5)
-                    if attempt == 2:
-                        raise ModelProcessError(f"the process of backbone {self.name} exited (code "
-                                                f"{self._proc.returncode}) twice while computing this batch; it "
-                                                "starts again with the next one") from None
-                    log.error("the process of backbone %s exited (code %s) while computing a batch: computing it "
-                              "again", self.name, self._proc.returncode)
+                turn = self._send(RunBatch(_computed_part([works[pos] for pos in send]), forget))
+            try:
+                msg: Computed | Failed = self._reply(turn)
+                break
+            except (EOFError, OSError):
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self._proc.wait(5)
+                if attempt == 2:
+                    raise ModelProcessError(f"the process of backbone {self.name} exited (code "
+                                            f"{self._proc.returncode}) twice while computing this batch; it "
+                                            "starts again with the next one") from None
+                log.error("the process of backbone %s exited (code %s) while computing a batch: computing it "
+                          "again", self.name, self._proc.returncode)
         if isinstance(msg, Failed):
             raise ModelProcessError(msg.error)
         self._memory, self.held_texts = msg.memory, msg.held
         for pos, answer in zip(send, msg.answers, strict=True):
             answers[pos] = answer
         return Answers(answers, getattr(msg.answers, "phases", None))
+
+    def _send(self, msg: RunBatch | LoadHeads | UnloadHeads) -> tuple[int, int]:
+        """Send ``msg`` (holding :attr:`_lock`): its turn among the replies, and the process's start it went to. A
+        process that has gone fails it when its reply is awaited (see :meth:`_reply`)."""
+        turn = (self._sent, self._generation)
+        with contextlib.suppress(OSError):  # the process has gone: the reply's reader finds it so
+            self._conn.send(msg)  # (what cannot be pickled raises here, and nothing was sent)
+        self._sent += 1
+        return turn
+
+    def _reply(self, turn: tuple[int, int]) -> Any:
+        """The reply to the message sent at ``turn``, once those sent before it are read.
+
+        Raises:
+            EOFError, OSError: the process exited (or was started again) before answering it.
+        """
+        k, generation = turn
+        with self._replies:
+            self._replies.wait_for(lambda: self._read == k or self._generation != generation)
+            if self._generation != generation:
+                raise EOFError("the backbone's process was started again")
+            conn = self._conn  # the process's, not one started again meanwhile
+        try:
+            return conn.recv()
+        finally:
+            with self._replies:
+                if self._generation == generation:
+                    self._read += 1
+                self._replies.notify_all()
+
+    def _restart(self) -> None:
+        """Start the process again (holding :attr:`_lock`): replies awaited from the one that exited fail."""
+        self._conn.close()
+        self._lost |= self._watched  # their earlier chunks' states went with it
+        self._restarts += 1
+        with self._replies:
+            self._generation += 1
+            self._sent = self._read = 0
+            self._replies.notify_all()
+        self._start()
 
     def _sendable(self, works: list[ChunkWork]) -> tuple[list[Answer | None], list[int]]:
         """The answers known before computing (an error for a text whose earlier chunks were lost with an exited
@@ -340,10 +418,10 @@ class BackboneProcess(Compute):
 
     def _ask(self, msg: LoadHeads | UnloadHeads) -> HeadsLoaded | Failed:
         """Send a change of heads between two batches and wait for its answer."""
-        with self._lock:
+        with self._lock:  # no batch goes meanwhile; those sent before are answered first
             try:
-                self._conn.send(msg)
-                return self._conn.recv()
+                reply: HeadsLoaded | Failed = self._reply(self._send(msg))
+                return reply
             except (EOFError, OSError):
                 raise ModelProcessError(f"the process of backbone {self.name} exited while changing its heads "
                                         f"(code {self._proc.poll()})") from None

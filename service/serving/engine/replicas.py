@@ -29,7 +29,7 @@ class Replicas(Compute):
     five comparisons (measured in turns; see the README). Each holds a copy of the model's weights.
 
     Args:
-        folders, dtype, warmup, launches: as for :class:`BackboneProcess`.
+        folders, dtype, warmup, launches, buckets, in_flight: as for :class:`BackboneProcess`.
         devices: each process's device (at least 2).
         torch_threads: intra-op threads of each (None: the CPUs this process may use, shared among those on the CPU).
 
@@ -39,19 +39,19 @@ class Replicas(Compute):
 
     def __init__(self, folders: Path | list[Path], devices: Sequence[str] = ("auto", "auto"), dtype: str = "auto",
                  warmup: bool = True, torch_threads: int | None = None, keys: list[str] | None = None,
-                 launches: Launches | None = None, buckets: BucketPlan | None = None) -> None:
+                 launches: Launches | None = None, buckets: BucketPlan | None = None, in_flight: int = 1) -> None:
         n = len(devices)
         if n < 2:
             raise ValueError(f"replicas need at least 2 processes, not {n}")
         on_cpu = sum(d == "cpu" or (d == "auto" and not cuda_here()) for d in devices)
         threads = torch_threads or max(1, available_cpus() // max(on_cpu, 1))
         first = BackboneProcess(folders, devices[0], dtype, warmup, threads, keys=keys, launches=launches,
-                                buckets=buckets)
+                                buckets=buckets, in_flight=in_flight)
         super().__init__(list(first.manifests.values()), first.chunker, first.models)
         self.processes = [first]
         with ThreadPoolExecutor(n - 1) as pool:  # the others load side by side
             started = [pool.submit(BackboneProcess, folders, device, dtype, warmup, threads, first.chunker, keys,
-                                   launches, buckets) for device in devices[1:]]
+                                   launches, buckets, in_flight) for device in devices[1:]]
         self.processes += [f.result() for f in started if f.exception() is None]
         failed = next((e for f in started if (e := f.exception()) is not None), None)
         if failed is not None:
@@ -59,15 +59,15 @@ class Replicas(Compute):
             raise failed
         self.device, self.dtype = first.device, first.dtype
         log.info("backbone %s computes in %d processes (%s) of %d torch threads each", self.name, n,
-                 ", ".join(self.runner_devices), threads)
+                 ", ".join(str(p.device) for p in self.processes), threads)
 
     @property
     def runners(self) -> list[Runner]:
-        return [p.run_chunks for p in self.processes]
+        return [r for p in self.processes for r in p.runners]
 
     @property
     def runner_devices(self) -> list[str]:
-        return [str(p.device) for p in self.processes]
+        return [d for p in self.processes for d in p.runner_devices]
 
     def add_heads(self, folders: Sequence[Path], keys: Sequence[str], warmup: bool = True) -> None:
         """The heads onto every process, side by side; where one fails, the others drop them again."""

@@ -142,10 +142,12 @@ class Loader:
             from service.serving.engine.engine import Engine  # torch, in this process only then
 
             return Engine.load(folders, devices[0], s.dtype, s.warmup, keys, plan)
+        in_flight = s.in_flight(devices[0])
         if len(devices) > 1:
-            return Replicas(folders, devices, s.dtype, s.warmup, s.torch_threads, keys, self.launches, plan)
+            return Replicas(folders, devices, s.dtype, s.warmup, s.torch_threads, keys, self.launches, plan,
+                            in_flight)
         return BackboneProcess(folders, devices[0], s.dtype, s.warmup, s.torch_threads, keys=keys,
-                               launches=self.launches, buckets=plan)
+                               launches=self.launches, buckets=plan, in_flight=in_flight)
 
 
 def bucket_plan(settings: Settings, device: str) -> BucketPlan:

@@ -185,10 +185,13 @@ class Metrics:
         self.tokens = Counter("routing_tokens_processed_total", "Real tokens run through the backbone for the model "
                               "(a chunk shared by several models counts for each)", ["model"], registry=r)
         self.engine_batches = Counter("routing_engine_batches_total", "Batches an engine (a backbone's process "
-                                      "on one device, ROUTING_DEVICES) computed", ["backbone", "engine", "device"],
+                                      "on one device, ROUTING_DEVICES; with ROUTING_BATCHES_IN_FLIGHT=2, each of the "
+                                      "two batches it holds at once) computed", ["backbone", "engine", "device"],
                                       registry=r)
         self.engine_busy = Counter("routing_engine_busy_seconds_total", "Seconds an engine computed batches: its rate "
-                                   "is the engine's busy share", ["backbone", "engine", "device"], registry=r)
+                                   "is the engine's busy share (with two batches in flight, each counts from its "
+                                   "batch's sending to its answer, overlapping the other's)",
+                                   ["backbone", "engine", "device"], registry=r)
         self.failures = Counter("routing_failures_total", "Requests that failed, by reason", ["reason"],
                                 registry=r)
         self.dropped = Counter("routing_dropped_texts_total", "Queued texts dropped before compute, by reason",
