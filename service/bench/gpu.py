@@ -235,7 +235,8 @@ def closed_loop(url: str, texts: list[str], concurrency: int, per_request: int, 
                 processes: int, cpu: Callable[[], dict[str, float] | None] | None = None) -> dict[str, Any]:
     """``concurrency`` clients spread over ``processes`` load processes, each sending ``per_request`` texts at a
     time for ``seconds``: requests and texts per second answered 200, latency percentiles (ms), errors; the texts a
-    batch and the share of the time the engine computed (the server's metrics); with ``cpu`` (the server's parts'
+    batch and the share of the time the engine computed (the server's metrics, summed over its runners: with two
+    batches in flight, up to 2, each batch counted from its sending to its answer); with ``cpu`` (the server's parts'
     CPU seconds so far), each part's CPU milliseconds a text (``server_cpu_ms``, ``host_cpu_ms``, ``models_cpu_ms``,
     ``load_generator_cpu_ms``): where the machine's CPU went."""
     from service.bench.load import closed_loop as clients
