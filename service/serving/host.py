@@ -183,7 +183,11 @@ class EngineHost:
         if group is None:
             front.out.put(wire.Refused(msg.id, "failed", f"no backbone {msg.backbone!r} here"))
             return
-        jobs = [job.text_job() for job in msg.jobs]
+        try:
+            jobs = [job.text_job() for job in msg.jobs]
+        except ValueError as e:  # a job asking no head: refused, the front's connection kept
+            front.out.put(wire.Refused(msg.id, "failed", str(e)))
+            return
         default = group.planner.default
         keys = list({ask.model or default for job in jobs for ask in job.asks})
         started = time.perf_counter()

@@ -113,6 +113,12 @@ async def test_requests_are_answered_refused_at_their_deadline_and_dropped_when_
         answered = await asyncio.wait_for(read_to_front(r1), 5)
         assert isinstance(answered, wire.Answered) and answered.id == 5
         assert computed == [(1, 100), (5, 100)]
+        w1.write(frame(wire.Run(6, "b", [wire.Job(((6, 100),), ())], time.monotonic() + 10)) + run(7, 10))
+        refused = await asyncio.wait_for(read_to_front(r1), 5)  # a job that asks no head: refused alone
+        assert isinstance(refused, wire.Refused) and (refused.id, refused.kind) == (6, "failed")
+        assert "at least one head" in refused.message
+        answered = await asyncio.wait_for(read_to_front(r1), 5)
+        assert isinstance(answered, wire.Answered) and answered.id == 7 and computed[2:] == [(7, 100)]
         assert sorted(drops.reasons) == ["deadline", "disconnected", "disconnected"]
         assert not host.registry._using  # every request released the heads it held
         w1.close()
