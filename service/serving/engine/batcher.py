@@ -1,7 +1,8 @@
 """A dynamic batcher: asyncio only, no torch and no HTTP.
 
 Callers ``submit`` a request's items (each with a cost, e.g. its token count, and a group, e.g. the
-text it is a part of) and await their results. One worker task forms batches under
+text it is a part of) and await their results, or ``enqueue`` them and get the future of their results (no task
+waits: the items' answers settle it, a timer its deadline). One worker task forms batches under
 ``max_batch_size`` items and ``max_batch_tokens`` of cost in all (items of similar cost together),
 and runs each batch through a synchronous ``run_batch`` callable in a worker thread, so the event
 loop keeps answering (health checks, metrics) while the model computes.

@@ -7,8 +7,10 @@ of the server's process needs the GIL between every two tensor operations and wa
 event loop answers requests; in a process of its own it never does (on two CPU cores, served
 throughput at concurrency 32 rose by about 5%, measured in turns by ``bench serve``; see the README).
 
-One pipe carries batches one way and answers the other, one batch at a time (the batcher's thread
-waits on it). The model's process keeps the hidden states of texts whose chunks span several
+One pipe carries batches one way and answers the other, in the order the batches went (each of the batcher's
+threads waits for its own). With two batches in flight (``ROUTING_BATCHES_IN_FLIGHT``, a GPU's default) the process
+submits the next batch before it answers the one ahead, so that the host's work on one overlaps the device's on the
+other. The model's process keeps the hidden states of texts whose chunks span several
 batches; the server tells it which texts it has given up (their ``TextJob`` was freed), so nothing
 is held for a text nobody waits for. The model's process ignores SIGINT (Ctrl-C reaches the whole
 process group; the server drains first and then closes it), and it exits by itself when the server's
