@@ -475,6 +475,27 @@ def bench_metrics(
     bench.metrics_page(model_repository, heads, out, baseline)
 
 
+@bench_app.command("host")
+def bench_host(
+    baseline: Annotated[Path | None, typer.Option(help="Another checkout of this repository (its root), measured "
+                                                       "in turns, e.g. a worktree of an earlier commit")] = None,
+    concurrency: Annotated[str, typer.Option(help="Requests in flight from the stand-in front")] = "64,256",
+    seconds: Annotated[float, typer.Option(min=0.5, help="Seconds measured per round")] = 8.0,
+    rounds: Annotated[int, typer.Option(min=1, help="Turns of the versions")] = 2,
+    batch_ms: Annotated[float, typer.Option(min=0, help="The stand-in backbone's milliseconds a batch")] = 5.0,
+    out: Annotated[Path, typer.Option(help="JSON result file")] = Path("bench-results/host.json"),
+) -> None:
+    """The engine host's own CPU a request (every front's requests pass through its one event loop): its host
+    process with a stand-in backbone, fed single-text requests by a stand-in front, against a baseline in turns."""
+    from service.bench import host
+
+    if baseline is not None and not (baseline / "service").is_dir():
+        raise typer.BadParameter(f"{baseline} is not a checkout of this repository (no service/ folder)",
+                                 param_hint="--baseline")
+    host.run(Path(__file__).resolve().parents[1], baseline, numbers(concurrency, "--concurrency"), seconds, rounds,
+             batch_ms, out)
+
+
 @bench_app.command("profile")
 def bench_profile(
     concurrency: Annotated[str, typer.Option(help="Closed-loop levels, a server profiled at each")] = "8,32",

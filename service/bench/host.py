@@ -1,0 +1,156 @@
+"""The engine host's own CPU a request (``routing-service bench host``): every front's requests pass through its one
+event loop, so its CPU a request caps a server of several fronts (one core: about 5,000 requests/s at 0.2 ms).
+
+The host of a version (this one, or a ``--baseline`` checkout's) runs in a process of its own with a stand-in
+backbone (a batch sleeps ``batch_ms``, answering each text one fixed result), its metrics in multiprocess mode and
+its loaded objects frozen out of the collector, as served; one stand-in front, a process of this version, keeps
+``concurrency`` single-text requests in flight on the host's socket, each answer followed by the next request. The
+versions are measured in turns, each round a fresh pair of processes; the host's CPU (``/proc``) and the requests
+answered are counted over ``seconds`` after a warm-up of 2,000 answers."""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from service.bench import report
+from service.bench.server import cpu_seconds
+
+HOST = """
+import asyncio, sys, time
+from pathlib import Path
+from types import SimpleNamespace
+
+path, batch_ms = sys.argv[1], float(sys.argv[2])
+from service.collector import settle
+from service.config import Settings
+from service.serving.core.results import Result
+from service.serving.engine.batcher import Batcher, BatchLimits
+from service.serving.engine.group import LocalGroup
+from service.serving.host import EngineHost, _loop_factory
+from service.serving.observe.metrics import BatchMetrics
+
+answer = Result(label="positive", scores={"negative": 0.1, "neutral": 0.2, "positive": 0.7}, logits=[0.1, 0.2, 0.3])
+
+def run_chunks(works):
+    time.sleep(batch_ms / 1000)
+    return [[answer] for _ in works]
+
+async def main():
+    host = EngineHost(Settings(model_repository=Path(path).parent, default_model="none"), Path(path))
+    compute = SimpleNamespace(default="m@1", name="b", models=[], device="cpu", dtype="float32")
+    batcher = Batcher(run_chunks, BatchLimits(512, 16384, 0.002, 100000), BatchMetrics(host.metrics, "b", ["cpu"]))
+    host.registry.groups["b"] = LocalGroup(compute, batcher)
+    batcher.start()
+    if hasattr(host, "listen"):
+        server = await host.listen()
+    else:  # a version whose host serves a stream per front
+        server = await asyncio.start_unix_server(host.front, path=path)
+    settle()
+    print("ready", flush=True)
+    async with server:
+        await asyncio.Event().wait()
+
+factory = _loop_factory()
+with asyncio.Runner(loop_factory=factory) as runner:
+    runner.run(main())
+"""
+
+
+def _front(path: str, concurrency: int, seconds: float, host_pid: int, out: Any) -> None:
+    """The stand-in front: ``concurrency`` requests in flight; puts (answers, host CPU seconds, wall seconds)."""
+    from service.serving.core.work import Ask
+    from service.serving.remote import wire
+
+    async def go() -> None:
+        reader, writer = await asyncio.open_unix_connection(path, limit=1 << 24)
+        writer.write(wire.frame(wire.Hello(0)))
+        decode = msgspec.msgpack.Decoder(wire.ToFront).decode
+
+        async def read() -> object:
+            head = await reader.readexactly(wire.FRAME.size)
+            return decode(await reader.readexactly(wire.FRAME.unpack(head)[0]))
+
+        await read()  # what the host serves
+        job = wire.Job(((101, *range(2000, 2012), 102),), (Ask("m@1"),))
+        sent = 0
+
+        def run() -> bytes:
+            nonlocal sent
+            sent += 1
+            return wire.frame(wire.Run(sent, "b", [job], time.monotonic() + 60))
+
+        writer.write(b"".join(run() for _ in range(concurrency)))
+        answered, start, cpu0, n0 = 0, 0.0, 0.0, 0
+        while True:
+            await read()
+            answered += 1
+            if answered == 2000:  # warmed up
+                start, cpu0, n0 = time.perf_counter(), cpu_seconds(host_pid) or 0.0, answered
+            elif start and time.perf_counter() - start >= seconds:
+                out.put((answered - n0, (cpu_seconds(host_pid) or 0.0) - cpu0, time.perf_counter() - start))
+                return
+            writer.write(run())
+
+    asyncio.run(go())
+
+
+def measure(tree: Path, concurrency: int, seconds: float, batch_ms: float) -> dict[str, float]:
+    """One round of the host of the checkout at ``tree``: requests a second, and its CPU microseconds a request."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = str(Path(tmp) / "host.sock")
+        env_dir = Path(tmp) / "metrics"
+        env_dir.mkdir()
+        host = subprocess.Popen([sys.executable, "-c", HOST, path, str(batch_ms)], cwd=tree, stdout=subprocess.PIPE,
+                                text=True, env={**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(env_dir),
+                                                "PYTHONPATH": str(tree)})
+        try:
+            if host.stdout is None or host.stdout.readline().strip() != "ready":
+                raise RuntimeError(f"the host of {tree} did not start (code {host.poll()})")
+            context = multiprocessing.get_context("fork")
+            out = context.Queue()
+            front = context.Process(target=_front, args=(path, concurrency, seconds, host.pid, out))
+            front.start()
+            n, cpu, wall = out.get(timeout=seconds + 120)
+            front.join(10)
+        finally:
+            host.kill()
+            host.wait()
+    return {"requests_per_s": n / wall, "host_us_per_request": 1e6 * cpu / n, "requests": n}
+
+
+def run(root: Path, baseline: Path | None, concurrencies: list[int], seconds: float, rounds: int, batch_ms: float,
+        out: Path) -> dict[str, Any]:
+    """Every version at every concurrency, ``rounds`` turns; prints a table, writes the JSON."""
+    versions = {"this": root, **({"baseline": baseline} if baseline is not None else {})}
+    results: dict[str, dict[str, list[dict[str, float]]]] = {str(c): {v: [] for v in versions}
+                                                             for c in concurrencies}
+    for c in concurrencies:
+        for r in range(rounds):
+            for name, tree in versions.items():
+                row = measure(tree, c, seconds, batch_ms)
+                results[str(c)][name].append(row)
+                report.echo(f"bench host: c={c} round {r + 1} {name}: {row['requests_per_s']:.0f} requests/s, "
+                            f"{row['host_us_per_request']:.1f} us of host CPU a request", err=True)
+    summary: dict[str, Any] = {}
+    for c, by in results.items():
+        mean = {v: sum(r["host_us_per_request"] for r in rows) / len(rows) for v, rows in by.items()}
+        summary[f"c{c}"] = {"host_us_per_request": mean,
+                            **({"this_over_baseline": mean["this"] / mean["baseline"]} if "baseline" in mean else {})}
+    settings = {"baseline": str(baseline) if baseline else None, "concurrency": concurrencies, "seconds": seconds,
+                "rounds": rounds, "batch_ms": batch_ms}
+    rows = [{"level": c, **{f"{v} us": u for v, u in s["host_us_per_request"].items()},
+             "this/baseline": s.get("this_over_baseline", "")} for c, s in summary.items()]
+    report.echo(report.table(rows, ["level", *(f"{v} us" for v in versions), "this/baseline"]))
+    path = report.write_json(out, "host", settings, results, summary)
+    report.echo(f"wrote {path}")
+    return {"settings": settings, "results": results, "summary": summary}

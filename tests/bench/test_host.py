@@ -1,0 +1,21 @@
+"""``bench host``: the engine host's CPU a request, measured in its own process against a baseline in turns."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from service.bench import host
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_host_is_measured_against_a_baseline_in_turns(tmp_path: Path) -> None:
+    out = tmp_path / "host.json"
+    result = host.run(ROOT, ROOT, [8], 0.5, 1, 1.0, out)
+    rows = result["results"]["8"]
+    for name in ("this", "baseline"):
+        (row,) = rows[name]  # one round each, a fresh host process each
+        assert row["requests"] > 0 and row["requests_per_s"] > 0 and 0 < row["host_us_per_request"] < 10_000
+    summary = json.loads(out.read_text())["summary"]["c8"]
+    assert summary["this_over_baseline"] > 0 and set(summary["host_us_per_request"]) == {"this", "baseline"}
