@@ -74,11 +74,16 @@ def _front(path: str, concurrency: int, seconds: float, host_pid: int, out: Any)
     async def go() -> None:
         reader, writer = await asyncio.open_unix_connection(path, limit=1 << 24)
         writer.write(wire.frame(wire.Hello(0)))
-        decode = msgspec.msgpack.Decoder(wire.ToFront).decode
+        frames = wire.Frames(msgspec.msgpack.Decoder(wire.ToFront))
+        arrived: list[object] = []
 
         async def read() -> object:
-            head = await reader.readexactly(wire.FRAME.size)
-            return decode(await reader.readexactly(wire.FRAME.unpack(head)[0]))
+            while not arrived:
+                data = await reader.read(1 << 16)
+                if not data:
+                    raise ConnectionError("the host closed the connection")
+                arrived.extend(frames.feed(data))
+            return arrived.pop(0)
 
         await read()  # what the host serves
         job = wire.Job(((101, *range(2000, 2012), 102),), (Ask("m@1"),))

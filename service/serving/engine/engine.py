@@ -407,14 +407,7 @@ class Engine(Compute):
         """The second half of :meth:`run_chunks`: the batch's answers, with its phases (this batch's own time in
         :meth:`begin` and here, not another batch's begun between them)."""
         clock = self._clock_now()
-        if isinstance(begun.submitted, torch.OutOfMemoryError):
-            answers = self._split(begun.works, begun.submitted)
-        else:
-            try:
-                answers = self.finish(begun.submitted)
-            except torch.OutOfMemoryError as e:
-                self._restore(begun.held)
-                answers = self._split(begun.works, e)
+        answers = self._answers(begun)
         wall, forward, encode = (a + b for a, b in zip(begun.clock, self._clock_since(clock), strict=True))
         return Answers(answers, {"encode": encode, "heads": max(forward - encode, 0.0),
                                  "host": max(wall - forward, 0.0)})
@@ -434,14 +427,15 @@ class Engine(Compute):
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
-    def _run_chunks(self, works: list[ChunkWork]) -> list[Answer | None]:
-        """The answers of ``works``, a part of a batch split for memory (split again if it does not fit)."""
-        held = [(w.job, w.job.left, list(w.job.states)) for w in works]
+    def _answers(self, begun: Begun) -> list[Answer | None]:
+        """A begun batch's answers; where the device had no memory for it, its halves' (see :meth:`_split`)."""
+        if isinstance(begun.submitted, torch.OutOfMemoryError):
+            return self._split(begun.works, begun.submitted)
         try:
-            return self.finish(self.submit(works))
+            return self.finish(begun.submitted)
         except torch.OutOfMemoryError as e:
-            self._restore(held)
-            return self._split(works, e)
+            self._restore(begun.held)
+            return self._split(begun.works, e)
 
     def _split(self, works: list[ChunkWork], e: torch.OutOfMemoryError) -> list[Answer | None]:
         """A batch the device had no memory for, in two halves run in turn; a chunk alone fails its text."""
@@ -449,7 +443,7 @@ class Engine(Compute):
             log.warning("backbone %s: out of memory for a batch of %d chunks (%d tokens): split in two",
                         self.name, len(works), sum(len(w.ids) for w in works))
             half = len(works) // 2
-            return self._run_chunks(works[:half]) + self._run_chunks(works[half:])
+            return self._answers(self.begin(works[:half])) + self._answers(self.begin(works[half:]))
         (w,) = works
         job = w.job
         job.failed = f"the device ran out of memory for this text's chunk of {len(w.ids)} tokens alone: {e}"

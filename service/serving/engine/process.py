@@ -143,10 +143,8 @@ def _serve(conn: Connection) -> None:
         if begun is not None:
             _complete(engine, begun, held, conn)
         begun = None
-        if isinstance(following, Exception):  # the batch fails (its texts are answered 500); the process goes on
-            for w in works:
-                held.pop(w.job.key, None)
-            conn.send(Failed(f"{type(following).__name__}: {following}"))
+        if isinstance(following, Exception):
+            _failed(works, following, held, conn)
         else:
             begun = following
 
@@ -155,15 +153,20 @@ def _complete(engine: Engine, begun: Begun, held: dict[int, TextJob], conn: Conn
     """Send a begun batch's answers (or why it failed), forgetting the texts it completed."""
     try:
         answers = engine.complete(begun)
-    except Exception as e:  # the batch fails (its texts are answered 500); the process goes on
-        for w in begun.works:
-            held.pop(w.job.key, None)
-        conn.send(Failed(f"{type(e).__name__}: {e}"))
+    except Exception as e:
+        _failed(begun.works, e, held, conn)
         return
     for w in begun.works:
         if w.job.left == 0:
             held.pop(w.job.key, None)
     conn.send(Computed(answers, engine.device_memory(), len(held)))
+
+
+def _failed(works: list[ChunkWork], e: Exception, held: dict[int, TextJob], conn: Connection) -> None:
+    """A batch failed: its texts are answered 500 with why, and forgotten; the process goes on."""
+    for w in works:
+        held.pop(w.job.key, None)
+    conn.send(Failed(f"{type(e).__name__}: {e}"))
 
 
 def _change_heads(engine: Engine, msg: LoadHeads | UnloadHeads) -> HeadsLoaded | Failed:

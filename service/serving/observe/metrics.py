@@ -361,15 +361,13 @@ class BatchMetrics:
         tokens: Tally[str] = Tally()
         waited: dict[str, float] = {}
         each_wait: dict[str, list[float]] = {}
-        for w, wait in zip(payloads, waits, strict=True):
-            for model in _models(w):
+        for w, wait, answer in zip(payloads, waits, results or [None] * len(payloads), strict=True):
+            for model in _models(w):  # each chunk's models read once
                 chunks[model] += 1
                 tokens[model] += w.cost
                 waited[model] = waited.get(model, 0.0) + wait
                 each_wait.setdefault(model, []).append(wait)
-        for w, answer in zip(payloads, results or [None] * len(payloads), strict=True):
-            if answer is not None:
-                for model in _models(w):
+                if answer is not None:
                     texts[model] += 1
         for model, model_waits in each_wait.items():  # each model's series once a batch
             label = m.model_label(model)
