@@ -496,6 +496,36 @@ def bench_host(
              batch_ms, out)
 
 
+@bench_app.command("host-work")
+def bench_host_work(
+    baseline: Annotated[Path | None, typer.Option(help="Another checkout of this repository (its root), measured "
+                                                       "in turns, e.g. a worktree of an earlier commit")] = None,
+    model: Annotated[str, typer.Option(help="Bundled model to load (its dataset's test texts are sent)")] = (
+        "tweet-sentiment"),
+    n_texts: Annotated[int, typer.Option("--texts", min=1, help="Test-split texts per pass")] = 2000,
+    seconds: Annotated[float, typer.Option(min=0.1, help="Least seconds of whole passes per round")] = 3.0,
+    rounds: Annotated[int, typer.Option(min=1, help="Turns of the versions")] = 3,
+    model_repository: Path = Path("models"),
+    texts_file: Annotated[Path | None, typer.Option(help="Test texts as JSON {texts, labels} (bench gpu "
+                                                         "--write-texts-file writes one) instead of the model's "
+                                                         "test split")] = None,
+    out: Annotated[Path, typer.Option(help="JSON result file")] = Path("bench-results/host-work.json"),
+) -> None:
+    """The engine's own host work a text on plain batches of a GPU's default size (planning, packing, launching,
+    reading the results), the device's compute replaced by a stand-in that answers at once, against a baseline in
+    turns: what feeds a GPU whose batches run as captured graphs, measured on any CPU."""
+    from service.bench import host_work
+    from service.config import GPU_BATCH
+
+    if baseline is not None and not (baseline / "service").is_dir():
+        raise typer.BadParameter(f"{baseline} is not a checkout of this repository (no service/ folder)",
+                                 param_hint="--baseline")
+    max_texts, budget = GPU_BATCH
+    with user_errors():  # the test texts' dataset package missing
+        host_work.run(Path(__file__).resolve().parents[1], baseline, model, model_repository, n_texts, budget,
+                      max_texts, seconds, rounds, out, out.parent / "logs", texts_file)
+
+
 @bench_app.command("profile")
 def bench_profile(
     concurrency: Annotated[str, typer.Option(help="Closed-loop levels, a server profiled at each")] = "8,32",

@@ -7,7 +7,8 @@ backbone has (``Engine.load``, ``Engine.encode``, ``Engine.max_length``, ``Engin
 each version keeps them, and is passed to ``python -c`` as text, so that the other version's ``service`` package is
 the one imported.
 
-Protocol: the first line of stdin is the settings (JSON: repository, model, device, dtype, texts_file); each
+Protocol: the first line of stdin is the settings (JSON: repository, model, device, dtype, texts_file; optionally
+engine, its settings, max_texts and budget, the shape buckets' limits); each
 further line a command (``{"op": ...}``); every answer is one line of stdout starting with ``@@ `` (JSON).
 Texts are tokenized once at load: the engine is measured on token ids, tokenizing being the fronts' work.
 """
@@ -44,6 +45,27 @@ def bucket_stats(stats: object) -> dict | None:
     return out
 
 
+def stand_in(engine: object, buckets: str) -> None:
+    """Every bucket's computation (the encoder and the heads on the device) replaced by one that answers zeros at
+    once, so that a plain batch costs only the host's own work: planning, packing, launching, reading the results
+    (``bench host-work``). Only batches in shape buckets compute nothing (``buckets``: ``eager`` on a CPU)."""
+    if buckets == "off":
+        raise SystemExit("a stand-in device needs shape buckets (only their batches skip the compute)")
+    try:
+        from service.serving.engine.graphs import BucketRunner
+    except ImportError:
+        raise SystemExit("this engine has no shape buckets") from None
+    import torch
+
+    k = len(engine.labels(engine.models[0]))
+
+    def instant(self: object, bucket: object) -> object:
+        out = torch.zeros(bucket.rows, k)  # [rows k]
+        return lambda inputs: out
+
+    BucketRunner._compute = instant
+
+
 def main() -> None:
     cfg = json.loads(sys.stdin.readline())
     import torch
@@ -59,6 +81,8 @@ def main() -> None:
     model = engine.models[0]
     settings = dict(cfg.get("engine", {}))
     buckets = settings.pop("buckets", "off")  # shape buckets: a call, after the other settings (see below)
+    if settings.pop("stand_in", False):  # the device's answer at once: what is left is the host's own work
+        stand_in(engine, buckets)
     for name, value in settings.items():  # a variant of this version's settings
         if not hasattr(engine, name):
             raise SystemExit(f"this engine has no setting {name!r}")
@@ -71,7 +95,8 @@ def main() -> None:
         if not hasattr(engine, "use_buckets"):
             raise SystemExit("this engine has no shape buckets")
         warmed = bucket_stats(engine.use_buckets(buckets, lengths=[max(len(c) for c in e.chunks) for e in encodings],
-                                                 max_texts=cfg.get("max_texts", 1024)))
+                                                 max_texts=cfg.get("max_texts", 1024),
+                                                 **({"budget": cfg["budget"]} if "budget" in cfg else {})))
     import gc
 
     gc.collect()  # what was loaded kept out of collections, as every serving process keeps it (service.collector,

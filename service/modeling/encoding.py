@@ -29,6 +29,11 @@ class Encoding:
         return cls(chunks, (), (), ())
 
     @property
+    def bare(self) -> bool:
+        """Whether it holds the token ids alone (see :meth:`of_chunks`)."""
+        return not (self.offsets or self.special or self.word_ids)
+
+    @property
     def n_tokens(self) -> int:
         """Positions the text takes in the head (special tokens of every chunk included)."""
         return sum(map(len, self.chunks))

@@ -64,7 +64,7 @@ class TokenIds:
         return len(self.ids)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Ask:
     """One head asked of a text: the head's key (see :func:`~service.serving.core.keys.head_key`; None: the
     engine's only or first head) and its credit (None: scores only)."""
@@ -87,7 +87,7 @@ class Task:
 _JOB_KEYS = itertools.count()
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True, weakref_slot=True)  # (the server's process watches a job's end)
 class TextJob:
     """A text on its way through the backbone: its encoding, the heads asked of it, and each chunk's hidden
     states as the batches compute them. ``key`` names it across processes (a model process keeps the
@@ -106,16 +106,24 @@ class TextJob:
     def of(cls, encoding: Encoding, asks: Sequence[Ask]) -> TextJob:
         if not asks:
             raise ValueError("a text needs at least one head to ask")
-        return cls(encoding, tuple(asks), [None] * len(encoding.chunks), len(encoding.chunks))
+        n = len(encoding.chunks)
+        return cls(encoding, tuple(asks), [None] * n, n)
 
     def chunks(self) -> list[ChunkWork]:
         """The batcher's units of work for this text, one per chunk."""
         return [ChunkWork(self, k, ids) for k, ids in enumerate(self.encoding.chunks)]
 
+    def __reduce__(self) -> tuple[type[TextJob], tuple[Any, ...]]:
+        # pickled as the constructor's arguments (every text of a batch crosses the backbone's pipe): a slotted
+        # object's default pickling, its state by slot name, costs 1.5x to write and read
+        return TextJob, (self.encoding, self.asks, self.states, self.left, self.key, self.failed)
 
-@dataclass(frozen=True, eq=False)
+
+@dataclass(eq=False, slots=True)
 class ChunkWork:
-    """The batcher's unit: chunk ``k`` of a text. Its cost is its token count; the text is its group."""
+    """The batcher's unit: chunk ``k`` of a text. Its cost is its token count; the text is its group. Not changed
+    once made (not frozen only because a frozen dataclass sets each field through ``object.__setattr__``: three
+    times the cost of making one, for every chunk of every request on the engine's thread)."""
 
     job: TextJob
     k: int
@@ -124,6 +132,9 @@ class ChunkWork:
     @property
     def cost(self) -> int:
         return len(self.ids)
+
+    def __reduce__(self) -> tuple[type[ChunkWork], tuple[Any, ...]]:
+        return ChunkWork, (self.job, self.k, self.ids)  # (see TextJob.__reduce__)
 
 
 @dataclass(frozen=True)

@@ -490,9 +490,7 @@ class Engine(Compute):
                     self.clock.forward_s += time.perf_counter() - t0
                 with _phase("engine.results"):
                     results = read_results(submitted.calls, submitted.done, submitted.logits, self.manifests)
-                done = submitted.done
-                return [[results[(pos, a)] for a in range(len(done[pos].asks))] if pos in done else None
-                        for pos in range(submitted.size)]
+                return [results.get(pos) for pos in range(submitted.size)]
         finally:
             self.clock.batches += 1
             self.clock.wall_s += time.perf_counter() - t0
@@ -590,35 +588,40 @@ class Engine(Compute):
         not plain or fits no bucket (nothing has changed then)."""
         if runner.head_dtype != self.score_dtype:  # captured for another head precision
             return None
-        slot_of = runner.slots.slot_of
+        slot_of, manifests, default = runner.slots.slot_of, self.manifests, self.default
         keys = []
         for w in works:
             job = w.job
-            plain = job.left == 1 and len(job.states) == 1 and len(job.asks) == 1 and job.asks[0].credit is None
-            if not plain or job.failed:
+            if job.left != 1 or len(job.states) != 1 or len(job.asks) != 1 or job.failed:
                 return None
-            key = job.asks[0].model or self.default
-            if key not in slot_of or key not in self.manifests:
+            ask = job.asks[0]
+            key = ask.model or default
+            if ask.credit is not None or key not in slot_of or key not in manifests:
                 return None
             keys.append(key)
-        slot = np.fromiter((slot_of[k] for k in keys), dtype=np.int64, count=len(keys))  # [s]
-        order = np.argsort(slot, kind="stable")  # [s] the texts by slot
-        lengths = np.fromiter((len(works[p].ids) for p in order), dtype=np.int64, count=len(works))  # [s]
-        ids = np.fromiter(itertools.chain.from_iterable(works[p].ids for p in order), dtype=np.int64,
-                          count=int(lengths.sum()))  # [T]
+        slot = np.fromiter(map(slot_of.__getitem__, keys), dtype=np.int64, count=len(keys))  # [s]
+        if len(slot) > 1 and (slot[1:] < slot[:-1]).any():  # texts of several heads: sorted by slot
+            order = np.argsort(slot, kind="stable")  # [s]
+            works, keys, slot = [works[p] for p in order], [keys[p] for p in order], slot[order]
+        else:  # (one head: as they came)
+            order = None
+        ids = [w.ids for w in works]
+        lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))  # [s]
+        flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int64, count=int(lengths.sum()))  # [T]
         forward0 = runner.stats.forward_s
         with _phase("engine.bucket"):
-            logits = runner.run(ids, lengths, slot[order])  # [s k] in that order
+            logits = runner.run(flat, lengths, slot)  # [s k] in that order
         self.clock.forward_s += runner.stats.forward_s - forward0
         if logits is None:
             return None
-        done: dict[int, TextJob] = {}
-        for pos, w in enumerate(works):
-            w.job.left, w.job.states = 0, []
-            done[pos] = w.job
-        chosen = [(int(p), 0) for p in order]
+        for w in works:
+            job = w.job
+            job.left, job.states = 0, []
+        # answered at the positions the texts came in
+        positions = list(range(len(works))) if order is None else order.tolist()
+        done = {pos: w.job for pos, w in zip(positions, works, strict=True)}
         pred = Classified(logits=logits, encoded=None, explained=[None] * len(works))
-        return self._launched(len(works), done, [(chosen, [keys[p] for p, _ in chosen], pred)], {})
+        return self._launched(len(works), done, [([(p, 0) for p in positions], keys, pred)], {})
 
     def _plan_calls(self, done: dict[int, TextJob]) -> list[PlannedCall]:
         """The head calls for the texts completed in a batch (by position): the texts that share a head call (see

@@ -97,9 +97,11 @@ class Planner:
         missing = [k for k, t in enumerate(tasks) if t.encoding is None]
         fresh = iter(self.encode([tasks[k].text for k in missing], [models[k] for k in missing]) if missing else [])
         plans = []
+        asks: dict[tuple[str, CreditSpec | None], tuple[Ask]] = {}  # one Ask for every text asking the same
         for t, model in zip(tasks, models, strict=True):
             enc = t.encoding if t.encoding is not None else next(fresh)[self.max_length(model)]
-            plans.append(TextJob.of(enc, [Ask(model, t.credit)]).chunks())
+            ask = asks.get((model, t.credit)) or asks.setdefault((model, t.credit), (Ask(model, t.credit),))
+            plans.append(TextJob.of(enc, ask).chunks())
         return plans
 
     def explain_elements(self, model: str, n_tokens: int, spec: CreditSpec) -> int:

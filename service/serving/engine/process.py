@@ -135,7 +135,7 @@ def _serve(conn: Connection) -> None:
             continue
         for key in msg.forget:
             held.pop(key, None)
-        works = [_held(w, held) for w in msg.works]
+        works = [w if len(w.job.states) == 1 else _held(w, held) for w in msg.works]  # (one chunk: never held)
         try:  # submitted before the batch ahead of it is answered: the device computes that one meanwhile
             following = engine.begin(works)
         except Exception as e:
@@ -156,9 +156,10 @@ def _complete(engine: Engine, begun: Begun, held: dict[int, TextJob], conn: Conn
     except Exception as e:
         _failed(begun.works, e, held, conn)
         return
-    for w in begun.works:
-        if w.job.left == 0:
-            held.pop(w.job.key, None)
+    if held:
+        for w in begun.works:
+            if w.job.left == 0:
+                held.pop(w.job.key, None)
     conn.send(Computed(answers, engine.device_memory(), len(held)))
 
 
@@ -189,6 +190,9 @@ def _computed_part(works: list[ChunkWork]) -> list[ChunkWork]:
     jobs: dict[int, TextJob] = {}
     out = []
     for w in works:
+        if w.job.encoding.bare:  # ids alone already (a front tokenized the text): sent as it is
+            out.append(w)
+            continue
         job = jobs.get(w.job.key)
         if job is None:
             job = jobs[w.job.key] = TextJob(Encoding.of_chunks(w.job.encoding.chunks), w.job.asks, w.job.states,

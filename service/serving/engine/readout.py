@@ -5,12 +5,15 @@ off the model's thread)."""
 
 from __future__ import annotations
 
+from typing import cast
+
+import numpy as np
 import torch
 
 from service.modeling.classifier import Classified, CreditRequest, Explained
 from service.modeling.manifest import Manifest
 from service.serving.core.keys import model_of
-from service.serving.core.results import Credit, LabelCredit, Result
+from service.serving.core.results import Answer, Credit, LabelCredit, Result
 from service.serving.core.work import CreditSpec, TextJob
 
 HeadCall = tuple[list[tuple[int, int]], list[str], Classified | None]
@@ -33,36 +36,41 @@ def unloaded(key: str) -> Result:
 
 
 def read_results(calls: list[HeadCall], done: dict[int, TextJob], logits: torch.Tensor | None,
-                 manifests: dict[str, Manifest]) -> dict[tuple[int, int], Result]:
-    """Each (position, ask)'s result from the head ``calls`` (``logits``: every call's scores flat on the host, one
-    call's after another; ``done``: the texts completed in the batch, by position; ``manifests``: by head key)."""
-    results: dict[tuple[int, int], Result] = {}
+                 manifests: dict[str, Manifest]) -> dict[int, Answer]:
+    """Each completed text's results, by position, one per ask, from the head ``calls`` (``logits``: every call's
+    scores flat on the host, one call's after another; ``done``: the texts completed in the batch, by position;
+    ``manifests``: by head key)."""
+    results: dict[int, list[Result | None]] = {pos: [None] * len(job.asks) for pos, job in done.items()}
+    flat = None if logits is None else logits.numpy()  # [sum b k] read in numpy: a few small steps a call, no torch
     at = 0
     for chosen, keys, pred in calls:
         if pred is None:  # a head dropped meanwhile, or a text the device could not compute
-            for place in chosen:
-                why = done[place[0]].failed
-                results[place] = (Result(label="", scores={}, error=why, unavailable=True) if why else
-                                  unloaded(keys[0]))
+            for pos, a in chosen:
+                why = done[pos].failed
+                results[pos][a] = (Result(label="", scores={}, error=why, unavailable=True) if why else
+                                   unloaded(keys[0]))
             continue
-        assert logits is not None
+        assert flat is not None
         b, k = pred.logits.shape
-        mine = logits[at : at + b * k].view(b, k)  # [b k]
+        mine = flat[at : at + b * k].reshape(b, k)  # [b k]
         at += b * k
-        found = [manifests.get(key) for key in keys]
-        multi = [m is not None and m.multi_label for m in found]
-        probs = mine.softmax(dim=-1)  # [b k]
-        if any(multi):  # heads of one shape share a call: each row as its own head reads it
-            probs = torch.where(torch.tensor(multi)[:, None], mine.sigmoid(), probs)  # [b k]
-        raw, scores, best = mine.tolist(), probs.tolist(), mine.argmax(-1).tolist()
-        finite = torch.isfinite(mine).all(dim=-1).tolist()
-        specs = [done[pos].asks[a].credit for pos, a in chosen]
-        for r, (place, key, manifest, spec) in enumerate(zip(chosen, keys, found, specs, strict=True)):
-            if manifest is None:
-                results[place] = unloaded(key)
-                continue
-            results[place] = result(manifest, pred, raw[r], scores[r], finite[r], best[r], r, spec)
-    return results
+        heads = {key: manifests.get(key) for key in set(keys)}  # a call's texts mostly ask one head
+        multi = {key for key, m in heads.items() if m is not None and m.multi_label}
+        with np.errstate(over="ignore", invalid="ignore"):  # non-finite scores are answered as errors below
+            e = np.exp(mine - mine.max(axis=1, keepdims=True))  # [b k]
+            probs = e / e.sum(axis=1, keepdims=True)  # [b k] softmax
+            if multi:  # heads of one shape may share a call: each row as its own head reads it
+                rows = np.array([key in multi for key in keys])[:, None]  # [b 1]
+                probs = np.where(rows, 1 / (1 + np.exp(-mine)), probs)  # [b k] sigmoid there
+        raw, scores, best = mine.tolist(), probs.tolist(), mine.argmax(axis=1).tolist()
+        finite = np.isfinite(mine).all(axis=1).tolist()
+        for r, (pos, a) in enumerate(chosen):
+            key = keys[r]
+            manifest = heads[key]
+            results[pos][a] = (unloaded(key) if manifest is None else
+                               result(manifest, pred, raw[r], scores[r], finite[r], best[r], r,
+                                      done[pos].asks[a].credit))
+    return cast(dict[int, Answer], results)  # every ask of a completed text is in one call: none left None
 
 
 def result(manifest: Manifest, pred: Classified, logits: list[float], scores: list[float], finite: bool, k: int,
@@ -72,10 +80,9 @@ def result(manifest: Manifest, pred: Classified, logits: list[float], scores: li
     if not finite:
         return Result(label="", scores={}, error=f"model {manifest.name} produced non-finite scores for this text")
     labels = manifest.labels
-    res = Result(label=labels[k], scores=dict(zip(labels, scores, strict=True)), logits=logits,
-                 labels=manifest.over_threshold(scores) if manifest.multi_label else None)
-    explained = pred.explained[b]
-    if spec is not None and explained is not None:
+    res = Result(labels[k], dict(zip(labels, scores, strict=True)), logits,
+                 manifest.over_threshold(scores) if manifest.multi_label else None)
+    if spec is not None and (explained := pred.explained[b]) is not None:
         res.credit = credit(labels, pred, b, explained, spec, k)
     return res
 
