@@ -8,6 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 import torch
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
@@ -48,6 +49,29 @@ def test_plain_batches_run_in_buckets_and_answer_as_without(repo: Path) -> None:
     assert_same([engine.run([t])[0] for t in tasks], alone)
     assert engine.bucket_stats.bucketed == 1 + len(tasks) and engine.bucket_stats.unfit == 0
     assert engine.bucket_stats.tokens > engine.bucket_stats.real_tokens  # padded up to its bucket
+
+
+def test_a_plain_batch_given_as_arrays_scores_as_its_texts_run_whole(repo: Path) -> None:
+    """``begin_plain``: token ids back to back, lengths and each text's head (heads mixed, so sorted by slot inside
+    and put back in the order given), scored as the engine answers the same texts; None (nothing launched) where
+    it cannot run in a bucket: a head outside the slots, or no buckets."""
+    engine = Engine.load([repo / "first", repo / "second"], device="cpu")
+    models = ["second", "first", "second", "first", "first"]
+    tasks = [Task(t, model=m) for t, m in zip(TEXTS, models, strict=True)]
+    want = engine.run(tasks)
+    chunks = [engine.encode([t], [m])[0][engine.max_length(m)].chunks[0] for t, m in zip(TEXTS, models, strict=True)]
+    ids = np.array([i for c in chunks for i in c], dtype=np.int32)
+    lengths = np.array([len(c) for c in chunks], dtype=np.int32)
+    head = np.array([0, 1, 0, 1, 1], dtype=np.int32)  # second: 0, first: 1 (first is the default: None)
+    assert engine.begin_plain(ids, lengths, head, ("second", None)) is None  # no buckets yet
+    engine.use_buckets("eager", lengths=lengths.tolist())
+    begun = engine.begin_plain(ids, lengths, head, ("second", None))
+    assert begun is not None and begun.order is not None  # sorted by slot inside
+    logits, phases = engine.complete_plain(begun)
+    assert logits.shape == (5, 3) and set(phases) == {"encode", "heads", "host"}
+    for row, answer in zip(logits.tolist(), want, strict=True):
+        assert max(abs(x - y) for x, y in zip(row, answer.logits, strict=True)) <= 1e-5
+    assert engine.begin_plain(ids, lengths, head, ("second", "nowhere")) is None
 
 
 def test_other_batches_fall_back_to_the_eager_path(repo: Path) -> None:

@@ -305,3 +305,44 @@ def test_two_batches_in_flight_when_the_process_exits_are_both_computed_again(ti
     finally:
         mp.close(timeout_s=30)
     assert mp._proc.returncode == 0
+
+
+def test_plain_batches_cross_the_pipe_as_arrays_and_answer_as_the_engine(tiny_repo: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A process whose plain batches run in shape buckets takes them as arrays (``RunPlain``) and sends back their
+    scores alone (``ComputedPlain``), read into answers here: the engine's answers within 1e-5; one that fits no
+    bucket is run there as chunks. A batch with a text asking for credit, or a text of several chunks, goes as chunks
+    (``RunBatch``), answered as before."""
+    from service.serving.engine.pipe import BucketPlan
+
+    texts = [f"text number {k}, {'word ' * (k % 5)}" for k in range(12)]
+    engine = Engine.load(tiny_repo / "tiny", device="cpu")
+    want = engine.run([Task(t) for t in texts])
+    credit = engine.run([Task(TEXTS[0], credit=CreditSpec())])[0]
+    long = engine.run([Task(TEXTS[1])])[0]
+    mp = BackboneProcess(tiny_repo / "tiny", device="cpu", buckets=BucketPlan("eager", max_texts=16, budget=512))
+    try:
+        sent: list[str] = []
+        send = mp._send
+        monkeypatch.setattr(mp, "_send", lambda msg: (sent.append(type(msg).__name__), send(msg))[1])
+        chunks = [w for plan in mp.plan([Task(t) for t in texts]) for w in plan]
+        answers = answers_of(chunks, mp.run_chunks(chunks))
+        phases = mp.run_chunks(chunks[:2]).phases  # type: ignore[attr-defined]
+        assert set(phases) == {"encode", "heads", "host"} and phases["heads"] > 0
+        for (got,), w in zip(answers, want, strict=True):
+            assert got.label == w.label and close(got.logits, w.logits) and close(list(got.scores.values()),
+                                                                                 list(w.scores.values()))
+        with_credit = [w for plan in mp.plan([Task(TEXTS[0], credit=CreditSpec())]) for w in plan]
+        (got_credit,) = answers_of(with_credit, mp.run_chunks(with_credit))[0]
+        several = [w for plan in mp.plan([Task(TEXTS[1])]) for w in plan]
+        (got_long,) = answers_of(several, mp.run_chunks(several))[0]
+        assert sent == ["RunPlain", "RunPlain", "RunBatch", "RunBatch"]
+        assert got_credit.credit is not None and close(got_credit.credit.targets[0].tokens,
+                                                       credit.credit.targets[0].tokens)
+        assert got_long.label == long.label and close(got_long.logits, long.logits)
+        many = [w for plan in mp.plan([Task(t) for t in texts * 2]) for w in plan]  # more texts than any bucket's
+        for (got,), w in zip(answers_of(many, mp.run_chunks(many)), want * 2, strict=True):  # so run as chunks there
+            assert got.label == w.label and close(got.logits, w.logits)
+        assert sent[-1] == "RunPlain"
+    finally:
+        mp.close()

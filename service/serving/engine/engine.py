@@ -127,6 +127,19 @@ class Begun:
 
 
 @dataclass
+class PlainBegun:
+    """A plain batch :meth:`Engine.begin_plain` submitted: its scores' copy to the host (``logits [s k]`` flat, filled
+    once ``ready``: None where they are there already), the texts' order in it (sorted by head slot; None: as they
+    came) and the engine's clock over its submission."""
+
+    logits: torch.Tensor
+    ready: Any
+    rows: int
+    order: np.ndarray | None
+    clock: tuple[float, float, float]
+
+
+@dataclass
 class EngineClock:
     """Where the batches' time went, since the engine started (``routing-service bench gpu`` reads it): ``wall_s`` in
     :meth:`Engine.run_chunks` in all, ``forward_s`` of it in the encoder's and heads' forward calls and waiting for
@@ -408,9 +421,64 @@ class Engine(Compute):
         :meth:`begin` and here, not another batch's begun between them)."""
         clock = self._clock_now()
         answers = self._answers(begun)
-        wall, forward, encode = (a + b for a, b in zip(begun.clock, self._clock_since(clock), strict=True))
-        return Answers(answers, {"encode": encode, "heads": max(forward - encode, 0.0),
-                                 "host": max(wall - forward, 0.0)})
+        return Answers(answers, self._phases(begun.clock, clock))
+
+    def _phases(self, begun: tuple[float, float, float], clock: tuple[float, float, float]) -> dict[str, float]:
+        """A batch's phases (see :class:`Answers`): the engine's clock over its submission (``begun``) and since
+        ``clock``, when its completion started."""
+        wall, forward, encode = (a + b for a, b in zip(begun, self._clock_since(clock), strict=True))
+        return {"encode": encode, "heads": max(forward - encode, 0.0), "host": max(wall - forward, 0.0)}
+
+    @torch.inference_mode()
+    def begin_plain(self, ids: np.ndarray, lengths: np.ndarray, head: np.ndarray, heads: Sequence[str | None]
+                    ) -> PlainBegun | None:
+        """A plain batch given as arrays, submitted in its shape bucket with no object a text (a backbone's process
+        receives it so): token ids ``ids [T]`` back to back, ``lengths [s]``, text ``t`` on head ``heads[head[t]]``
+        (None: the default). None where it cannot run so (no buckets, a head outside the slots, no bucket fits, or
+        the device had no memory for it): nothing was launched, and the caller runs it as chunks."""
+        runner = self._buckets
+        keys = [key or self.default for key in heads]
+        if (runner is None or runner.head_dtype != self.score_dtype
+                or any(key not in runner.slots.slot_of or key not in self.manifests for key in keys)):
+            return None
+        clock, t0 = self._clock_now(), time.perf_counter()
+        try:
+            slot = np.array([runner.slots.slot_of[key] for key in keys], dtype=np.int64)[head]  # [s]
+            lengths = lengths.astype(np.int64, copy=False)  # [s]
+            ids = ids.astype(np.int64, copy=False)  # [T]
+            order = None
+            if len(slot) > 1 and (slot[1:] < slot[:-1]).any():  # texts of several heads: sorted by slot
+                order = np.argsort(slot, kind="stable")  # [s]
+                starts = np.cumsum(lengths) - lengths  # [s] each text's first token
+                n = lengths[order]  # [s]
+                ids = ids[np.repeat(starts[order] - (np.cumsum(n) - n), n) + np.arange(len(ids))]  # [T] in that order
+                lengths, slot = n, slot[order]
+            logits = self._bucket_run(runner, ids, lengths, slot)  # [s k]
+            if logits is None:
+                return None
+            host, ready = self._to_host(logits.flatten())  # [s k] flat
+        except torch.OutOfMemoryError:
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            return None
+        finally:
+            self.clock.wall_s += time.perf_counter() - t0
+        return PlainBegun(host, ready, len(lengths), order, self._clock_since(clock))
+
+    def complete_plain(self, begun: PlainBegun) -> tuple[np.ndarray, dict[str, float]]:
+        """A :meth:`begin_plain` batch's scores, ``logits [s k]`` in the order its texts came, and its phases."""
+        clock, t0 = self._clock_now(), time.perf_counter()
+        try:
+            if begun.ready is not None:  # waiting for the device: its time, not the host's
+                begun.ready.synchronize()
+                self.clock.forward_s += time.perf_counter() - t0
+            got = begun.logits.numpy().reshape(begun.rows, -1)  # [s k]
+            logits = np.empty_like(got)  # [s k] a copy: the pinned buffer goes back to torch's cache
+            logits[slice(None) if begun.order is None else begun.order] = got
+        finally:
+            self.clock.batches += 1
+            self.clock.wall_s += time.perf_counter() - t0
+        return logits, self._phases(begun.clock, clock)
 
     def _clock_now(self) -> tuple[float, float, float]:
         """The engine's clock (wall, forward) and the encoder's seconds so far."""
@@ -569,19 +637,34 @@ class Engine(Compute):
         live = [c[2].logits.flatten() for c in calls if c[2] is not None]
         logits, ready = None, None
         if live:  # every call's scores to the host in one copy (heads differ in labels: flat, one after another)
-            on_device = torch.cat(live)  # [sum b k]
-            if on_device.is_cuda:  # begun now, waited for in finish
-                logits = torch.empty(on_device.shape, dtype=on_device.dtype, pin_memory=True)  # [sum b k]
-                logits.copy_(on_device, non_blocking=True)
-                ready = torch.cuda.Event()
-                ready.record()
-            else:
-                logits = on_device
+            logits, ready = self._to_host(torch.cat(live))  # [sum b k]
         for pos, job in failed.items():  # answered with why, no head run
             job.states = []
             calls.append(([(pos, a) for a in range(len(job.asks))], [a.model or self.default for a in job.asks], None))
             done[pos] = job
         return Submitted(size, done, calls, logits, ready)
+
+    @staticmethod
+    def _to_host(on_device: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """Scores on their way to the host: from a GPU a copy into pinned memory begun, and the event that marks it
+        done (waited for when the batch is completed); elsewhere the tensor itself, and None."""
+        if not on_device.is_cuda:
+            return on_device, None
+        host = torch.empty(on_device.shape, dtype=on_device.dtype, pin_memory=True)
+        host.copy_(on_device, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return host, ready
+
+    def _bucket_run(self, runner: BucketRunner, ids: np.ndarray, lengths: np.ndarray, slot: np.ndarray
+                    ) -> torch.Tensor | None:
+        """``[s k]`` a plain batch's logits from its shape bucket (see :meth:`BucketRunner.run`), on the device; None
+        where it fits none. The runner's compute counts as the engine's forward time."""
+        forward0 = runner.stats.forward_s
+        with _phase("engine.bucket"):
+            logits = runner.run(ids, lengths, slot)  # [s k]
+        self.clock.forward_s += runner.stats.forward_s - forward0
+        return logits
 
     def _submit_bucketed(self, works: list[ChunkWork], runner: BucketRunner) -> Submitted | None:
         """A plain batch (see :meth:`use_buckets`) launched in its shape bucket, sorted by head slot; None where it is
@@ -608,10 +691,7 @@ class Engine(Compute):
         ids = [w.ids for w in works]
         lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))  # [s]
         flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int64, count=int(lengths.sum()))  # [T]
-        forward0 = runner.stats.forward_s
-        with _phase("engine.bucket"):
-            logits = runner.run(flat, lengths, slot)  # [s k] in that order
-        self.clock.forward_s += runner.stats.forward_s - forward0
+        logits = self._bucket_run(runner, flat, lengths, slot)  # [s k] in that order
         if logits is None:
             return None
         for w in works:

@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from service.serving.core.results import Answer
 from service.serving.observe.logs import LogSetup
 
@@ -67,6 +69,8 @@ class Loaded:
     device: str
     dtype: str
     memory: list[dict[str, float | str]]
+    plain: bool = False
+    """Whether its plain batches run in shape buckets (it takes them as :class:`RunPlain`)."""
 
 
 @dataclass(frozen=True)
@@ -82,5 +86,32 @@ class Computed:
     """A batch's answers (see :class:`Answer`), the CUDA memory after it, and how many texts are held."""
 
     answers: list[Answer | None]
+    memory: list[dict[str, float | str]]
+    held: int
+
+
+@dataclass(frozen=True)
+class RunPlain:
+    """A plain batch (every text one chunk, asking one head, no credit) as arrays, so that neither process makes or
+    reads an object a text: token ids ``ids [T]`` back to back, ``lengths [s]``, text ``t`` on head
+    ``heads[head[t]]`` (None: the default); first forget the texts in ``forget`` (given up by the server). Answered
+    with :class:`ComputedPlain` where it ran in a shape bucket, else as a :class:`~service.serving.core.work.RunBatch`
+    (:class:`Computed`)."""
+
+    ids: np.ndarray
+    lengths: np.ndarray
+    head: np.ndarray
+    heads: tuple[str | None, ...]
+    forget: list[int]
+
+
+@dataclass(frozen=True)
+class ComputedPlain:
+    """A :class:`RunPlain` batch's scores, ``logits [s k]`` in its texts' order (the server's process reads them into
+    answers), its phases (see :class:`~service.serving.core.results.Answers`), the CUDA memory after it, and how many
+    texts are held."""
+
+    logits: np.ndarray
+    phases: dict[str, float]
     memory: list[dict[str, float | str]]
     held: int

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import itertools
 import logging
 import os
 import signal
@@ -35,26 +36,31 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from service.modeling.encoding import Encoding
 from service.modeling.manifest import MANIFEST, ModelLoadError, read_manifest
 from service.modeling.tokenizer import BackboneError, ChunkTokenizer
 from service.serving.core.results import Answer, Answers, Result
-from service.serving.core.work import ChunkWork, RunBatch, TextJob
+from service.serving.core.work import Ask, ChunkWork, RunBatch, TextJob
 from service.serving.engine.compute import Compute, Runner
 from service.serving.engine.pipe import (
     BucketPlan,
     Computed,
+    ComputedPlain,
     Failed,
     HeadsLoaded,
     LoadBackbone,
     Loaded,
     LoadHeads,
+    RunPlain,
     UnloadHeads,
 )
+from service.serving.engine.scores import read_scores
 from service.serving.observe import logs
 
 if TYPE_CHECKING:
-    from service.serving.engine.engine import Begun, Engine
+    from service.serving.engine.engine import Begun, Engine, PlainBegun
 
 log = logging.getLogger("service.process")
 
@@ -113,19 +119,20 @@ def _serve(conn: Connection) -> None:
         conn.send(Failed(f"{type(e).__name__}: {e}"))
         return
     conn.send(Loaded({m: engine.describe(m) for m in engine.models}, str(engine.device),
-                     str(engine.dtype).removeprefix("torch."), engine.device_memory()))
+                     str(engine.dtype).removeprefix("torch."), engine.device_memory(),
+                     plain=engine.bucket_stats is not None))
     held: dict[int, TextJob] = {}  # texts with chunks still to come: their states so far
-    begun: Begun | None = None  # a batch submitted, its answers not sent yet
+    begun: Begun | PlainBegun | None = None  # a batch submitted, its answers not sent yet
     while True:
         if begun is not None and not conn.poll():  # no batch behind it yet: answer it
             _complete(engine, begun, held, conn)
             begun = None
             continue
         try:
-            msg: RunBatch | LoadHeads | UnloadHeads | None = conn.recv()
+            msg: RunBatch | RunPlain | LoadHeads | UnloadHeads | None = conn.recv()
         except EOFError:  # the server's process is gone
             return
-        if not isinstance(msg, RunBatch):  # heads change, or the server closes, between two batches
+        if not isinstance(msg, RunBatch | RunPlain):  # heads change, or the server closes, between two batches
             if begun is not None:
                 _complete(engine, begun, held, conn)
                 begun = None
@@ -135,9 +142,14 @@ def _serve(conn: Connection) -> None:
             continue
         for key in msg.forget:
             held.pop(key, None)
-        works = [w if len(w.job.states) == 1 else _held(w, held) for w in msg.works]  # (one chunk: never held)
+        works: list[ChunkWork] = []
+        following: Begun | PlainBegun | Exception | None
         try:  # submitted before the batch ahead of it is answered: the device computes that one meanwhile
-            following = engine.begin(works)
+            following = (engine.begin_plain(msg.ids, msg.lengths, msg.head, msg.heads) if isinstance(msg, RunPlain)
+                         else None)
+            if following is None:  # (a plain batch that cannot run in a shape bucket: as chunks)
+                works = _plain_works(msg) if isinstance(msg, RunPlain) else [_held(w, held) for w in msg.works]
+                following = engine.begin(works)
         except Exception as e:
             following = e
         if begun is not None:
@@ -149,8 +161,18 @@ def _serve(conn: Connection) -> None:
             begun = following
 
 
-def _complete(engine: Engine, begun: Begun, held: dict[int, TextJob], conn: Connection) -> None:
+def _complete(engine: Engine, begun: Begun | PlainBegun, held: dict[int, TextJob], conn: Connection) -> None:
     """Send a begun batch's answers (or why it failed), forgetting the texts it completed."""
+    from service.serving.engine.engine import PlainBegun
+
+    if isinstance(begun, PlainBegun):  # its scores alone
+        try:
+            logits, phases = engine.complete_plain(begun)
+        except Exception as e:
+            _failed([], e, held, conn)
+            return
+        conn.send(ComputedPlain(logits, phases, engine.device_memory(), len(held)))
+        return
     try:
         answers = engine.complete(begun)
     except Exception as e:
@@ -201,8 +223,38 @@ def _computed_part(works: list[ChunkWork]) -> list[ChunkWork]:
     return out
 
 
+def _plain_batch(works: list[ChunkWork], forget: list[int]) -> RunPlain | None:
+    """``works`` as a :class:`RunPlain` where every one is a plain text's (one chunk, one ask, no credit); else None."""
+    heads: dict[str | None, int] = {}  # each head asked, by its place in RunPlain.heads
+    head = []
+    for w in works:
+        job = w.job
+        if len(job.states) != 1 or len(job.asks) != 1 or job.failed or job.asks[0].credit is not None:
+            return None
+        head.append(heads.setdefault(job.asks[0].model, len(heads)))
+    ids = [w.ids for w in works]
+    lengths = np.fromiter(map(len, ids), dtype=np.int32, count=len(ids))  # [s]
+    flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int32, count=int(lengths.sum()))  # [T]
+    return RunPlain(flat, lengths, np.array(head, dtype=np.int32), tuple(heads), forget)
+
+
+def _plain_works(msg: RunPlain) -> list[ChunkWork]:
+    """A :class:`RunPlain` batch as the chunks of its texts (where it cannot run in a shape bucket)."""
+    asks = [(Ask(key),) for key in msg.heads]
+    ends = np.cumsum(msg.lengths).tolist()  # [s]
+    flat = msg.ids.tolist()
+    works = []
+    for end, n, h in zip(ends, msg.lengths.tolist(), msg.head.tolist(), strict=True):
+        ids = tuple(flat[end - n : end])
+        works.append(ChunkWork(TextJob(Encoding.of_chunks((ids,)), asks[h], [None], 1), 0, ids))
+    return works
+
+
 def _held(work: ChunkWork, held: dict[int, TextJob]) -> ChunkWork:
-    """``work`` on the text's job as this process holds it (the one that has its earlier chunks' states)."""
+    """``work`` on the text's job as this process holds it (the one that has its earlier chunks' states; a text of
+    one chunk is never held)."""
+    if len(work.job.states) == 1:
+        return work
     job = held.setdefault(work.job.key, work.job)
     return work if job is work.job else replace(work, job=job)
 
@@ -278,6 +330,7 @@ class BackboneProcess(Compute):
             self._proc.wait()
             raise ModelProcessError(msg.error)
         self._descriptions, self.device, self.dtype, self._memory = msg.descriptions, msg.device, msg.dtype, msg.memory
+        self._plain = msg.plain  # its plain batches go as arrays (RunPlain)
         log.info("backbone %s (models %s) computes in process %d", self.name, self.models, self._proc.pid)
 
     @property
@@ -326,9 +379,11 @@ class BackboneProcess(Compute):
                 if not send:
                     return answers
                 forget = [self._forget.popleft() for _ in range(len(self._forget))]
-                turn = self._send(RunBatch(_computed_part([works[pos] for pos in send]), forget))
+                sent = [works[pos] for pos in send]
+                batch = (self._plain and _plain_batch(sent, forget)) or RunBatch(_computed_part(sent), forget)
+                turn = self._send(batch)
             try:
-                msg: Computed | Failed = self._reply(turn)
+                msg: Computed | ComputedPlain | Failed = self._reply(turn)
                 break
             except (EOFError, OSError):
                 with contextlib.suppress(subprocess.TimeoutExpired):
@@ -342,11 +397,17 @@ class BackboneProcess(Compute):
         if isinstance(msg, Failed):
             raise ModelProcessError(msg.error)
         self._memory, self.held_texts = msg.memory, msg.held
-        for pos, answer in zip(send, msg.answers, strict=True):
+        if isinstance(msg, ComputedPlain):  # read here, the process having sent the scores alone
+            keys = [w.job.asks[0].model or self.default for w in sent]
+            got: list[Answer] = [[r] for r in read_scores(msg.logits, keys, self.manifests)]
+            phases = msg.phases
+        else:
+            got, phases = msg.answers, getattr(msg.answers, "phases", None)
+        for pos, answer in zip(send, got, strict=True):
             answers[pos] = answer
-        return Answers(answers, getattr(msg.answers, "phases", None))
+        return Answers(answers, phases)
 
-    def _send(self, msg: RunBatch | LoadHeads | UnloadHeads) -> tuple[int, int]:
+    def _send(self, msg: RunBatch | RunPlain | LoadHeads | UnloadHeads) -> tuple[int, int]:
         """Send ``msg`` (holding :attr:`_lock`): its turn among the replies, and the process's start it went to. A
         process that has gone fails it when its reply is awaited (see :meth:`_reply`)."""
         turn = (self._sent, self._generation)

@@ -7,14 +7,13 @@ from __future__ import annotations
 
 from typing import cast
 
-import numpy as np
 import torch
 
 from service.modeling.classifier import Classified, CreditRequest, Explained
 from service.modeling.manifest import Manifest
-from service.serving.core.keys import model_of
 from service.serving.core.results import Answer, Credit, LabelCredit, Result
 from service.serving.core.work import CreditSpec, TextJob
+from service.serving.engine.scores import read_scores, unloaded
 
 HeadCall = tuple[list[tuple[int, int]], list[str], Classified | None]
 """One call of the heads: its texts' (position, ask) places, each one's head key, and the head's output (None: the
@@ -28,11 +27,6 @@ def credit_request(n_classes: int, spec: CreditSpec | None) -> CreditRequest | N
     targets = tuple(range(n_classes)) if spec.matrix else spec.targets
     return CreditRequest(targets=targets, method=spec.method, contrast=spec.contrast,
                          by_depth=spec.detail == "full" or spec.matrix)
-
-
-def unloaded(key: str) -> Result:
-    """The answer for a text whose head was dropped while it waited (only texts whose callers have gone)."""
-    return Result(label="", scores={}, error=f"model {model_of(key)} was unloaded")
 
 
 def read_results(calls: list[HeadCall], done: dict[int, TextJob], logits: torch.Tensor | None,
@@ -54,37 +48,12 @@ def read_results(calls: list[HeadCall], done: dict[int, TextJob], logits: torch.
         b, k = pred.logits.shape
         mine = flat[at : at + b * k].reshape(b, k)  # [b k]
         at += b * k
-        heads = {key: manifests.get(key) for key in set(keys)}  # a call's texts mostly ask one head
-        multi = {key for key, m in heads.items() if m is not None and m.multi_label}
-        with np.errstate(over="ignore", invalid="ignore"):  # non-finite scores are answered as errors below
-            e = np.exp(mine - mine.max(axis=1, keepdims=True))  # [b k]
-            probs = e / e.sum(axis=1, keepdims=True)  # [b k] softmax
-            if multi:  # heads of one shape may share a call: each row as its own head reads it
-                rows = np.array([key in multi for key in keys])[:, None]  # [b 1]
-                probs = np.where(rows, 1 / (1 + np.exp(-mine)), probs)  # [b k] sigmoid there
-        raw, scores, best = mine.tolist(), probs.tolist(), mine.argmax(axis=1).tolist()
-        finite = np.isfinite(mine).all(axis=1).tolist()
-        for r, (pos, a) in enumerate(chosen):
-            key = keys[r]
-            manifest = heads[key]
-            results[pos][a] = (unloaded(key) if manifest is None else
-                               result(manifest, pred, raw[r], scores[r], finite[r], best[r], r,
-                                      done[pos].asks[a].credit))
+        for r, ((pos, a), res) in enumerate(zip(chosen, read_scores(mine, keys, manifests), strict=True)):
+            spec = done[pos].asks[a].credit
+            if spec is not None and not res.error and (explained := pred.explained[r]) is not None:
+                res.credit = credit(manifests[keys[r]].labels, pred, r, explained, spec, int(mine[r].argmax()))
+            results[pos][a] = res
     return cast(dict[int, Answer], results)  # every ask of a completed text is in one call: none left None
-
-
-def result(manifest: Manifest, pred: Classified, logits: list[float], scores: list[float], finite: bool, k: int,
-           b: int, spec: CreditSpec | None) -> Result:
-    """Text ``b``'s result: its ``logits`` and probabilities ``scores`` (``k``: the highest) when all are
-    ``finite``, else an error."""
-    if not finite:
-        return Result(label="", scores={}, error=f"model {manifest.name} produced non-finite scores for this text")
-    labels = manifest.labels
-    res = Result(labels[k], dict(zip(labels, scores, strict=True)), logits,
-                 manifest.over_threshold(scores) if manifest.multi_label else None)
-    if spec is not None and (explained := pred.explained[b]) is not None:
-        res.credit = credit(labels, pred, b, explained, spec, k)
-    return res
 
 
 def credit(labels: list[str], pred: Classified, b: int, ex: Explained, spec: CreditSpec, predicted: int) -> Credit:
