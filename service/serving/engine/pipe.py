@@ -1,6 +1,7 @@
 """The messages between the server's process and a backbone's own process (:mod:`service.serving.engine.process`),
-pickled over a pipe: load a backbone, change its heads, and the answers to those and to a batch (the batch itself is
-:class:`~service.serving.core.work.RunBatch`, beside the work it carries: one module named in its pickle, not two)."""
+pickled over a pipe: load a backbone, change its heads, a plain batch as arrays (:class:`RunPlain`), and the answers
+to those and to a batch (a batch of chunks is :class:`~service.serving.core.work.RunBatch`, beside the work it
+carries: one module named in its pickle, not two)."""
 
 from __future__ import annotations
 
