@@ -16,11 +16,13 @@ from service.serving.core.results import Answer
 from service.serving.core.work import TextJob
 from service.serving.engine.batcher import DeadlineExceeded, Draining, Overloaded
 from service.serving.remote.wire import (
+    TO_FRONT,
     Answered,
     Applied,
     Cancel,
     Control,
     Controlled,
+    Frames,
     Hello,
     Job,
     Models,
@@ -29,6 +31,7 @@ from service.serving.remote.wire import (
     Run,
     Scrape,
     Scraped,
+    ToFront,
     frame,
     read_to_front,
 )
@@ -73,30 +76,35 @@ class HostLink:
         return self._listener is None or self._listener.done()
 
     async def _listen(self) -> None:
+        frames = Frames(TO_FRONT)  # every message the bytes of one read hold, with one await for them all
         try:
-            while (msg := await read_to_front(self._reader)) is not None:
-                if isinstance(msg, Models):
-                    try:
-                        await self._on_models(self, msg)
-                    except Exception:  # the front serves what it could; the host's next change comes
-                        log.exception("serving the engine host's models version %d failed", msg.version)
-                    self._out.put(Applied(msg.version))
-                    continue
-                future = self._waiting.pop(msg.id, None)
-                if future is None or future.done():
-                    continue
-                if isinstance(msg, Answered):
-                    future.set_result(msg.answers)
-                elif isinstance(msg, Controlled | Scraped):
-                    future.set_result(msg)
-                else:
-                    future.set_exception(_refusal(msg))
-        except (ConnectionError, asyncio.IncompleteReadError):
+            while data := await self._reader.read(1 << 20):
+                for msg in frames.feed(data):
+                    await self._received(msg)
+        except ConnectionError:
             pass
         for future in self._waiting.values():  # the host has gone: nothing will answer these
             if not future.done():
                 future.set_exception(HostGone("the engine host exited while this request was computed"))
         self._waiting.clear()
+
+    async def _received(self, msg: ToFront) -> None:
+        if isinstance(msg, Models):
+            try:
+                await self._on_models(self, msg)
+            except Exception:  # the front serves what it could; the host's next change comes
+                log.exception("serving the engine host's models version %d failed", msg.version)
+            self._out.put(Applied(msg.version))
+            return
+        future = self._waiting.pop(msg.id, None)
+        if future is None or future.done():
+            return
+        if isinstance(msg, Answered):
+            future.set_result(msg.answers)
+        elif isinstance(msg, Controlled | Scraped):
+            future.set_result(msg)
+        else:
+            future.set_exception(_refusal(msg))
 
     def send(self, backbone: str, jobs: Sequence[TextJob], deadline: float) -> asyncio.Future[list[Answer]]:
         """Send the jobs of one request to the host: the future of each job's answer (in order). Cancelling it, or

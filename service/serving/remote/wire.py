@@ -152,7 +152,7 @@ ToFront = Models | Answered | Refused | Controlled | Scraped
 
 _encoder = msgspec.msgpack.Encoder()
 TO_HOST = msgspec.msgpack.Decoder(ToHost)
-_to_front = msgspec.msgpack.Decoder(ToFront)
+TO_FRONT = msgspec.msgpack.Decoder(ToFront)
 
 
 def frame(msg: ToHost | ToFront) -> bytes:
@@ -224,4 +224,4 @@ async def _read(reader: asyncio.StreamReader) -> bytes | None:
 
 async def read_to_front(reader: asyncio.StreamReader) -> ToFront | None:
     body = await _read(reader)
-    return None if body is None else _to_front.decode(body)
+    return None if body is None else TO_FRONT.decode(body)
