@@ -74,6 +74,26 @@ def test_a_plain_batch_given_as_arrays_scores_as_its_texts_run_whole(repo: Path)
     assert engine.begin_plain(ids, lengths, head, ("second", "nowhere")) is None
 
 
+def test_whole_texts_tokenized_already_run_as_arrays(repo: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``run`` and ``run_pipelined`` take texts tokenized into one chunk each, asking no credit, as a plain batch of
+    arrays (no chunk is planned or submitted), answered as without buckets; a batch with a text asking credit goes as
+    chunks."""
+    engine = Engine.load([repo / "first", repo / "second"], device="cpu")
+    models = ["second", "first", "first", "second", "first"]
+    tasks = [Task(t, engine.encode([t], [m])[0][engine.max_length(m)], m) for t, m in zip(TEXTS, models, strict=True)]
+    want = engine.run(tasks)
+    engine.use_buckets("eager", lengths=[len(t.encoding.chunks[0]) for t in tasks])  # type: ignore[union-attr]
+    submitted = []
+    submit = engine.submit
+    monkeypatch.setattr(engine, "submit", lambda works: (submitted.append(len(works)), submit(works))[1])
+    assert_same(engine.run(tasks), want)
+    assert_same([r for rs in engine.run_pipelined([tasks[:2], tasks[2:]]) for r in rs], want)
+    assert submitted == []  # as arrays, every batch
+    with_credit = [*tasks[:2], Task(TEXTS[0], tasks[0].encoding, models[0], CreditSpec())]
+    assert [r for rs in engine.run_pipelined([with_credit]) for r in rs][2].credit is not None
+    assert submitted == [3]
+
+
 def test_other_batches_fall_back_to_the_eager_path(repo: Path) -> None:
     engine = Engine.load(repo / "first", device="cpu")
     long = "many words in a text that runs over one chunk of the backbone " * 20

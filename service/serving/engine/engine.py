@@ -14,7 +14,7 @@ import contextlib
 import itertools
 import logging
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,8 +39,9 @@ from service.serving.core.work import METHODS, ChunkWork, CreditSpec, Task, Text
 from service.serving.engine.compute import Compute
 from service.serving.engine.gather import Stream, block, gather, locate, stream
 from service.serving.engine.graphs import BucketRunner, BucketStats
-from service.serving.engine.pipe import BucketPlan
+from service.serving.engine.pipe import BucketPlan, RunPlain
 from service.serving.engine.readout import HeadCall, credit_request, read_results
+from service.serving.engine.scores import read_scores
 
 
 def _phase(name: str) -> contextlib.AbstractContextManager[object]:
@@ -382,8 +383,29 @@ class Engine(Compute):
 
     def run(self, tasks: list[Task]) -> list[Result]:
         """Classify a batch of whole texts, each on its own head (every chunk in this one call)."""
+        plain = self._begin_plain(tasks)
+        if plain is not None:
+            return plain()
         chunks = self._chunks(tasks)
         return [answer[0] for answer in answers_of(chunks, self.run_chunks(chunks))]
+
+    def _begin_plain(self, tasks: list[Task]) -> Callable[[], list[Result]] | None:
+        """Whole texts submitted as a plain batch of arrays (:meth:`begin_plain`, no object a text) where each is
+        tokenized already into one chunk and asks no credit, and the batch runs in a shape bucket: the function that
+        completes it and reads the results. None otherwise (nothing submitted: the texts go as chunks)."""
+        if self._buckets is None:
+            return None
+        texts = []
+        for t in tasks:
+            if t.encoding is None or len(t.encoding.chunks) != 1 or t.credit is not None:
+                return None
+            texts.append((t.encoding.chunks[0], t.model))
+        batch = RunPlain.of(texts, [])
+        begun = self.begin_plain(batch.ids, batch.lengths, batch.head, batch.heads)
+        if begun is None:
+            return None
+        keys = [t.model or self.default for t in tasks]
+        return lambda: read_scores(self.complete_plain(begun)[0], keys, self.manifests)
 
     def _chunks(self, tasks: list[Task]) -> list[ChunkWork]:
         """The chunks of whole texts, in order (see :meth:`plan`)."""
@@ -526,15 +548,21 @@ class Engine(Compute):
         """Each batch's results, as :meth:`run` gives them, with two batches in flight: batch ``k + 1`` is packed and
         its kernels launched while batch ``k`` computes, and ``k``'s results are read while ``k + 1`` computes (on a
         GPU; on a CPU it computes as it is launched)."""
-        pending: tuple[list[ChunkWork], Submitted] | None = None
+        pending: Callable[[], list[Result]] | None = None
         for tasks in batches:
-            chunks = self._chunks(tasks)
-            submitted = self.submit(chunks)
+            following = self._begin_plain(tasks) or self._submitted(tasks)
             if pending is not None:
-                yield [answer[0] for answer in answers_of(pending[0], self.finish(pending[1]))]
-            pending = chunks, submitted
+                yield pending()
+            pending = following
         if pending is not None:
-            yield [answer[0] for answer in answers_of(pending[0], self.finish(pending[1]))]
+            yield pending()
+
+    def _submitted(self, tasks: list[Task]) -> Callable[[], list[Result]]:
+        """Whole texts submitted as chunks (:meth:`submit`): the function that finishes them and gives their
+        results."""
+        chunks = self._chunks(tasks)
+        submitted = self.submit(chunks)
+        return lambda: [answer[0] for answer in answers_of(chunks, self.finish(submitted))]
 
     @torch.inference_mode()
     def submit(self, works: list[ChunkWork]) -> Submitted:

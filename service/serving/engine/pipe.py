@@ -5,6 +5,8 @@ carries: one module named in its pickle, not two)."""
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -104,6 +106,17 @@ class RunPlain:
     head: np.ndarray
     heads: tuple[str | None, ...]
     forget: list[int]
+
+    @classmethod
+    def of(cls, texts: Sequence[tuple[tuple[int, ...], str | None]], forget: list[int]) -> RunPlain:
+        """The batch of ``texts``: each one's token ids and head key (None: the default)."""
+        heads: dict[str | None, int] = {}  # each head asked, by its place in ``heads``
+        head = np.fromiter((heads.setdefault(key, len(heads)) for _, key in texts), dtype=np.int32,
+                           count=len(texts))  # [s]
+        lengths = np.fromiter((len(ids) for ids, _ in texts), dtype=np.int32, count=len(texts))  # [s]
+        flat = np.fromiter(itertools.chain.from_iterable(ids for ids, _ in texts), dtype=np.int32,
+                           count=int(lengths.sum()))  # [T]
+        return cls(flat, lengths, head, tuple(heads), forget)
 
 
 @dataclass(frozen=True)

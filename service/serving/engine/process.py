@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import itertools
 import logging
 import os
 import signal
@@ -225,17 +224,11 @@ def _computed_part(works: list[ChunkWork]) -> list[ChunkWork]:
 
 def _plain_batch(works: list[ChunkWork], forget: list[int]) -> RunPlain | None:
     """``works`` as a :class:`RunPlain` where every one is a plain text's (one chunk, one ask, no credit); else None."""
-    heads: dict[str | None, int] = {}  # each head asked, by its place in RunPlain.heads
-    head = []
     for w in works:
         job = w.job
         if len(job.states) != 1 or len(job.asks) != 1 or job.failed or job.asks[0].credit is not None:
             return None
-        head.append(heads.setdefault(job.asks[0].model, len(heads)))
-    ids = [w.ids for w in works]
-    lengths = np.fromiter(map(len, ids), dtype=np.int32, count=len(ids))  # [s]
-    flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int32, count=int(lengths.sum()))  # [T]
-    return RunPlain(flat, lengths, np.array(head, dtype=np.int32), tuple(heads), forget)
+    return RunPlain.of([(w.ids, w.job.asks[0].model) for w in works], forget)
 
 
 def _plain_works(msg: RunPlain) -> list[ChunkWork]:
