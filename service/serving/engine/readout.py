@@ -1,7 +1,7 @@
 """A batch's head outputs read into plain answers: each text's label, probabilities and raw scores from one copy of
-every head call's scores (logits) on the host (the probabilities taken there, as each head's problem type says),
-and its credit's numbers where it asked for credit (the views a response shows are built from them by the front,
-off the model's thread)."""
+every head call's scores (logits) on the host (read by :mod:`~service.serving.engine.scores`, in numpy), and its
+credit's numbers where it asked for credit (the views a response shows are built from them by the front, off the
+model's thread)."""
 
 from __future__ import annotations
 
