@@ -109,6 +109,12 @@ class TextJob:
         n = len(encoding.chunks)
         return cls(encoding, tuple(asks), [None] * n, n)
 
+    @property
+    def plain(self) -> bool:
+        """Whether it is a plain text: one chunk, one head asked of it, no credit, not failed (shape buckets and the
+        backbone's pipe take such texts as arrays)."""
+        return len(self.states) == 1 and len(self.asks) == 1 and self.asks[0].credit is None and not self.failed
+
     def chunks(self) -> list[ChunkWork]:
         """The batcher's units of work for this text, one per chunk."""
         return [ChunkWork(self, k, ids) for k, ids in enumerate(self.encoding.chunks)]

@@ -458,26 +458,12 @@ class Engine(Compute):
         receives it so): token ids ``ids [T]`` back to back, ``lengths [s]``, text ``t`` on head ``heads[head[t]]``
         (None: the default). None where it cannot run so (no buckets, a head outside the slots, no bucket fits, or
         the device had no memory for it): nothing was launched, and the caller runs it as chunks."""
-        runner = self._buckets
-        keys = [key or self.default for key in heads]
-        if (runner is None or runner.head_dtype != self.score_dtype
-                or any(key not in runner.slots.slot_of or key not in self.manifests for key in keys)):
-            return None
         clock, t0 = self._clock_now(), time.perf_counter()
         try:
-            slot = np.array([runner.slots.slot_of[key] for key in keys], dtype=np.int64)[head]  # [s]
-            lengths = lengths.astype(np.int64, copy=False)  # [s]
-            ids = ids.astype(np.int64, copy=False)  # [T]
-            order = None
-            if len(slot) > 1 and (slot[1:] < slot[:-1]).any():  # texts of several heads: sorted by slot
-                order = np.argsort(slot, kind="stable")  # [s]
-                starts = np.cumsum(lengths) - lengths  # [s] each text's first token
-                n = lengths[order]  # [s]
-                ids = ids[np.repeat(starts[order] - (np.cumsum(n) - n), n) + np.arange(len(ids))]  # [T] in that order
-                lengths, slot = n, slot[order]
-            logits = self._bucket_run(runner, ids, lengths, slot)  # [s k]
-            if logits is None:
+            launched = self._bucket_launch(ids, lengths, head, heads)
+            if launched is None:
                 return None
+            logits, order = launched
             host, ready = self._to_host(logits.flatten())  # [s k] flat
         except torch.OutOfMemoryError:
             if self.device.type == "cuda":
@@ -486,6 +472,35 @@ class Engine(Compute):
         finally:
             self.clock.wall_s += time.perf_counter() - t0
         return PlainBegun(host, ready, len(lengths), order, self._clock_since(clock))
+
+    def _bucket_launch(self, ids: np.ndarray, lengths: np.ndarray, head: np.ndarray, heads: Sequence[str | None]
+                       ) -> tuple[torch.Tensor, np.ndarray | None] | None:
+        """A plain batch launched in its shape bucket (arrays as :meth:`begin_plain` takes them), its texts sorted by
+        head slot: ``logits [s k]`` on the device in that order, and the order (None: as they came). None where it
+        cannot run there (no buckets, or captured for another head precision, a head outside the slots or not loaded,
+        no bucket fits): nothing was launched."""
+        runner = self._buckets
+        if runner is None or runner.head_dtype != self.score_dtype:
+            return None
+        slot_of = runner.slots.slot_of
+        keys = [key or self.default for key in heads]
+        if any(key not in slot_of or key not in self.manifests for key in keys):
+            return None
+        slot = np.array([slot_of[key] for key in keys], dtype=np.int64)[head]  # [s]
+        lengths = lengths.astype(np.int64, copy=False)  # [s]
+        ids = ids.astype(np.int64, copy=False)  # [T]
+        order = None
+        if len(slot) > 1 and (slot[1:] < slot[:-1]).any():  # texts of several heads: sorted by slot
+            order = np.argsort(slot, kind="stable")  # [s]
+            starts = np.cumsum(lengths) - lengths  # [s] each text's first token
+            n = lengths[order]  # [s]
+            ids = ids[np.repeat(starts[order] - (np.cumsum(n) - n), n) + np.arange(len(ids))]  # [T] in that order
+            lengths, slot = n, slot[order]
+        forward0 = runner.stats.forward_s
+        with _phase("engine.bucket"):
+            logits = runner.run(ids, lengths, slot)  # [s k] in that order
+        self.clock.forward_s += runner.stats.forward_s - forward0
+        return None if logits is None else (logits, order)
 
     def complete_plain(self, begun: PlainBegun) -> tuple[np.ndarray, dict[str, float]]:
         """A :meth:`begin_plain` batch's scores, ``logits [s k]`` in the order its texts came, and its phases."""
@@ -593,7 +608,7 @@ class Engine(Compute):
 
     def _submit(self, works: list[ChunkWork]) -> Submitted:
         if self._buckets is not None:
-            bucketed = self._submit_bucketed(works, self._buckets)
+            bucketed = self._submit_bucketed(works)
             if bucketed is not None:
                 return bucketed
         lengths = np.fromiter((len(w.ids) for w in works), dtype=np.int64, count=len(works))  # [c]
@@ -684,50 +699,23 @@ class Engine(Compute):
         ready.record()
         return host, ready
 
-    def _bucket_run(self, runner: BucketRunner, ids: np.ndarray, lengths: np.ndarray, slot: np.ndarray
-                    ) -> torch.Tensor | None:
-        """``[s k]`` a plain batch's logits from its shape bucket (see :meth:`BucketRunner.run`), on the device; None
-        where it fits none. The runner's compute counts as the engine's forward time."""
-        forward0 = runner.stats.forward_s
-        with _phase("engine.bucket"):
-            logits = runner.run(ids, lengths, slot)  # [s k]
-        self.clock.forward_s += runner.stats.forward_s - forward0
-        return logits
-
-    def _submit_bucketed(self, works: list[ChunkWork], runner: BucketRunner) -> Submitted | None:
+    def _submit_bucketed(self, works: list[ChunkWork]) -> Submitted | None:
         """A plain batch (see :meth:`use_buckets`) launched in its shape bucket, sorted by head slot; None where it is
         not plain or fits no bucket (nothing has changed then)."""
-        if runner.head_dtype != self.score_dtype:  # captured for another head precision
+        if not all(w.job.left == 1 and w.job.plain for w in works):
             return None
-        slot_of, manifests, default = runner.slots.slot_of, self.manifests, self.default
-        keys = []
-        for w in works:
-            job = w.job
-            if job.left != 1 or len(job.states) != 1 or len(job.asks) != 1 or job.failed:
-                return None
-            ask = job.asks[0]
-            key = ask.model or default
-            if ask.credit is not None or key not in slot_of or key not in manifests:
-                return None
-            keys.append(key)
-        slot = np.fromiter(map(slot_of.__getitem__, keys), dtype=np.int64, count=len(keys))  # [s]
-        if len(slot) > 1 and (slot[1:] < slot[:-1]).any():  # texts of several heads: sorted by slot
-            order = np.argsort(slot, kind="stable")  # [s]
-            works, keys, slot = [works[p] for p in order], [keys[p] for p in order], slot[order]
-        else:  # (one head: as they came)
-            order = None
-        ids = [w.ids for w in works]
-        lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))  # [s]
-        flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int64, count=int(lengths.sum()))  # [T]
-        logits = self._bucket_run(runner, flat, lengths, slot)  # [s k] in that order
-        if logits is None:
+        batch = RunPlain.of([(w.ids, w.job.asks[0].model) for w in works], [])
+        launched = self._bucket_launch(batch.ids, batch.lengths, batch.head, batch.heads)
+        if launched is None:
             return None
+        logits, order = launched  # [s k] sorted by slot
         for w in works:
             job = w.job
             job.left, job.states = 0, []
         # answered at the positions the texts came in
         positions = list(range(len(works))) if order is None else order.tolist()
-        done = {pos: w.job for pos, w in zip(positions, works, strict=True)}
+        done = {pos: works[pos].job for pos in positions}
+        keys = [done[pos].asks[0].model or self.default for pos in positions]
         pred = Classified(logits=logits, encoded=None, explained=[None] * len(works))
         return self._launched(len(works), done, [([(p, 0) for p in positions], keys, pred)], {})
 

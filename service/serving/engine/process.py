@@ -223,11 +223,9 @@ def _computed_part(works: list[ChunkWork]) -> list[ChunkWork]:
 
 
 def _plain_batch(works: list[ChunkWork], forget: list[int]) -> RunPlain | None:
-    """``works`` as a :class:`RunPlain` where every one is a plain text's (one chunk, one ask, no credit); else None."""
-    for w in works:
-        job = w.job
-        if len(job.states) != 1 or len(job.asks) != 1 or job.failed or job.asks[0].credit is not None:
-            return None
+    """``works`` as a :class:`RunPlain` where every one is a plain text's (see :attr:`TextJob.plain`); else None."""
+    if not all(w.job.plain for w in works):
+        return None
     return RunPlain.of([(w.ids, w.job.asks[0].model) for w in works], forget)
 
 
