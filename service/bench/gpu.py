@@ -287,7 +287,8 @@ def served(repository: Path, model: str, device: str, texts: list[str], levels: 
 def beside(repository: Path, model: str, device: str, texts: list[str], peers: list[str], fronts: list[int],
            levels: list[int], seconds: float, rounds: int, processes: int, logs: Path) -> dict[str, Any]:
     """This service (one front, and each number of ``fronts``) and the ``peers`` (mosec, LitServe: this version's
-    engine inside, their own batching at this service's default batch size for the device), single texts at each
+    engine inside as the service runs it, captured shape buckets on a GPU included, their own batching at this
+    service's default batch size for the device), single texts at each
     closed-loop level of ``levels`` from ``processes`` load processes, each measured while the others are paused
     (see :func:`service.bench.versus.compare`). Peers not installed are left out and named."""
     from importlib.metadata import version
