@@ -186,7 +186,10 @@ class EfficientVectorRouting(nn.Module):
         if x_inp.dim() != 2 or x_inp.shape[-1] != self.d_inp:
             raise ValueError(f"x_inp must be [I, d_inp={self.d_inp}], got {list(x_inp.shape)}")
         scale = segments.n.rsqrt()  # [B]
-        beta_use, beta_ign, a_inp, W_S, B_S = self._packed_inputs(x_inp, segments, slots, scale)  # [ij] [ij] [i] ..
+        # the products' operand, cast once (under autocast each product would cast the [I, d] inputs again, to the
+        # same values); what is elementwise in the inputs reads them as they are
+        x_mm = x_inp.to(seg.product_dtype(x_inp))  # [Id]
+        beta_use, beta_ign, a_inp, W_S, B_S = self._packed_inputs(x_inp, x_mm, segments, slots, scale)  # [ij] ..
         if slots is None:
             W_F1, B_F2, W_G2, B_G2 = self.W_F1, self.B_F2, self.W_G2, self.B_G2
 
@@ -209,21 +212,22 @@ class EfficientVectorRouting(nn.Module):
         for iteration in range(self.n_iters):
             D_use, D_ign = d_step(f_a, R, None)  # [ij], [ij]
             phi = beta_use * D_use - beta_ign * D_ign  # [ij]
-            phi_x = seg.contract(phi, x_inp, segments)  # [Bjd] each sample's inputs contracted
+            phi_x = seg.contract(phi, x_mm, segments)  # [Bjd] each sample's inputs contracted
             x_out = times_F2(phi_x * W_F1)  # [Bjh]
             x_out = torch.addcmul(seg.sum_by_sample(phi, segments)[..., None] * B_F2, x_out,
                                   scale[:, None, None])  # [Bjh] scaled, + bias
             if iteration + 1 < self.n_iters:
                 pred_x_inp = times_G1(self.N(x_out)) * W_G2 + B_G2  # [Bjd]
-                dots = seg.per_sample(x_inp, pred_x_inp.transpose(-1, -2), segments)  # [ij] against its sample's
+                dots = seg.per_sample(x_mm, pred_x_inp.transpose(-1, -2), segments)  # [ij] against its sample's
                 S = nn.functional.logsigmoid(dots * W_S + B_S)  # [ij]
                 R = route(S, None)  # [ij]
         return self.N(x_out) if self.normalize else x_out  # [Bjh]
 
-    def _packed_inputs(self, x_inp: torch.Tensor, segments: seg.Segments, slots: seg.Slots | None,
+    def _packed_inputs(self, x_inp: torch.Tensor, x_mm: torch.Tensor, segments: seg.Segments, slots: seg.Slots | None,
                        scale: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """What :meth:`forward_packed` reads per input: ``beta_use [I, j]``, ``beta_ign [I, j]``, the activations
-        ``a_inp [I]``, and ``W_S``, ``B_S`` (``[I, j]``, or ``[1, j]`` shared by every input). With variable ``n``
+        ``a_inp [I]``, and ``W_S``, ``B_S`` (``[I, j]``, or ``[1, j]`` shared by every input); ``x_mm [I, d]``: the
+        inputs ``x_inp`` as the matrix products take them. With variable ``n``
         and :class:`~service.routing.segments.Slots`, the three products with each input's slot's weights are one
         grouped product (its columns padded to a multiple of 8, as the grouped kernels need); with a fixed ``n``,
         input ``i`` of a sample is position ``i mod n`` of its parameters."""
@@ -234,15 +238,15 @@ class EfficientVectorRouting(nn.Module):
             a_inp = torch.addcmul(self.B_A[at], (x_inp * self.W_A[at]).sum(dim=-1), scale[segments.index])  # [i]
             return self.beta_use[at], self.beta_ign[at], a_inp, self.W_S[at], self.B_S[at]
         if own is None or slots is None:
-            beta_use, beta_ign = self._betas(x_inp)  # [ij], [ij]
-            a_inp = torch.addcmul(self.B_A, self._activations(x_inp), scale[segments.index])  # [i]
+            beta_use, beta_ign = self._betas(x_mm)  # [ij], [ij]
+            a_inp = torch.addcmul(self.B_A, self._activations(x_mm), scale[segments.index])  # [i]
             return beta_use, beta_ign, a_inp, self.W_S, self.B_S
         use, ign = self.compute_beta_use, self.compute_beta_ign
         j = self.n_out
         spare = -(2 * j + 1) % 8
         weights = torch.cat([use.weight, ign.weight, self.W_A,
                              self.W_A.new_zeros(self.W_A.shape[0], spare, self.d_inp)], dim=-2)  # [S (2j+1+pad) d]
-        y = seg.by_slot(x_inp, weights.transpose(-1, -2), slots.input_ends)  # [i (2j+1+pad)]
+        y = seg.by_slot(x_mm, weights.transpose(-1, -2), slots.input_ends)  # [i (2j+1+pad)]
         a_inp = torch.addcmul(self.B_A[own, 0], y[:, 2 * j], scale[segments.index])  # [i]
         return (y[:, :j] + use.bias[own], y[:, j : 2 * j] + ign.bias[own], a_inp,  # [ij], [ij], [i]
                 self.W_S[own, 0], self.B_S[own, 0])  # [ij], [ij]

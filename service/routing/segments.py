@@ -65,7 +65,7 @@ def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.T
     grouped = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
     if grouped is None:
         raise RuntimeError(f"torch {torch.__version__} has no grouped matrix product")
-    dtype = _product_dtype(a)
+    dtype = product_dtype(a)
     a, b = a.to(dtype), b.to(dtype)  # each keeps its strides (a transposed view stays one)
     if offs.shape[0] <= MAX_GROUPS:
         return grouped(a, b, offs=offs)
@@ -97,8 +97,9 @@ def _in_parts(grouped: Callable[..., torch.Tensor], a: torch.Tensor, b: torch.Te
     return out
 
 
-def _product_dtype(a: torch.Tensor) -> torch.dtype:
-    """The dtype a matrix product of ``a`` runs in: autocast's where it is on for ``a``'s device, else ``a``'s."""
+def product_dtype(a: torch.Tensor) -> torch.dtype:
+    """The dtype a matrix product of ``a`` runs in: autocast's where it is on for ``a``'s device, else ``a``'s (an
+    operand cast to it once is what every product under autocast would cast it to, bit for bit)."""
     device = a.device.type
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else a.dtype
 
@@ -112,8 +113,9 @@ def contract(a: torch.Tensor, b: torch.Tensor, segments: Segments) -> torch.Tens
             bytes); callers then pad.
     """
     if segments.width is not None:
-        w = segments.width
-        return torch.einsum("bim,bin->bmn", a.view(-1, w, a.shape[-1]), b.view(-1, w, b.shape[-1]))  # [Bmn]
+        w, dtype = segments.width, product_dtype(a)  # operands cast as the product would (one may be already)
+        return torch.einsum("bim,bin->bmn", a.to(dtype).view(-1, w, a.shape[-1]),
+                            b.to(dtype).view(-1, w, b.shape[-1]))  # [Bmn]
     return _grouped_mm(a.transpose(0, 1), b, segments.ends)  # [Bmn]
 
 
@@ -124,7 +126,8 @@ def per_sample(a: torch.Tensor, m: torch.Tensor, segments: Segments) -> torch.Te
         RuntimeError: as :func:`contract`.
     """
     if segments.width is not None:
-        return torch.bmm(a.view(-1, segments.width, a.shape[-1]), m).flatten(0, 1)  # [In]
+        dtype = product_dtype(a)  # operands cast as the product would (one may be already)
+        return torch.bmm(a.to(dtype).view(-1, segments.width, a.shape[-1]), m.to(dtype)).flatten(0, 1)  # [In]
     return _grouped_mm(a, m, segments.ends)  # [In]
 
 
@@ -177,7 +180,7 @@ def times_slot(y: torch.Tensor, weights: torch.Tensor, slots: Slots, rows: torch
     product over the samples' rows by slot (``rows [S]``: where each slot's rows of ``y`` flattened end), where the
     grouped kernels take the operands (rows of 16 bytes' multiples); else each sample's matrix gathered (small ones:
     a routing to one feature)."""
-    size = _product_dtype(weights).itemsize
+    size = product_dtype(weights).itemsize
     if (weights.shape[-1] * size) % 16 == 0 and (weights.shape[-2] * size) % 16 == 0:
         return by_slot(y.flatten(0, 1), weights, rows).view(*y.shape[:2], -1)  # [Bjn]
     return torch.bmm(y, weights[slots.slot])  # [Bjn]

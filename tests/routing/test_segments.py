@@ -129,3 +129,32 @@ def stack_heads_like(routings: list[EfficientVectorRouting]) -> EfficientVectorR
         module._parameters[leaf] = torch.nn.Parameter(
             torch.stack([r.get_parameter(name) for r in routings]).detach(), requires_grad=False)
     return out
+
+
+@pytest.mark.parametrize("stacked", [False, True])
+def test_under_autocast_a_packed_routing_casts_its_inputs_once_and_routes_as_each_product_casting_them(
+        stacked: bool) -> None:
+    """The ``[I, d]`` inputs go to every matrix product in autocast's dtype: cast once (a pass over the batch's
+    largest tensor that autocast would otherwise make for each product: four stacked, six not, in two iterations), the
+    same values."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    torch.manual_seed(0)
+    routings = [EfficientVectorRouting(-1, 8, 16, 16, n_iters=2) for _ in range(3)]
+    m = stack_heads_like(routings) if stacked else routings[0]
+    slots = Slots.of(torch.tensor([0, 0, 1, 2, 2]), torch.tensor(LENGTHS), 3) if stacked else None
+    x = torch.randn(sum(LENGTHS), 16)  # [I d]
+    casts: list[torch.Size] = []
+
+    class Casts(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            if func._overloadpacket in (torch.ops.aten._to_copy, torch.ops.aten.to) and args[0] is x:
+                casts.append(args[0].shape)
+            return func(*args, **(kwargs or {}))
+
+    with torch.autocast("cpu", dtype=torch.bfloat16), Casts():
+        got = m.forward_packed(x, segments_of(LENGTHS), slots)  # [B j h]
+    assert casts == [x.shape]
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # each product casting the inputs itself: the same values
+        want = m.forward_packed(x.bfloat16(), segments_of(LENGTHS), slots)
+    assert torch.equal(got, want)
