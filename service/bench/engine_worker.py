@@ -195,7 +195,10 @@ def main() -> None:
             for b in bs:
                 for k, r in zip(b, run(b), strict=True):
                     probs[k] = [r.scores[label] for label in labels]
-            answer({"probs": probs})
+            out = {"probs": probs}
+            if getattr(engine, "bucket_stats", None) is not None:  # what ran in the buckets so far
+                out["buckets"] = bucket_stats(engine.bucket_stats)
+            answer(out)
         elif op == "profile":  # kernels and device time per batch, from a torch profile of a few batches
             from torch.autograd import DeviceType
             from torch.profiler import ProfilerActivity, profile

@@ -195,7 +195,8 @@ def agreement(make: Callable[[dict[str, Any]], EngineWorker], labels: list[str],
     """This version with engine ``setting`` at each of two ``values`` (the backbone in its default precision), on the
     labelled texts: each one's accuracy, the points between them, the largest probability change and the labels
     changed; at the second value, each text alone against in batches of ``budget`` tokens. Keys name ``tag`` and the
-    values (``accuracy_heads_float32``, ``largest_probability_change_heads_float32_vs_bfloat16``, ...)."""
+    values (``accuracy_heads_float32``, ``largest_probability_change_heads_float32_vs_bfloat16``, ...), and where
+    shape buckets ran, what they did with the batches (``batches_buckets_cuda``)."""
     out: dict[str, Any] = {"texts": len(labels), "setting": setting}
     probs: dict[str, list[list[float]]] = {}
     alone: list[list[float]] = []
@@ -203,7 +204,10 @@ def agreement(make: Callable[[dict[str, Any]], EngineWorker], labels: list[str],
         w = make({setting: value})
         try:
             names = w.loaded["labels"]
-            probs[value] = w.ask("predict", alone=False, budget=budget, max_texts=max_texts)["probs"]
+            got = w.ask("predict", alone=False, budget=budget, max_texts=max_texts)
+            probs[value] = got["probs"]
+            if got.get("buckets"):  # how the batches ran: in buckets, for one head, fitting none
+                out[f"batches_{tag}_{value}"] = {k: got["buckets"].get(k) for k in ("bucketed", "one_head", "unfit")}
             if value == values[1]:
                 alone = w.ask("predict", alone=True)["probs"]
             if w.loaded.get("buckets"):
@@ -495,8 +499,8 @@ def summarize(results: dict[str, Any], budget: int) -> dict[str, Any]:
             continue
         last = next((r["buckets"] for r in reversed(rows.get(str(budget)) or []) if r.get("buckets")), None)
         if last is not None:
-            out[f"buckets_{name}"] = {k: last.get(k) for k in ("bucketed", "replayed", "unfit", "padded_share",
-                                                               "capture_s", "buckets", "failed")}
+            out[f"buckets_{name}"] = {k: last.get(k) for k in ("bucketed", "replayed", "one_head", "unfit",
+                                                               "padded_share", "capture_s", "buckets", "failed")}
     levels = get("served", "levels") or []
     for name in ("served", "served_variant"):
         out[name] = {f"c{r['concurrency']}x{r['texts_per_request']}": {

@@ -303,6 +303,9 @@ class HeadSlots:
         self.shape = head_shape(like)
         self.head = _assemble(like, {name: p.new_zeros(capacity, *p.shape) for name, p in like.named_parameters()})
         self._params = dict(self.head.named_parameters())
+        self.picked = _assemble(like, {name: p.new_zeros(p.shape) for name, p in like.named_parameters()})
+        """One head, not stacked: the slot :meth:`pick` copied into it last."""
+        self._picked = dict(self.picked.named_parameters())
         self.slot_of: dict[str, int] = {}
 
     @property
@@ -329,6 +332,15 @@ class HeadSlots:
             self._params[name][slot].copy_(value)
         self.slot_of[key] = slot
         return slot
+
+    @torch.no_grad()
+    def pick(self, slot: torch.Tensor) -> RoutingHead:
+        """:attr:`picked` holding slot ``slot``'s parameters (``slot``: int64 ``[1]`` on the device, read there and
+        nothing read back, so that a CUDA graph captures the copy): for a batch whose texts all ask one head, which
+        then runs with its parameters broadcast where the stacked head gathers every text's (``W [T, e, d]``, ...)."""
+        for name, p in self._params.items():
+            torch.index_select(p, 0, slot, out=self._picked[name].unsqueeze(0))  # [1 ...] into the picked head's
+        return self.picked
 
     @torch.no_grad()
     def drop(self, key: str) -> None:

@@ -116,7 +116,8 @@ class EfficientVectorRouting(nn.Module):
         m: Mask | None = build_mask(mask, x_inp, self.n_out)
         x_inp = zero_absent(x_inp, m)  # [...id]
         beta_use, beta_ign = self._betas(x_inp)  # [...ij], [...ij]
-        n = x_inp.new_tensor(float(x_inp.shape[-2])) if m is None else m.n  # [] or [...11]
+        # (filled on the device, not copied from the host: a CUDA graph captures it)
+        n = x_inp.new_full((), float(x_inp.shape[-2])) if m is None else m.n  # [] or [...11]
         # F1 scales the inputs by 1/sqrt(n); what is linear in them is scaled after contracting over d or i
         # instead (the same values up to rounding, and no pass over [..., i, d] for it)
         scale = n.rsqrt()  # [] or [...11]

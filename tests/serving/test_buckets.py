@@ -12,10 +12,12 @@ import numpy as np
 import pytest
 import torch
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from service.modeling.buckets import length_sample
 from service.serving.core.work import CreditSpec, Task
 from service.serving.engine.engine import Engine
+from service.serving.engine.pipe import RunPlain
 from tests.conftest import edit_manifest, write_tiny_model
 from tests.serving.server import Server, side_by_side
 
@@ -111,6 +113,38 @@ def test_other_batches_fall_back_to_the_eager_path(repo: Path) -> None:
     assert credit_answer.credit is not None  # credit still computed (eagerly)
     engine.use_buckets("off")
     assert engine.bucket_stats is None
+
+
+@pytest.mark.parametrize("one_head", [True, False])
+def test_a_batch_of_one_head_runs_with_its_parameters_broadcast_and_answers_as_mixed(repo: Path, one_head: bool
+                                                                                      ) -> None:
+    """A batch whose texts all ask one head takes its bucket's computation for one head (the head picked out of its
+    slot, not gathered for every text; ``one_head_buckets``): each head its own parameters, whatever its slot, and
+    the answers of the computation for any heads and of the engine without buckets, within 1e-5; a batch of two
+    heads takes the other."""
+    engine = Engine.load([repo / "first", repo / "second"], device="cpu")
+    engine.one_head_buckets = one_head
+    by_head = {m: [Task(t, model=m) for t in TEXTS] for m in ("first", "second")}
+    want = {m: engine.run(tasks) for m, tasks in by_head.items()}
+    engine.use_buckets("eager", lengths=[len(engine.backbone.encode([t])[0].chunks[0]) for t in TEXTS])
+    runner = engine._buckets
+    assert runner.slots.slot_of == {"first": 0, "second": 1}
+    for m, tasks in by_head.items():
+        assert_same(engine.run(tasks), want[m])
+    assert engine.bucket_stats.one_head == (2 if one_head else 0) and engine.bucket_stats.bucketed == 2
+    mixed = [t for pair in zip(*by_head.values(), strict=True) for t in pair]
+    assert_same(engine.run(mixed), [a for pair in zip(*want.values(), strict=True) for a in pair])
+    assert engine.bucket_stats.one_head == (2 if one_head else 0) and engine.bucket_stats.bucketed == 3
+    # the two computations of a bucket, side by side on a batch of the second head
+    batch = RunPlain.of([(engine.encode([t], ["second"])[0][engine.max_length("second")].chunks[0], "second")
+                         for t in TEXTS], [])
+    bucket = runner.fits(batch.lengths)
+    inputs = torch.from_numpy(runner.inputs_of(batch.ids.astype(np.int64), batch.lengths.astype(np.int64),
+                                               np.ones(len(TEXTS), dtype=np.int64), bucket))
+    with torch.inference_mode():
+        for_one, for_any = (runner._compute(bucket, one)(inputs)[: len(TEXTS)] for one in (True, False))
+    torch.testing.assert_close(for_one, for_any, rtol=0, atol=1e-5)
+    assert torch.equal(runner.slots.picked.W, runner.slots.head.W[1])  # the second's, picked out of its slot
 
 
 def test_a_head_loaded_after_warm_up_answers_as_loaded_at_start(repo: Path) -> None:
@@ -218,12 +252,28 @@ def shapes_only(compute: Callable[[torch.Tensor], torch.Tensor], inputs: torch.T
         return tuple(compute(mode.from_tensor(inputs)).shape)
 
 
+def host_data(compute: Callable[[torch.Tensor], torch.Tensor], inputs: torch.Tensor) -> list[str]:
+    """The tensors ``compute(inputs)`` makes of the host's data (``torch.tensor``, ``new_tensor``): on a GPU each is a
+    copy from the host, which a CUDA graph cannot capture (the copy waits for the device)."""
+    made: list[str] = []
+
+    class Spy(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            if func is torch.ops.aten.lift_fresh.default:
+                made.append(str(args[0]))
+            return func(*args, **(kwargs or {}))
+
+    with torch.inference_mode(), Spy():
+        compute(inputs)
+    return made
+
+
 @pytest.mark.parametrize("model", ["tiny", "bundled"])
 def test_every_bucket_computes_what_a_cuda_graph_can_capture(model: str, repo: Path) -> None:
-    """The GPU captures each bucket's computation; what would stop it there is checked here, on its shapes: every
-    bucket's computation, the heads' products in bfloat16 as ``cuda`` has them (their parameters in float32), reads
-    nothing back and passes the grouped products' checks (the tiny heads, and the bundled model's, whose shape the
-    GPU run measures)."""
+    """The GPU captures each bucket's computations (for any heads, and for one); what would stop it there is checked
+    here, on its shapes: every bucket's computation, the heads' products in bfloat16 as ``cuda`` has them (their
+    parameters in float32), reads nothing back, makes no tensor of the host's data and passes the grouped products'
+    checks (the tiny heads, and the bundled model's, whose shape the GPU run measures)."""
     folder = repo / "first" if model == "tiny" else Path(__file__).parents[2] / "models" / "tweet-sentiment"
     engine = Engine.load(folder, device="cpu")
     engine.head_dtype = "bfloat16"  # what use_buckets("cuda") sets
@@ -233,13 +283,16 @@ def test_every_bucket_computes_what_a_cuda_graph_can_capture(model: str, repo: P
     k = len(engine.manifests[engine.default].labels)
     assert len(runner.buckets) == 6
     for bucket in runner.buckets:
-        assert shapes_only(runner._compute(bucket), runner._example(bucket)) == (bucket.rows, k)
+        for one in (False, True):
+            assert shapes_only(runner._compute(bucket, one), runner._example(bucket)) == (bucket.rows, k)
+            assert host_data(runner._compute(bucket, one), runner._example(bucket)) == []
 
     def reads_back(inputs: torch.Tensor) -> torch.Tensor:  # the check fails where something is read back
         return runner._compute(bucket)(inputs)[: int(inputs[0])]
 
     with pytest.raises(DataDependentOutputException):
         shapes_only(reads_back, runner._example(bucket))
+    assert host_data(lambda inputs: inputs + inputs.new_tensor(1), runner._example(bucket)) == ["tensor(1)"]
     with pytest.raises(DynamicOutputShapeException):  # repeats without output_size: their sum read back
         shapes_only(lambda inputs: torch.repeat_interleave(inputs[:2], inputs[2:4]), torch.tensor([0, 1, 2, 3]))
 

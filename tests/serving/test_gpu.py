@@ -75,8 +75,8 @@ def test_packed_heads_on_the_gpu_answer_as_the_padded_heads(tiny_repo: Path, hea
 def test_captured_buckets_answer_as_the_eager_engine(tiny_repo: Path, tiny_backbone_dir: Path, tmp_path: Path
                                                      ) -> None:
     """Plain batches replayed from CUDA graphs (``use_buckets("cuda")``) answer what the eager engine answers, alone
-    and mixed, two batches in flight too; a head loaded after the capture answers as the eager engine does, and as
-    the same head loaded at the start and captured with the other (within 1e-5)."""
+    (on the graphs for one head) and mixed, two batches in flight too; a head loaded after the capture answers as
+    the eager engine does, and as the same head loaded at the start and captured with the other (within 1e-5)."""
     from tests.conftest import write_tiny_model
 
     write_tiny_model(tmp_path, tiny_backbone_dir, name="late", seed=3)
@@ -103,14 +103,17 @@ def test_captured_buckets_answer_as_the_eager_engine(tiny_repo: Path, tiny_backb
         assert max(abs(p - ref.scores[k]) for k, p in got.scores.items()) <= tol
     stats = engine.bucket_stats  # every batch above in a bucket (one, then each alone, then two), each replayed
     assert stats.bucketed == 1 + len(tasks) + 2 and stats.replayed == stats.bucketed and stats.unfit == 0
+    assert stats.one_head == len(tasks)  # those alone, on the graphs for one head (the others mix the two)
     # the same two heads loaded at the start, then captured: the late head answers the same (its slot's weights
     # read by index from the same stacked parameters, the same graphs)
     at_start = Engine.load([tiny_repo / "tiny", tmp_path / "late"], device="cuda", dtype=dtype)
     at_start.use_buckets("cuda", lengths=[3, 5, 9, 14, 16])
     assert at_start._buckets.slots.slot_of == engine._buckets.slots.slot_of == {"tiny": 0, "late": 1}
-    for got, ref in zip(engine.run(tasks), at_start.run(tasks), strict=True):
-        assert max(abs(p - ref.scores[k]) for k, p in got.scores.items()) <= 1e-5
-    assert at_start.bucket_stats.replayed == 1
+    late = [t for t in tasks if t.model == "late"]  # and alone, the late head picked out of its slot
+    for batch in (tasks, late):
+        for got, ref in zip(engine.run(batch), at_start.run(batch), strict=True):
+            assert max(abs(p - ref.scores[k]) for k, p in got.scores.items()) <= 1e-5
+    assert at_start.bucket_stats.replayed == 2 and at_start.bucket_stats.one_head == 1
 
 
 def test_a_process_with_two_batches_in_flight_answers_as_with_one(tiny_repo: Path) -> None:

@@ -216,6 +216,10 @@ class Engine(Compute):
         ``use_buckets("cuda")`` sets it to bfloat16."""
         self._packable: dict[tuple[tuple[int, ...], str], bool] = {}  # (head shape, head_dtype) -> packed agrees
         self._buckets: BucketRunner | None = None  # see use_buckets
+        self.one_head_buckets = True
+        """Shape buckets (:meth:`use_buckets`) with a second computation each for batches whose texts all ask one
+        head: its parameters broadcast, not gathered for every text (:mod:`~service.serving.engine.graphs`); twice
+        the captures at warm-up. ``routing-service bench gpu --variant one_head_buckets=false`` measures it."""
         self.clock = EngineClock()
         self.head_batch_positions = backbone.chunk_batch_tokens * (1 if device.type == "cpu" else 4)
         """Padded positions (texts x their longest) per head call. On a GPU larger than the encoder's budget: a
@@ -339,7 +343,8 @@ class Engine(Compute):
         bb = self.backbone
         buckets = choose_buckets(sample, budget or bb.chunk_batch_tokens, max_texts, bb.max_length, count)
         products = torch.bfloat16 if mode == "cuda" else self.score_dtype
-        runner = BucketRunner(bb, slots, buckets, mode, products)  # (raises before anything here has changed)
+        runner = BucketRunner(bb, slots, buckets, mode, products, self.one_head_buckets)  # (raises before anything
+        # here has changed)
         if products != self.score_dtype:
             log.info("backbone %s: the heads' products in bfloat16, as captured buckets need", self.name)
             self.head_dtype = "bfloat16"
