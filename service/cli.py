@@ -483,17 +483,18 @@ def bench_host(
     seconds: Annotated[float, typer.Option(min=0.5, help="Seconds measured per round")] = 8.0,
     rounds: Annotated[int, typer.Option(min=1, help="Turns of the versions")] = 2,
     batch_ms: Annotated[float, typer.Option(min=0, help="The stand-in backbone's milliseconds a batch")] = 5.0,
+    texts_per_request: Annotated[int, typer.Option(min=1, help="Texts in each request")] = 1,
     out: Annotated[Path, typer.Option(help="JSON result file")] = Path("bench-results/host.json"),
 ) -> None:
-    """The engine host's own CPU a request (every front's requests pass through its one event loop): its host
-    process with a stand-in backbone, fed single-text requests by a stand-in front, against a baseline in turns."""
+    """The engine host's own CPU a request and a text (every front's requests pass through its one event loop): its
+    host process with a stand-in backbone, fed requests by a stand-in front, against a baseline in turns."""
     from service.bench import host
 
     if baseline is not None and not (baseline / "service").is_dir():
         raise typer.BadParameter(f"{baseline} is not a checkout of this repository (no service/ folder)",
                                  param_hint="--baseline")
     host.run(Path(__file__).resolve().parents[1], baseline, numbers(concurrency, "--concurrency"), seconds, rounds,
-             batch_ms, out)
+             batch_ms, out, texts_per_request)
 
 
 @bench_app.command("host-work")

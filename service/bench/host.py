@@ -4,15 +4,16 @@ event loop, so its CPU a request caps a server of several fronts (one core: abou
 The host of a version (this one, or a ``--baseline`` checkout's) runs in a process of its own with a stand-in
 backbone (a batch sleeps ``batch_ms``, answering each text one fixed result), its metrics in multiprocess mode and
 its loaded objects frozen out of the collector, as served; one stand-in front, a process of this version, keeps
-``concurrency`` single-text requests in flight on the host's socket, each answer followed by the next request. The
-versions are measured in turns, each round a fresh pair of processes; the host's CPU (``/proc``) and the requests
-answered are counted over ``seconds`` after a warm-up of 2,000 answers."""
+``concurrency`` requests of ``texts_per_request`` texts in flight on the host's socket, each answer followed by the
+next request. The versions are measured in turns, each round a fresh pair of processes; the host's CPU (``/proc``)
+and the requests answered are counted over ``seconds`` after a warm-up of 2,000 answers (500 of several texts)."""
 
 from __future__ import annotations
 
 import asyncio
 import multiprocessing
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -66,7 +67,7 @@ with asyncio.Runner(loop_factory=factory) as runner:
 """
 
 
-def _front(path: str, concurrency: int, seconds: float, host_pid: int, out: Any) -> None:
+def _front(path: str, concurrency: int, seconds: float, host_pid: int, out: Any, texts_per_request: int = 1) -> None:
     """The stand-in front: ``concurrency`` requests in flight; puts (answers, host CPU seconds, wall seconds)."""
     from service.serving.core.work import Ask
     from service.serving.remote import wire
@@ -92,14 +93,14 @@ def _front(path: str, concurrency: int, seconds: float, host_pid: int, out: Any)
         def run() -> bytes:
             nonlocal sent
             sent += 1
-            return wire.frame(wire.Run(sent, "b", [job], time.monotonic() + 60))
+            return wire.frame(wire.Run(sent, "b", [job] * texts_per_request, time.monotonic() + 60))
 
         writer.write(b"".join(run() for _ in range(concurrency)))
         answered, start, cpu0, n0 = 0, 0.0, 0.0, 0
         while True:
             await read()
             answered += 1
-            if answered == 2000:  # warmed up
+            if answered == (2000 if texts_per_request == 1 else 500):  # warmed up
                 start, cpu0, n0 = time.perf_counter(), cpu_seconds(host_pid) or 0.0, answered
             elif start and time.perf_counter() - start >= seconds:
                 out.put((answered - n0, (cpu_seconds(host_pid) or 0.0) - cpu0, time.perf_counter() - start))
@@ -109,8 +110,10 @@ def _front(path: str, concurrency: int, seconds: float, host_pid: int, out: Any)
     asyncio.run(go())
 
 
-def measure(tree: Path, concurrency: int, seconds: float, batch_ms: float) -> dict[str, float]:
-    """One round of the host of the checkout at ``tree``: requests a second, and its CPU microseconds a request."""
+def measure(tree: Path, concurrency: int, seconds: float, batch_ms: float, texts_per_request: int = 1
+            ) -> dict[str, float]:
+    """One round of the host of the checkout at ``tree``: requests a second, and its CPU microseconds a request and
+    a text."""
     with tempfile.TemporaryDirectory() as tmp:
         path = str(Path(tmp) / "host.sock")
         env_dir = Path(tmp) / "metrics"
@@ -123,36 +126,46 @@ def measure(tree: Path, concurrency: int, seconds: float, batch_ms: float) -> di
                 raise RuntimeError(f"the host of {tree} did not start (code {host.poll()})")
             context = multiprocessing.get_context("fork")
             out = context.Queue()
-            front = context.Process(target=_front, args=(path, concurrency, seconds, host.pid, out))
+            front = context.Process(target=_front, args=(path, concurrency, seconds, host.pid, out,
+                                                                texts_per_request))
             front.start()
             n, cpu, wall = out.get(timeout=seconds + 120)
             front.join(10)
         finally:
             host.kill()
             host.wait()
-    return {"requests_per_s": n / wall, "host_us_per_request": 1e6 * cpu / n, "requests": n}
+    return {"requests_per_s": n / wall, "host_us_per_request": 1e6 * cpu / n,
+            "host_us_per_text": 1e6 * cpu / (n * texts_per_request), "requests": n}
 
 
 def run(root: Path, baseline: Path | None, concurrencies: list[int], seconds: float, rounds: int, batch_ms: float,
-        out: Path) -> dict[str, Any]:
-    """Every version at every concurrency, ``rounds`` turns; prints a table, writes the JSON."""
+        out: Path, texts_per_request: int = 1) -> dict[str, Any]:
+    """Every version at every concurrency, ``rounds`` turns (each version first in every other round); prints a
+    table, writes the JSON."""
     versions = {"this": root, **({"baseline": baseline} if baseline is not None else {})}
     results: dict[str, dict[str, list[dict[str, float]]]] = {str(c): {v: [] for v in versions}
                                                              for c in concurrencies}
     for c in concurrencies:
         for r in range(rounds):
-            for name, tree in versions.items():
-                row = measure(tree, c, seconds, batch_ms)
+            for name in (list(versions) if r % 2 == 0 else list(versions)[::-1]):
+                row = measure(versions[name], c, seconds, batch_ms, texts_per_request)
                 results[str(c)][name].append(row)
                 report.echo(f"bench host: c={c} round {r + 1} {name}: {row['requests_per_s']:.0f} requests/s, "
-                            f"{row['host_us_per_request']:.1f} us of host CPU a request", err=True)
+                            f"{row['host_us_per_request']:.1f} us of host CPU a request "
+                            f"({row['host_us_per_text']:.1f} a text)", err=True)
     summary: dict[str, Any] = {}
     for c, by in results.items():
         mean = {v: sum(r["host_us_per_request"] for r in rows) / len(rows) for v, rows in by.items()}
         summary[f"c{c}"] = {"host_us_per_request": mean,
-                            **({"this_over_baseline": mean["this"] / mean["baseline"]} if "baseline" in mean else {})}
+                            "host_us_per_text": {v: u / texts_per_request for v, u in mean.items()}}
+        if "baseline" in mean:  # the means' ratio, and each round's (the versions side by side in it)
+            rounds_ratio = [a["host_us_per_request"] / b["host_us_per_request"]
+                            for a, b in zip(by["this"], by["baseline"], strict=True)]
+            summary[f"c{c}"].update(this_over_baseline=mean["this"] / mean["baseline"],
+                                    this_over_baseline_rounds=rounds_ratio,
+                                    this_over_baseline_median_round=statistics.median(rounds_ratio))
     settings = {"baseline": str(baseline) if baseline else None, "concurrency": concurrencies, "seconds": seconds,
-                "rounds": rounds, "batch_ms": batch_ms}
+                "rounds": rounds, "batch_ms": batch_ms, "texts_per_request": texts_per_request}
     rows = [{"level": c, **{f"{v} us": u for v, u in s["host_us_per_request"].items()},
              "this/baseline": s.get("this_over_baseline", "")} for c, s in summary.items()]
     report.echo(report.table(rows, ["level", *(f"{v} us" for v in versions), "this/baseline"]))
