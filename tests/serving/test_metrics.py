@@ -11,14 +11,14 @@ from pathlib import Path
 
 import httpx
 import pytest
-from prometheus_client import generate_latest
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from service.bench.server import children, process_state
 from service.collector import settle
 from service.modeling.encoding import Encoding
 from service.serving.core.work import Ask, TextJob
-from service.serving.observe.metrics import Metrics, record_frozen
+from service.serving.observe.metrics import LATENCY_BUCKETS, Metrics, observe_many, record_frozen
 from tests.serving.server import Server, metric
 
 EXPECTED = {  # name: (type, labels)
@@ -273,3 +273,22 @@ def test_the_labelled_models_setting_is_pinned_all_or_a_list() -> None:
     for bad in ("", "all,a", "_other"):
         with pytest.raises(ValueError, match="metrics_models"):
             Settings(metrics_models=bad)
+
+
+@pytest.mark.parametrize("amounts", [[], [0.0], [0.001, 0.0011, 0.003, 0.003, 0.7, 59.0, 61.0, 1e9], [-1.0, 0.02] * 50])
+def test_many_observations_written_at_once_read_as_each_observed(amounts: list[float]) -> None:
+    """``observe_many``: every bucket, the count and the sum as ``observe`` leaves them, one amount at a time (bounds
+    included: an amount equal to a bound goes in that bucket; beyond the last, in +Inf)."""
+    exports = []
+    for many in (True, False):
+        registry = CollectorRegistry()
+        h = Histogram("wait_seconds", "wait", ["model"], buckets=LATENCY_BUCKETS, registry=registry).labels("m")
+        if many:
+            observe_many(h, amounts)
+        else:
+            for a in amounts:
+                h.observe(a)
+        exports.append([line for line in generate_latest(registry).decode().splitlines()
+                        if "_created" not in line])  # (when each histogram was made)
+    assert exports[0] == exports[1]
+    assert f'wait_seconds_count{{model="m"}} {float(len(amounts))}' in exports[0]

@@ -7,6 +7,7 @@ Buckets cover both CPU (tens of ms to seconds) and GPU (milliseconds) serving.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import gc
 import os
@@ -318,6 +319,18 @@ class Metrics:
             self.stats.unloaded(name)
 
 
+def observe_many(histogram: Histogram, amounts: Sequence[float]) -> None:
+    """``histogram.observe(amount)`` for every one of ``amounts``, each bucket and the sum written once: a chunk's
+    queue wait is observed once a batch for every chunk of it, and an observation of a histogram that several
+    processes share writes two memory-mapped values (3 µs: a tenth of the engine host's CPU a text, with 16 texts a
+    request). It writes prometheus_client's own histogram values as ``observe`` does (tests/serving/test_metrics.py
+    checks it against ``observe``)."""
+    bounds = histogram._upper_bounds  # ascending, +Inf last: an amount goes in the first bucket that holds it
+    for bucket, n in Tally(bisect.bisect_left(bounds, amount) for amount in amounts).items():
+        histogram._buckets[bucket].inc(n)
+    histogram._sum.inc(sum(amounts))
+
+
 def _models(work: ChunkWork) -> list[str]:
     """The models that ``work`` is for."""
     return [model_of(a.model or "") for a in work.job.asks]
@@ -371,9 +384,7 @@ class BatchMetrics:
                     texts[model] += 1
         for model, model_waits in each_wait.items():  # each model's series once a batch
             label = m.model_label(model)
-            queue_wait = m.queue_wait.labels(label)
-            for wait in model_waits:
-                queue_wait.observe(wait)
+            observe_many(m.queue_wait.labels(label), model_waits)
             m.tokens.labels(label).inc(tokens[model])
             if texts[model]:
                 m.texts.labels(label).inc(texts[model])
