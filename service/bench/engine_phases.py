@@ -27,7 +27,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from service.bench.engine_worker import outermost
-from service.bench.report import whole_passes
+from service.bench.report import in_turns, round_ratios, whole_passes
 
 if TYPE_CHECKING:
     from service.serving.engine.engine import Engine
@@ -145,13 +145,12 @@ def versus_setting(engine: Engine, texts: list[str], sizes: list[int], seconds: 
                 continue
             turns: dict[str, list[dict[str, float]]] = {"current": [], "changed": []}
             for r in range(rounds):
-                for name in ("current", "changed") if r % 2 == 0 else ("changed", "current"):
+                for name in in_turns(("current", "changed"), r):
                     for k, v in (setting if name == "changed" else current).items():
                         setattr(engine, k, v)
                     wall, host = timed(engine, batches, seconds)
                     turns[name].append({"ms_per_batch": wall, "host_us_per_text": host})
-            ratios = [c["ms_per_batch"] / v["ms_per_batch"] for c, v in zip(turns["current"], turns["changed"],
-                                                                            strict=True)]
+            ratios = round_ratios(turns["current"], turns["changed"], "ms_per_batch")
             out["by_batch_size"][str(size)] = {**turns, "changed_over_current": statistics.median(ratios),
                                                "ratios": ratios}
     finally:

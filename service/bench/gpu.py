@@ -149,12 +149,14 @@ def section(results: dict[str, Any], name: str, fn: Callable[[], Any],
 
 def engine_turns(workers: dict[str, EngineWorker], budgets: list[int], max_texts: int, seconds: float,
                  rounds: int) -> dict[str, Any]:
-    """Texts/s (and the host's microseconds per text) of each version at each budget, the versions in turns."""
+    """Texts/s (and the host's microseconds per text) of each version at each budget, the versions in turns (the
+    order reversed every other round)."""
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {name: {str(b): [] for b in budgets} for name in workers}
-    for _ in range(rounds):
+    for r in range(rounds):
         for b in budgets:
-            for name, w in workers.items():
-                runs[name][str(b)].append(w.ask("throughput", budget=b, max_texts=max_texts, seconds=seconds))
+            for name in report.in_turns(list(workers), r):
+                runs[name][str(b)].append(workers[name].ask("throughput", budget=b, max_texts=max_texts,
+                                                            seconds=seconds))
     return runs
 
 

@@ -147,7 +147,7 @@ def run(root: Path, baseline: Path | None, concurrencies: list[int], seconds: fl
                                                              for c in concurrencies}
     for c in concurrencies:
         for r in range(rounds):
-            for name in (list(versions) if r % 2 == 0 else list(versions)[::-1]):
+            for name in report.in_turns(list(versions), r):
                 row = measure(versions[name], c, seconds, batch_ms, texts_per_request)
                 results[str(c)][name].append(row)
                 report.echo(f"bench host: c={c} round {r + 1} {name}: {row['requests_per_s']:.0f} requests/s, "
@@ -159,8 +159,7 @@ def run(root: Path, baseline: Path | None, concurrencies: list[int], seconds: fl
         summary[f"c{c}"] = {"host_us_per_request": mean,
                             "host_us_per_text": {v: u / texts_per_request for v, u in mean.items()}}
         if "baseline" in mean:  # the means' ratio, and each round's (the versions side by side in it)
-            rounds_ratio = [a["host_us_per_request"] / b["host_us_per_request"]
-                            for a, b in zip(by["this"], by["baseline"], strict=True)]
+            rounds_ratio = report.round_ratios(by["this"], by["baseline"], "host_us_per_request")
             summary[f"c{c}"].update(this_over_baseline=mean["this"] / mean["baseline"],
                                     this_over_baseline_rounds=rounds_ratio,
                                     this_over_baseline_median_round=statistics.median(rounds_ratio))

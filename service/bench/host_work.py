@@ -49,7 +49,7 @@ def run(root: Path, baseline: Path | None, model: str, repository: Path, n_texts
                     "engine": {"buckets": "eager", "stand_in": True}}, logs / f"host-work-{name}.log")
             rows: dict[str, list[dict[str, Any]]] = {name: [] for name in workers}
             for k in range(rounds):  # in turns, each version first in every other round
-                for name in (list(workers) if k % 2 == 0 else list(workers)[::-1]):
+                for name in report.in_turns(list(workers), k):
                     rows[name].append(workers[name].ask("throughput", budget=budget, max_texts=max_texts,
                                                         seconds=seconds))
         finally:
@@ -73,7 +73,7 @@ def run(root: Path, baseline: Path | None, model: str, repository: Path, n_texts
                     f"texts a batch)")
     if "baseline" in rows:  # each round's ratio (the versions side by side in it), and their median
         for key in ("host_us_per_text", "host_us_per_text_two_in_flight"):
-            ratios = [a[key] / b[key] for a, b in zip(rows["this"], rows["baseline"], strict=True)]
+            ratios = report.round_ratios(rows["this"], rows["baseline"], key)
             summary[f"this_over_baseline_{key}"] = statistics.median(ratios)
             summary[f"this_over_baseline_{key}_rounds"] = ratios
         report.echo(f"this / baseline: {summary['this_over_baseline_host_us_per_text']:.3f} (one in flight), "

@@ -53,6 +53,17 @@ def _cpu_name() -> str:
     return platform.processor() or "unknown"
 
 
+def in_turns(names: Sequence[T], k: int) -> list[T]:
+    """``names`` in the order of round ``k``: each first in every other round (an A/A run of ``bench host-work``
+    showed a fixed order biasing one side by about 8 %)."""
+    return list(names) if k % 2 == 0 else list(names)[::-1]
+
+
+def round_ratios(these: Sequence[dict[str, Any]], those: Sequence[dict[str, Any]], key: str) -> list[float]:
+    """Each round's ``these[r][key] / those[r][key]``: two versions measured side by side in that round."""
+    return [a[key] / b[key] for a, b in zip(these, those, strict=True)]
+
+
 def table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
     """Format ``rows`` as a fixed-width text table with the given columns."""
     def cell(v: Any) -> str:
