@@ -98,6 +98,39 @@ async def test_failing_batch_fails_only_its_own_requests() -> None:
     await b.stop(1)
 
 
+async def test_a_batch_settles_its_requests_as_it_ends() -> None:
+    """Each request of a batch is answered by the time the batch's end is observed: its items settle it directly,
+    with no turn of the event loop in between (no future an item)."""
+    seen: list[list[bool]] = []
+    requests: list[asyncio.Future[list[str]]] = []
+
+    class Settled(Recorder):
+        def on_batch(self, payloads, results, cost, waits, seconds, runner) -> None:
+            seen.append([f.done() for f in requests])
+
+    b = Batcher(lambda ps: [p.upper() for p in ps], BatchLimits(8, 1000, 0.02, 100), Settled())
+    b.start()
+    requests += [b.enqueue(["a", "b"], [1, 1], later(), list), b.enqueue(["c"], [1], later(), list)]
+    assert await asyncio.gather(*requests) == [["A", "B"], ["C"]]
+    assert seen == [[True, True]]
+    await b.stop(1)
+
+
+async def test_what_is_queued_of_a_request_another_item_failed_is_dropped() -> None:
+    def run(ps):
+        if "bad" in ps:
+            raise ValueError("boom")
+        return ps
+
+    b, rec = make(run, max_batch_size=1)
+    b.start()
+    with pytest.raises(ValueError, match="boom"):
+        await b.submit(["bad", "rest"], [1, 1], later())
+    await until(lambda: b.idle)
+    assert ["rest"] not in rec.batches and rec.drops == {"disconnected": 1}
+    await b.stop(1)
+
+
 async def test_overload_rejects_whole_request_without_queueing() -> None:
     b, _rec, gate, first = await busy(max_queue=3)  # "slow" is computing; the queue is empty
     queued = asyncio.ensure_future(b.submit(["a", "b", "c"], [1, 1, 1], later()))

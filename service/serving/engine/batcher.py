@@ -31,8 +31,9 @@ the observer gets each batch's payloads, results (None for a failed batch) and c
 counts from them.
 
 Every accepted item gets exactly one answer: its result, the batch's exception, or
-:class:`DeadlineExceeded`. Items whose caller went away (cancelled future) or whose deadline
-passed while queued are dropped before compute, and reported through ``on_drop``.
+:class:`DeadlineExceeded`. Items whose caller went away (its request's future cancelled) or whose deadline
+passed while queued are dropped before compute, and reported through ``on_drop``. An item's answer settles its
+request directly, in the turn of the event loop that ends its batch.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from service.serving.observe.observer import BatchObserver, NullObserver
@@ -72,14 +73,18 @@ class DeadlineExceeded(Exception):
     """The request's deadline passed before its result was ready."""
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Item(Generic[P]):
+    """Item ``k`` of ``request``: its answer settles the request directly (no future an item, no turn of the event
+    loop between a batch's end and its requests' answers)."""
+
     payload: P
     cost: int
     deadline: float
-    future: asyncio.Future[Any]
+    request: _Request[Any, Any]
+    k: int
     group: Hashable
-    enqueued: float = field(default_factory=time.monotonic)
+    enqueued: float
 
 
 @dataclass
@@ -180,11 +185,11 @@ class Batcher(Generic[P, R]):
         """
         keys: Sequence[Hashable] = groups if groups is not None else [object() for _ in payloads]
         self.check_room(len(set(keys)))
-        loop = asyncio.get_running_loop()
-        items = [_Item(p, max(1, int(c)), deadline, loop.create_future(), g)
-                 for p, c, g in zip(payloads, costs, keys, strict=True)]
-        self._pending.extend(items)
         now = time.monotonic()
+        request: _Request[R, T] = _Request(asyncio.get_running_loop(), len(payloads), deadline, finish, now)
+        items = [_Item(p, max(1, int(c)), deadline, request, k, g, now)
+                 for k, (p, c, g) in enumerate(zip(payloads, costs, keys, strict=True))]
+        self._pending.extend(items)
         if self._paces and self._freed < now <= self._freed + self._paces[-1].after_s:
             self._paces[-1].after += 1  # it follows the last batch's answers (not one more arrival during the next)
         else:
@@ -193,7 +198,7 @@ class Batcher(Generic[P, R]):
         self._queued.update(it.group for it in items)
         self._report_depth()
         self._wakeup.set()
-        return _Request(loop, [it.future for it in items], deadline, finish).whole
+        return request.whole
 
     async def submit(self, payloads: Sequence[P], costs: Sequence[int], deadline: float,
                      groups: Sequence[Hashable] | None = None) -> list[R]:
@@ -225,14 +230,13 @@ class Batcher(Generic[P, R]):
         """Stop accepting and answer every queued or computing item with :class:`Draining` now (a batch
         already computing finishes in its thread, unanswered). Returns how many items were answered."""
         self._accepting = False
-        answered = 0
-        for it in [*self._pending, *(it for batch in self._computing.values() for it in batch)]:
-            if not it.future.done():
-                _fail(it.future, Draining(f"{self.name}: {reason}"))
-                answered += 1
+        items = [it for it in [*self._pending, *(it for batch in self._computing.values() for it in batch)]
+                 if not it.request.whole.done()]
+        for it in items:
+            it.request.fail(Draining(f"{self.name}: {reason}"))
         self._set_pending([])
         self._report_depth()
-        return answered
+        return len(items)
 
     def flush(self) -> None:
         """Stop waiting for batches to fill: the server is draining and few new texts will come."""
@@ -246,12 +250,11 @@ class Batcher(Generic[P, R]):
         gone: list[P] = []
         late: list[P] = []
         for it in self._pending:
-            if it.future.cancelled():  # the caller went away
-                gone.append(it.payload)
-            elif it.future.done():  # already answered: its caller's deadline passed
-                late.append(it.payload)
+            request = it.request
+            if request.whole.done():  # the caller went away (or another item failed), or its deadline passed
+                (late if request.expired else gone).append(it.payload)
             elif it.deadline <= now:
-                _fail(it.future, DeadlineExceeded("deadline passed while queued"))
+                request.fail(DeadlineExceeded("deadline passed while queued"), expired=True)
                 late.append(it.payload)
             else:
                 keep.append(it)
@@ -411,15 +414,13 @@ class Batcher(Generic[P, R]):
             results = await loop.run_in_executor(self._executor, self.runners[runner], [it.payload for it in batch])
             if len(results) != len(batch):
                 raise RuntimeError(f"run_batch returned {len(results)} results for {len(batch)} inputs")
-        except Exception as e:  # a failing batch fails only its own items
+        except Exception as e:  # a failing batch fails only its own items' requests
             for it in batch:
-                if not it.future.done():
-                    _fail(it.future, e)
+                it.request.fail(e)
         else:
             ok = True
             for it, r in zip(batch, results, strict=True):
-                if not it.future.done():
-                    it.future.set_result(r)
+                it.request.answer(it.k, r)
         finally:
             del self._computing[runner]
             self._freed = time.monotonic()
@@ -441,64 +442,51 @@ class Batcher(Generic[P, R]):
 
 class _Request(Generic[R, T]):
     """One request's items answered together: :attr:`whole` gets ``finish`` of every item's result (in order), the
-    first exception an item got, or :class:`DeadlineExceeded` at ``deadline``; once it is settled (or cancelled by
-    its caller), the items not answered yet are cancelled, and the batcher drops them."""
+    first exception an item got, or :class:`DeadlineExceeded` at ``deadline``. Once it is settled (or cancelled by its
+    caller), the answers of its other items are ignored and the batcher drops what is still queued of it: as late
+    (``expired``: its deadline passed) or as gone."""
 
-    __slots__ = ("finish", "items", "left", "timeout", "timer", "whole")
+    __slots__ = ("expired", "finish", "left", "results", "timeout", "timer", "whole")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, items: list[asyncio.Future[R]], deadline: float,
-                 finish: Callable[[list[R]], T]) -> None:
-        self.items, self.left, self.finish = items, len(items), finish
+    def __init__(self, loop: asyncio.AbstractEventLoop, n: int, deadline: float, finish: Callable[[list[R]], T],
+                 now: float) -> None:
+        self.results: list[Any] = [None] * n
+        self.left, self.finish, self.expired = n, finish, False
         self.whole: asyncio.Future[T] = loop.create_future()
-        self.timeout = max(0.0, deadline - time.monotonic())
+        self.timeout = max(0.0, deadline - now)
         self.timer = loop.call_later(self.timeout, self._expire)
         self.whole.add_done_callback(self._release)
-        if not items:
-            self._settle([])
-        for f in items:
-            f.add_done_callback(self._answered)
+        if not n:
+            self._settle()
 
-    def _answered(self, item: asyncio.Future[R]) -> None:
+    def answer(self, k: int, result: R) -> None:
+        """Item ``k``'s result (ignored once the request is settled)."""
         if self.whole.done():
             return
-        if item.cancelled():
-            self.whole.cancel()
-        elif (exc := item.exception()) is not None:
-            self.whole.set_exception(exc)
-            self._release(self.whole)
-        else:
-            self.left -= 1
-            if not self.left:
-                self._settle([f.result() for f in self.items])
+        self.results[k] = result
+        self.left -= 1
+        if not self.left:
+            self._settle()
 
-    def _settle(self, results: list[R]) -> None:
+    def fail(self, exc: BaseException, expired: bool = False) -> None:
+        """An item's exception settles the request (``expired``: it is its deadline)."""
+        if not self.whole.done():
+            self.expired = expired
+            self.whole.set_exception(exc)
+
+    def _settle(self) -> None:
         try:
-            self.whole.set_result(self.finish(results))
+            self.whole.set_result(self.finish(self.results))
         except Exception as e:
             self.whole.set_exception(e)
-        self._release(self.whole)
 
     def _expire(self) -> None:
-        if self.whole.done():
-            return
-        for f in self.items:
-            if not f.done():
-                _fail(f, DeadlineExceeded("deadline passed before this text was computed"))
-        self.whole.set_exception(DeadlineExceeded(f"deadline passed after {self.timeout:.3f} s"))
+        self.fail(DeadlineExceeded(f"deadline passed after {self.timeout:.3f} s"), expired=True)
 
     def _release(self, _: object) -> None:
-        """The request is settled or its caller went away: no timer, and nothing of it left queued."""
+        """The request is settled or its caller went away: no timer (the batcher drops what is queued of it)."""
         self.timer.cancel()
-        for f in self.items:
-            if not f.done():
-                f.cancel()
 
 
 def _same(results: list[R]) -> list[R]:
     return results
-
-
-def _fail(future: asyncio.Future[Any], exc: BaseException) -> None:
-    """Answer ``future`` with ``exc`` and mark it retrieved (no 'never retrieved' warnings)."""
-    future.set_exception(exc)
-    future.exception()

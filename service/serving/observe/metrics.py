@@ -369,19 +369,30 @@ class BatchMetrics:
         self.sizes.observe(len(payloads))
         self.costs.observe(cost)
         self.seconds.observe(seconds)
+        # tallied by head key first (a key's model is read once a batch, not once a chunk: the engine host counts
+        # every front's texts), then by model
+        by_key: dict[str | None, list[Any]] = {}  # key -> [chunks, texts, tokens, waits]
+        for w, wait, answer in zip(payloads, waits, results or [None] * len(payloads), strict=True):
+            for ask in w.job.asks:
+                row = by_key.get(ask.model)
+                if row is None:
+                    row = by_key[ask.model] = [0, 0, 0, []]
+                row[0] += 1
+                row[2] += w.cost
+                row[3].append(wait)
+                if answer is not None:
+                    row[1] += 1
         chunks: Tally[str] = Tally()
         texts: Tally[str] = Tally()
         tokens: Tally[str] = Tally()
-        waited: dict[str, float] = {}
         each_wait: dict[str, list[float]] = {}
-        for w, wait, answer in zip(payloads, waits, results or [None] * len(payloads), strict=True):
-            for model in _models(w):  # each chunk's models read once
-                chunks[model] += 1
-                tokens[model] += w.cost
-                waited[model] = waited.get(model, 0.0) + wait
-                each_wait.setdefault(model, []).append(wait)
-                if answer is not None:
-                    texts[model] += 1
+        for key, (n_chunks, n_texts, n_tokens, key_waits) in by_key.items():
+            model = model_of(key or "")
+            chunks[model] += n_chunks
+            texts[model] += n_texts
+            tokens[model] += n_tokens
+            each_wait.setdefault(model, []).extend(key_waits)
+        waited = {model: sum(model_waits) for model, model_waits in each_wait.items()}
         for model, model_waits in each_wait.items():  # each model's series once a batch
             label = m.model_label(model)
             observe_many(m.queue_wait.labels(label), model_waits)
