@@ -83,6 +83,21 @@ async def test_size_and_token_limits_and_similar_lengths_together() -> None:
     await b.stop(1)
 
 
+async def test_a_queue_that_fits_goes_whole_unless_an_item_is_much_costlier() -> None:
+    b, rec, gate, blocker = await busy()  # "slow" computes (one item a batch) while the rest queue
+    b.limits = BatchLimits(8, 1000, 0.02, 100)
+    fits = asyncio.gather(*(b.submit([f"f{k}"], [c], later()) for k, c in enumerate([10, 12, 20, 40])))
+    await until(lambda: b.queue_depth == 4)
+    gate.set()
+    await blocker
+    await fits
+    assert [sorted(batch) for batch in rec.batches[1:]] == [["f0", "f1", "f2", "f3"]]
+    apart = asyncio.gather(*(b.submit([f"a{k}"], [c], later()) for k, c in enumerate([5, 6, 30])))  # 30 > 4 * 5
+    await apart
+    assert sorted(map(sorted, rec.batches[2:])) == [["a0", "a1"], ["a2"]]
+    await b.stop(1)
+
+
 async def test_failing_batch_fails_only_its_own_requests() -> None:
     def run(ps):
         if "bad" in ps:
