@@ -20,7 +20,7 @@ import pytest
 from service.serving.core.results import answers_of
 from service.serving.core.work import CreditSpec, Task
 from service.serving.engine.engine import Engine
-from service.serving.engine.process import BackboneProcess, ModelProcessError
+from service.serving.engine.process import BackboneProcess, MemoryReadings, ModelProcessError
 from tests.serving.server import Server
 
 TEXTS = ["a short text", "Long one. " * 30, "and a third, somewhat longer text than the first"]
@@ -165,6 +165,19 @@ def test_cuda_memory_of_the_model_processes_is_summed_per_device() -> None:
         state.registry.add(LocalGroup(mp, batcher=None))  # type: ignore[arg-type]
     assert state.device_memory() == [{"device": "cuda:0", "allocated": 3.0, "reserved": 6.0, "peak": 9.0,
                                       "total": 80.0}]
+
+
+def test_the_device_memory_sent_with_batches_is_read_at_most_once_an_interval() -> None:
+    reads: list[float] = []
+
+    def read() -> list[dict[str, float | str]]:
+        reads.append(float(len(reads) + 1))
+        return [{"device": "cuda:0", "allocated": reads[-1]}]
+
+    every_minute = MemoryReadings(read, every_s=60)  # read once at the start, then the same reading with each batch
+    assert [every_minute()[0]["allocated"] for _ in range(5)] == [1.0] * 5 and reads == [1.0]
+    always = MemoryReadings(read, every_s=0)
+    assert [always()[0]["allocated"] for _ in range(3)] == [3.0, 4.0, 5.0]
 
 
 def test_replicas_answer_as_one_process_and_keep_a_texts_chunks_together(tiny_repo: Path, tmp_path: Path) -> None:

@@ -81,13 +81,17 @@ HEAD_DTYPES: dict[str, torch.dtype | None] = {"float32": None, "bfloat16": torch
 
 
 def device_memory() -> list[dict[str, float | str]]:
-    """Allocated, reserved, peak and total memory of every CUDA device (empty on CPU)."""
+    """Allocated, reserved, peak and total memory of every CUDA device (empty on CPU): one reading of the caching
+    allocator's statistics a device (``memory_allocated``, ``memory_reserved`` and ``max_memory_allocated`` each
+    read all of them, built into a dict in Python)."""
     if not torch.cuda.is_available():
         return []
     out = []
     for k in range(torch.cuda.device_count()):
-        out.append({"device": f"cuda:{k}", "allocated": torch.cuda.memory_allocated(k),
-                    "reserved": torch.cuda.memory_reserved(k), "peak": torch.cuda.max_memory_allocated(k),
+        stats = torch.cuda.memory_stats(k)
+        out.append({"device": f"cuda:{k}", "allocated": stats.get("allocated_bytes.all.current", 0),
+                    "reserved": stats.get("reserved_bytes.all.current", 0),
+                    "peak": stats.get("allocated_bytes.all.peak", 0),
                     "total": torch.cuda.get_device_properties(k).total_memory})
     return out
 

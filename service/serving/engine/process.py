@@ -28,8 +28,9 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -62,6 +63,8 @@ if TYPE_CHECKING:
     from service.serving.engine.engine import Begun, Engine, PlainBegun
 
 log = logging.getLogger("service.process")
+MEMORY_EVERY_S = 1.0
+"""The backbone's process reads the device's memory with a batch at most this often (the reading it sends between)."""
 
 
 class ModelProcessError(RuntimeError):
@@ -71,6 +74,23 @@ class ModelProcessError(RuntimeError):
 class HeadLoadError(RuntimeError):
     """Heads failed to load onto a running backbone's process (the message names the file and the problem); the
     heads it had are unchanged."""
+
+
+class MemoryReadings:
+    """The device memory a backbone's process sends with each batch's answers: read at most once every ``every_s``
+    seconds, the last reading sent in between. A reading walks the caching allocator's statistics on the thread that
+    launches the next batch; the metrics are scraped every few seconds."""
+
+    def __init__(self, read: Callable[[], list[dict[str, float | str]]], every_s: float = MEMORY_EVERY_S) -> None:
+        self.read, self.every_s = read, every_s
+        self.last = read()
+        self.at = time.monotonic()
+
+    def __call__(self) -> list[dict[str, float | str]]:
+        now = time.monotonic()
+        if now - self.at >= self.every_s:
+            self.last, self.at = self.read(), now
+        return self.last
 
 
 class Launches:
@@ -117,14 +137,14 @@ def _serve(conn: Connection) -> None:
     except Exception as e:  # reported to the server, which fails its start with it
         conn.send(Failed(f"{type(e).__name__}: {e}"))
         return
+    memory = MemoryReadings(engine.device_memory)
     conn.send(Loaded({m: engine.describe(m) for m in engine.models}, str(engine.device),
-                     str(engine.dtype).removeprefix("torch."), engine.device_memory(),
-                     plain=engine.bucket_stats is not None))
+                     str(engine.dtype).removeprefix("torch."), memory.last, plain=engine.bucket_stats is not None))
     held: dict[int, TextJob] = {}  # texts with chunks still to come: their states so far
     begun: Begun | PlainBegun | None = None  # a batch submitted, its answers not sent yet
     while True:
         if begun is not None and not conn.poll():  # no batch behind it yet: answer it
-            _complete(engine, begun, held, conn)
+            _complete(engine, begun, held, conn, memory)
             begun = None
             continue
         try:
@@ -133,7 +153,7 @@ def _serve(conn: Connection) -> None:
             return
         if not isinstance(msg, RunBatch | RunPlain):  # heads change, or the server closes, between two batches
             if begun is not None:
-                _complete(engine, begun, held, conn)
+                _complete(engine, begun, held, conn, memory)
                 begun = None
             if msg is None:
                 return
@@ -152,7 +172,7 @@ def _serve(conn: Connection) -> None:
         except Exception as e:
             following = e
         if begun is not None:
-            _complete(engine, begun, held, conn)
+            _complete(engine, begun, held, conn, memory)
         begun = None
         if isinstance(following, Exception):
             _failed(works, following, held, conn)
@@ -160,8 +180,9 @@ def _serve(conn: Connection) -> None:
             begun = following
 
 
-def _complete(engine: Engine, begun: Begun | PlainBegun, held: dict[int, TextJob], conn: Connection) -> None:
-    """Send a begun batch's answers (or why it failed), forgetting the texts it completed."""
+def _complete(engine: Engine, begun: Begun | PlainBegun, held: dict[int, TextJob], conn: Connection,
+              memory: MemoryReadings) -> None:
+    """Send a begun batch's answers (or why it failed), forgetting the texts it completed, and the device's memory."""
     from service.serving.engine.engine import PlainBegun
 
     if isinstance(begun, PlainBegun):  # its scores alone
@@ -170,7 +191,7 @@ def _complete(engine: Engine, begun: Begun | PlainBegun, held: dict[int, TextJob
         except Exception as e:
             _failed([], e, held, conn)
             return
-        conn.send(ComputedPlain(logits, phases, engine.device_memory(), len(held)))
+        conn.send(ComputedPlain(logits, phases, memory(), len(held)))
         return
     try:
         answers = engine.complete(begun)
@@ -181,7 +202,7 @@ def _complete(engine: Engine, begun: Begun | PlainBegun, held: dict[int, TextJob
         for w in begun.works:
             if w.job.left == 0:
                 held.pop(w.job.key, None)
-    conn.send(Computed(answers, engine.device_memory(), len(held)))
+    conn.send(Computed(answers, memory(), len(held)))
 
 
 def _failed(works: list[ChunkWork], e: Exception, held: dict[int, TextJob], conn: Connection) -> None:
@@ -343,7 +364,7 @@ class BackboneProcess(Compute):
         return self._restarts
 
     def device_memory(self) -> list[dict[str, float | str]]:
-        return list(self._memory)  # as of the last batch (or the warm-up)
+        return list(self._memory)  # as the process last read it (with a batch, at most once a second)
 
     @property
     def runners(self) -> list[Runner]:
