@@ -1,6 +1,7 @@
 """The batcher on its own: fake models, no torch, no HTTP."""
 
 import asyncio
+import gc
 import threading
 import time
 from collections.abc import Callable
@@ -143,6 +144,21 @@ async def test_what_is_queued_of_a_request_another_item_failed_is_dropped() -> N
         await b.submit(["bad", "rest"], [1, 1], later())
     await until(lambda: b.idle)
     assert ["rest"] not in rec.batches and rec.drops == {"disconnected": 1}
+    await b.stop(1)
+
+
+async def test_a_request_whose_cost_is_not_a_number_is_refused_and_leaves_nothing() -> None:
+    b, rec = make(lambda ps: ps)
+    b.start()
+    errors: list[dict] = []
+    asyncio.get_running_loop().set_exception_handler(lambda loop, context: errors.append(context))
+    with pytest.raises(ValueError):
+        b.enqueue(["a", "b"], [1, "many"], time.monotonic() + 0.05, list)  # type: ignore[list-item]
+    assert b.queue_depth == 0 and b.queued_groups == 0
+    await asyncio.sleep(0.1)  # its deadline passes: no request of it is left to expire, unanswered
+    gc.collect()
+    assert errors == []
+    assert await b.submit(["c"], [1], later()) == ["c"] and rec.batches == [["c"]]
     await b.stop(1)
 
 

@@ -185,10 +185,10 @@ class Batcher(Generic[P, R]):
         """
         keys: Sequence[Hashable] = groups if groups is not None else [object() for _ in payloads]
         self.check_room(len(set(keys)))
+        sized = list(zip(payloads, [max(1, int(c)) for c in costs], keys, strict=True))  # (a bad cost raises here)
         now = time.monotonic()
         request: _Request[R, T] = _Request(asyncio.get_running_loop(), len(payloads), deadline, finish, now)
-        items = [_Item(p, max(1, int(c)), deadline, request, k, g, now)
-                 for k, (p, c, g) in enumerate(zip(payloads, costs, keys, strict=True))]
+        items = [_Item(p, c, deadline, request, k, g, now) for k, (p, c, g) in enumerate(sized)]
         self._pending.extend(items)
         if self._paces and self._freed < now <= self._freed + self._paces[-1].after_s:
             self._paces[-1].after += 1  # it follows the last batch's answers (not one more arrival during the next)
