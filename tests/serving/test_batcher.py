@@ -40,6 +40,13 @@ def make(run, **limits):
     return Batcher(recording_run, BatchLimits(**defaults), rec), rec
 
 
+def fails_on_bad(payloads: list[str]) -> list[str]:
+    """A model that fails every batch holding ``"bad"``."""
+    if "bad" in payloads:
+        raise ValueError("boom")
+    return payloads
+
+
 def later(seconds: float = 5.0) -> float:
     return time.monotonic() + seconds
 
@@ -100,12 +107,7 @@ async def test_a_queue_that_fits_goes_whole_unless_an_item_is_much_costlier() ->
 
 
 async def test_failing_batch_fails_only_its_own_requests() -> None:
-    def run(ps):
-        if "bad" in ps:
-            raise ValueError("boom")
-        return ps
-
-    b, _rec = make(run, max_batch_size=1)
+    b, _rec = make(fails_on_bad, max_batch_size=1)
     b.start()
     good, bad = await asyncio.gather(b.submit(["ok"], [1], later()), b.submit(["bad"], [1], later()),
                                      return_exceptions=True)
@@ -133,12 +135,7 @@ async def test_a_batch_settles_its_requests_as_it_ends() -> None:
 
 
 async def test_what_is_queued_of_a_request_another_item_failed_is_dropped() -> None:
-    def run(ps):
-        if "bad" in ps:
-            raise ValueError("boom")
-        return ps
-
-    b, rec = make(run, max_batch_size=1)
+    b, rec = make(fails_on_bad, max_batch_size=1)
     b.start()
     with pytest.raises(ValueError, match="boom"):
         await b.submit(["bad", "rest"], [1, 1], later())
