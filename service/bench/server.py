@@ -71,10 +71,20 @@ def pss_bytes(pid: int) -> float | None:
     return None
 
 
+_GIVEN: set[int] = set()  # the ports free_port() has handed out in this process
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free on 127.0.0.1 now that this process was not given before: a server's HTTP and gRPC ports are
+    asked for one after the other, before either is bound, and the system may offer the same free port twice (a
+    test server once got one port for both, and failed to bind the second)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port: int = s.getsockname()[1]
+        if port not in _GIVEN:
+            _GIVEN.add(port)
+            return port
 
 
 class ServerProcess:

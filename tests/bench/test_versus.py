@@ -23,6 +23,27 @@ from service.bench.server import process_state as state
 from tests.serving.server import Server
 
 
+def test_a_free_port_is_never_handed_out_twice(monkeypatch: pytest.MonkeyPatch) -> None:
+    offered = iter([50001, 50001, 50002])  # the system offers one free port twice in a row
+
+    class Socket:
+        def __enter__(self) -> Socket:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            pass
+
+        def bind(self, address: tuple[str, int]) -> None:
+            self.port = next(offered)
+
+        def getsockname(self) -> tuple[str, int]:
+            return ("127.0.0.1", self.port)
+
+    monkeypatch.setattr("service.bench.server.socket.socket", Socket)
+    monkeypatch.setattr("service.bench.server._GIVEN", set(), raising=False)
+    assert [free_port(), free_port()] == [50001, 50002]
+
+
 def test_pause_stops_the_server_and_every_process_it_started_until_resume(tmp_path: Path) -> None:
     script = ("import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']);"
               " time.sleep(60)")
