@@ -326,6 +326,54 @@ async def test_a_group_stays_on_the_runner_that_took_its_first_items() -> None:
     await b.stop(1)
 
 
+async def test_coroutine_runners_are_awaited_on_the_loop() -> None:
+    """A runner that is a coroutine function (a model in another process, whose pipe the loop reads) is awaited on
+    the event loop's own thread, no worker thread a batch; two such runners hold a batch each at once, and one that
+    raises fails only its own batch's requests."""
+    loop_thread, threads = threading.get_ident(), []
+    release = asyncio.Event()
+    holding: list[list[str]] = []
+
+    async def run(payloads: list[str]) -> list[str]:
+        threads.append(threading.get_ident())
+        holding.append(payloads)
+        await release.wait()
+        return fails_on_bad(payloads)
+
+    b = Batcher([run, run], BatchLimits(max_batch_size=1, max_batch_tokens=1000, max_wait_s=0.0, max_queue=100))
+    b.start()
+    work = [asyncio.ensure_future(b.submit([p], [1], later())) for p in ("a", "bad")]
+    await until(lambda: len(holding) == 2)  # both runners hold a batch
+    release.set()
+    got = await asyncio.gather(*work, return_exceptions=True)
+    assert got[0] == ["a"] and isinstance(got[1], ValueError)
+    assert await b.submit(["c"], [1], later()) == ["c"]
+    assert threads == [loop_thread] * 3
+    await b.stop(1)
+
+
+async def test_stop_answers_a_batch_an_awaited_runner_holds() -> None:
+    """A batch that a coroutine runner holds past the drain is answered ``Draining`` and the runner cancelled."""
+    cancelled = asyncio.Event()
+
+    async def run(payloads: list[str]) -> list[str]:
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+        return payloads
+
+    b = Batcher(run, BatchLimits(max_batch_size=1, max_batch_tokens=1000, max_wait_s=0.0, max_queue=100))
+    b.start()
+    work = asyncio.ensure_future(b.submit(["a"], [1], later()))
+    await until(lambda: not b.idle and b.queue_depth == 0)  # computing
+    await b.stop(0.05)
+    with pytest.raises(Draining):
+        await work
+    assert cancelled.is_set()
+
+
 async def test_stop_answers_what_every_runner_holds() -> None:
     gate = threading.Event()
     fns, _, started = runners(2, gate)

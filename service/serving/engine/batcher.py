@@ -5,7 +5,8 @@ text it is a part of) and await their results, or ``enqueue`` them and get the f
 waits: the items' answers settle it, a timer its deadline). One worker task forms batches under
 ``max_batch_size`` items and ``max_batch_tokens`` of cost in all (items of similar cost together),
 and runs each batch through a synchronous ``run_batch`` callable in a worker thread, so the event
-loop keeps answering (health checks, metrics) while the model computes.
+loop keeps answering (health checks, metrics) while the model computes; or awaits it on the loop where it is a
+coroutine function (a model computing in another process, whose pipe the loop reads: no thread a batch).
 
 A free runner lets its next batch fill while items keep arriving, at most ``max_wait_s`` apart,
 counted from the first to arrive after it became free: the answers of the batch it just computed are
@@ -41,13 +42,14 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import inspect
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, cast
 
 from service.serving.observe.observer import BatchObserver, NullObserver
 
@@ -108,15 +110,20 @@ class BatchLimits:
     max_queue: int
 
 
+BatchRunner = Callable[[list[P]], list[R]] | Callable[[list[P]], Awaitable[list[R]]]
+"""Computes a batch: ``run_batch(payloads) -> results`` (same length, same order), called in a worker thread, or a
+coroutine function, awaited on the loop."""
+
+
 class Batcher(Generic[P, R]):
     """Dynamic batching in front of ``run_batch(payloads) -> results`` (same length, same order)."""
 
-    def __init__(self, run_batch: Callable[[list[P]], list[R]] | Sequence[Callable[[list[P]], list[R]]],
-                 limits: BatchLimits, observer: BatchObserver[P, R] | None = None, name: str = "batcher") -> None:
-        self.runners: list[Callable[[list[P]], list[R]]] = (
-            [run_batch] if callable(run_batch) else list(run_batch))
+    def __init__(self, run_batch: BatchRunner[P, R] | Sequence[BatchRunner[P, R]], limits: BatchLimits,
+                 observer: BatchObserver[P, R] | None = None, name: str = "batcher") -> None:
+        self.runners: list[BatchRunner[P, R]] = [run_batch] if callable(run_batch) else list(run_batch)
         if not self.runners:
             raise ValueError("a batcher needs at least one runner")
+        self._awaited = [inspect.iscoroutinefunction(r) for r in self.runners]  # runner -> awaited on the loop
         self.limits, self.name = limits, name
         self.observer: BatchObserver[P, R] = observer or NullObserver()
         self._pending: list[_Item[P]] = []
@@ -420,7 +427,10 @@ class Batcher(Generic[P, R]):
         started, unfollowed = time.monotonic(), self._unfollowed
         ok, results = False, []  # type: ignore[var-annotated]
         try:
-            results = await loop.run_in_executor(self._executor, self.runners[runner], [it.payload for it in batch])
+            run, payloads = self.runners[runner], [it.payload for it in batch]
+            results = await (cast(Callable[[list[P]], Awaitable[list[R]]], run)(payloads) if self._awaited[runner]
+                             else loop.run_in_executor(self._executor, cast(Callable[[list[P]], list[R]], run),
+                                                       payloads))
             if len(results) != len(batch):
                 raise RuntimeError(f"run_batch returned {len(results)} results for {len(batch)} inputs")
         except Exception as e:  # a failing batch fails only its own items' requests
