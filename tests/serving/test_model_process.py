@@ -111,6 +111,39 @@ def test_a_process_that_exits_is_started_again_and_closes_cleanly(tiny_repo: Pat
     assert mp._proc.returncode == 0  # asked to close after a batch, it exited on its own, not killed after the timeout
 
 
+def test_a_process_attached_to_a_loop_computes_there_and_changes_heads_from_threads(tiny_repo: Path) -> None:
+    """Attached to a server's event loop, a backbone's process is awaited there (its runners are coroutine functions;
+    no thread reads its pipe), answering as the engine; a change of heads from a thread goes through that loop, a
+    blocking call on the loop itself is refused rather than waiting for itself, and it closes from a thread."""
+    import asyncio
+    import inspect
+    import threading
+
+    texts = ["a short text", "another", "and a third one"]
+    want = Engine.load(tiny_repo / "tiny", device="cpu").run([Task(t) for t in texts])
+    mp = BackboneProcess(tiny_repo / "tiny", device="cpu", in_flight=2)
+
+    async def serve() -> list:
+        await mp.attach()
+        assert all(inspect.iscoroutinefunction(r) for r in mp.runners) and len(mp.runners) == 2
+        threads = threading.active_count()
+        chunks = [[w for plan in mp.plan([Task(t)]) for w in plan] for t in texts]
+        got = await asyncio.gather(*(mp.runners[k % 2](c) for k, c in enumerate(chunks)))
+        assert threading.active_count() == threads  # no thread a batch
+        await asyncio.to_thread(mp.add_heads, [tiny_repo / "tiny"], ["again"], False)
+        again = [w for plan in mp.plan([Task(texts[0], model="again")]) for w in plan]
+        got.append(await mp.arun_chunks(again))
+        with pytest.raises(RuntimeError, match="would wait for itself"):
+            mp.run_chunks(again)
+        await asyncio.to_thread(mp.close, 30)
+        return [a[0][0] for a in got]
+
+    got = asyncio.run(serve())
+    for answer, w in zip(got, [*want, want[0]], strict=True):
+        assert answer.label == w.label and close(list(answer.scores.values()), list(w.scores.values()))
+    assert mp._proc.returncode == 0  # asked to close, it exited on its own
+
+
 def test_a_model_that_cannot_load_says_why(tiny_repo: Path, tmp_path: Path) -> None:
     folder = tmp_path / "tiny"
     shutil.copytree(tiny_repo / "tiny", folder)
@@ -278,41 +311,34 @@ def test_two_batches_in_flight_are_answered_in_order_with_the_engines_answers(ti
 
 def test_two_batches_in_flight_when_the_process_exits_are_both_computed_again(tiny_repo: Path,
                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    """The process exits with two batches sent to it: each is computed again by the process started in its place,
-    the one behind learning so from the restart (its reply would never come), and a change of heads waits for
-    the batches sent before it."""
-    import threading
-
+    """The process exits with two batches sent to it: each is computed again by the process started in its place
+    (started once), and a change of heads waits for the batches sent before it."""
     mp = BackboneProcess(tiny_repo / "tiny", device="cpu", in_flight=2)
     try:
         work = [[w for plan in mp.plan([Task(t)]) for w in plan] for t in ("a short text", "another text")]
         want = [mp.run_chunks(w)[0][0].label for w in work]  # type: ignore[index]
-        both_sent = threading.Barrier(2, timeout=30)
-        send, reply, first, sent = mp._send, mp._reply, threading.local(), []
+        send, sent = mp._send, []
 
-        def send_then_kill(msg: object) -> tuple[int, int]:
-            if not sent:  # stopped first: it cannot answer the first batch between its sending and the kill (on
-                os.kill(mp.pid, signal.SIGSTOP)  # two busy cores it once did, and that batch was not sent again)
-            turn = send(msg)  # type: ignore[arg-type]
-            sent.append(turn)
-            if len(sent) == 1:
-                os.kill(mp.pid, signal.SIGKILL)  # gone with the first batch, before the second is sent
+        def send_then_kill(msg: object) -> object:
+            if not sent:  # stopped first: it cannot answer the first batch before the second is sent
+                os.kill(mp.pid, signal.SIGSTOP)
+            reply = send(msg)  # type: ignore[arg-type]
+            sent.append(mp.pid)
+            if len(sent) == 2:  # gone with both batches
+                os.kill(mp.pid, signal.SIGKILL)
                 mp._proc.wait()
-            return turn
-
-        def reply_once_both_sent(turn: tuple[int, int]) -> object:
-            if not getattr(first, "done", False):
-                first.done = True
-                both_sent.wait()
-            return reply(turn)
+            return reply
 
         with monkeypatch.context() as m:  # seen running when the two batches are sent, exited once they are
             m.setattr(mp, "_send", send_then_kill)
-            m.setattr(mp, "_reply", reply_once_both_sent)
             m.setattr(mp._proc, "poll", lambda real=mp._proc.poll: None if len(sent) < 2 else real())
             with ThreadPoolExecutor(2) as pool:
-                got = list(pool.map(lambda k: mp.runners[k](work[k]), [0, 1]))
-        assert [t for t in sent[:2]] == [(2, 0), (3, 0)] and [g for _, g in sent[2:]] == [1, 1]  # again, once each
+                first = pool.submit(mp.runners[0], work[0])
+                while not sent:  # the first batch is sent before the second
+                    time.sleep(0.001)
+                second = pool.submit(mp.runners[1], work[1])
+                got = [first.result(timeout=60), second.result(timeout=60)]
+        assert sent[0] == sent[1] and sent[2] == sent[3] != sent[0] and len(sent) == 4  # again, once each
         assert [a[0][0].label for a in got] == want and all(a[0][0].error is None for a in got)  # type: ignore[index]
         assert mp.restarts() == 1
         mp.add_heads([tiny_repo / "tiny"], ["again"], warmup=False)  # on the new process, between batches

@@ -7,7 +7,7 @@ the weights behind it. :class:`~service.serving.engine.engine.Engine` computes i
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +17,8 @@ from service.serving.engine.planner import Planner
 
 Runner = Callable[[list[ChunkWork]], list[Answer | None]]
 """Computes a batch of chunks, each text completed in it answered at its last chunk's place (None elsewhere)."""
+AsyncRunner = Callable[[list[ChunkWork]], Awaitable[list[Answer | None]]]
+"""A :data:`Runner` the event loop awaits (a batch computed in another process, whose pipe the loop reads)."""
 
 
 class Compute(Planner, abc.ABC):
@@ -51,10 +53,15 @@ class Compute(Planner, abc.ABC):
     def device_memory(self) -> list[dict[str, float | str]]:
         """CUDA memory of the devices this backbone's process uses (empty on CPU)."""
 
+    async def attach(self) -> None:
+        """Compute on behalf of the running event loop from now on (before the loop's batcher takes
+        :attr:`runners`): nothing to do where the weights are in this process."""
+
     @property
-    def runners(self) -> list[Runner]:
+    def runners(self) -> list[Runner] | list[AsyncRunner]:
         """What computes batches, one batch at a time each: the batcher sends each batch to a free one and
-        keeps a text's chunks on one (it holds their states until the last)."""
+        keeps a text's chunks on one (it holds their states until the last). Functions the batcher calls in a
+        worker thread, or coroutine functions it awaits on its loop (once :meth:`attach` made them so)."""
         return [self.run_chunks]
 
     @property

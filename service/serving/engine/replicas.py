@@ -13,7 +13,7 @@ from typing import Any
 from service.config import cuda_here
 from service.serving.core.results import Answer
 from service.serving.core.work import ChunkWork
-from service.serving.engine.compute import Compute, Runner
+from service.serving.engine.compute import AsyncRunner, Compute, Runner
 from service.serving.engine.pipe import BucketPlan
 from service.serving.engine.process import BackboneProcess, Launches
 from service.threads import available_cpus
@@ -61,9 +61,13 @@ class Replicas(Compute):
         log.info("backbone %s computes in %d processes (%s) of %d torch threads each", self.name, n,
                  ", ".join(str(p.device) for p in self.processes), threads)
 
+    async def attach(self) -> None:
+        for p in self.processes:
+            await p.attach()
+
     @property
-    def runners(self) -> list[Runner]:
-        return [r for p in self.processes for r in p.runners]
+    def runners(self) -> list[Runner] | list[AsyncRunner]:
+        return [r for p in self.processes for r in p.runners]  # type: ignore[return-value]  # (all of one kind)
 
     @property
     def runner_devices(self) -> list[str]:

@@ -114,6 +114,7 @@ class Loader:
         t0 = time.perf_counter()
         log.info("loading models %s on one backbone", [f.name for f in folders])
         engine = await asyncio.get_running_loop().run_in_executor(None, self._load, folders, keys)
+        await engine.attach()  # its processes' pipes read on this loop: the batcher awaits their batches here
         engine.name = self.registry.unique_name(engine.name, engine.key[0])
         size, tokens = s.batch_limits(str(engine.device))
         limits = BatchLimits(max_batch_size=size, max_batch_tokens=tokens, max_wait_s=s.max_wait_ms / 1000,
