@@ -484,6 +484,9 @@ def bench_host(
     rounds: Annotated[int, typer.Option(min=1, help="Turns of the versions")] = 2,
     batch_ms: Annotated[float, typer.Option(min=0, help="The stand-in backbone's milliseconds a batch")] = 5.0,
     texts_per_request: Annotated[int, typer.Option(min=1, help="Texts in each request")] = 1,
+    backbone_process: Annotated[bool, typer.Option(help="The stand-in backbone in a process of its own, reached "
+                                                        "over the version's pipe as served (else a function the "
+                                                        "batcher calls)")] = False,
     out: Annotated[Path, typer.Option(help="JSON result file")] = Path("bench-results/host.json"),
 ) -> None:
     """The engine host's own CPU a request and a text (every front's requests pass through its one event loop): its
@@ -494,7 +497,7 @@ def bench_host(
         raise typer.BadParameter(f"{baseline} is not a checkout of this repository (no service/ folder)",
                                  param_hint="--baseline")
     host.run(Path(__file__).resolve().parents[1], baseline, numbers(concurrency, "--concurrency"), seconds, rounds,
-             batch_ms, out, texts_per_request)
+             batch_ms, out, texts_per_request, backbone_process)
 
 
 @bench_app.command("host-work")

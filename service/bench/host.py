@@ -6,7 +6,12 @@ backbone (a batch sleeps ``batch_ms``, answering each text one fixed result), it
 its loaded objects frozen out of the collector, as served; one stand-in front, a process of this version, keeps
 ``concurrency`` requests of ``texts_per_request`` texts in flight on the host's socket, each answer followed by the
 next request. The versions are measured in turns, each round a fresh pair of processes; the host's CPU (``/proc``)
-and the requests answered are counted over ``seconds`` after a warm-up of 2,000 answers (500 of several texts)."""
+and the requests answered are counted over ``seconds`` after a warm-up of 2,000 answers (500 of several texts).
+
+With ``backbone_process``, the stand-in backbone computes as served: in a process of its own (a stand-in for the
+backbone's process, which takes plain batches as arrays and answers scores), reached by the version's own
+:class:`~service.serving.engine.process.BackboneProcess` over its pipe, on the bundled model's manifest (its labels);
+the stand-in process's CPU is not the host's."""
 
 from __future__ import annotations
 
@@ -31,7 +36,7 @@ import asyncio, sys, time
 from pathlib import Path
 from types import SimpleNamespace
 
-path, batch_ms = sys.argv[1], float(sys.argv[2])
+path, batch_ms, model = sys.argv[1], float(sys.argv[2]), sys.argv[3]
 from service.collector import settle
 from service.config import Settings
 from service.serving.core.results import Result
@@ -48,8 +53,19 @@ def run_chunks(works):
 
 async def main():
     host = EngineHost(Settings(model_repository=Path(path).parent, default_model="none"), Path(path))
-    compute = SimpleNamespace(default="m@1", name="b", models=[], device="cpu", dtype="float32")
-    batcher = Batcher(run_chunks, BatchLimits(512, 16384, 0.002, 100000), BatchMetrics(host.metrics, "b", ["cpu"]))
+    if model:  # the version's own pipe to a stand-in of the backbone's process (both start `python -m <__name__> FD`)
+        from service.serving.engine import process
+        process.__name__ = "standin_backbone"
+        compute = process.BackboneProcess(Path(model), device="cpu", warmup=False, keys=["m@1"],
+                                          chunker=SimpleNamespace(), launches=None)
+        compute.name = "b"
+        if hasattr(compute, "attach"):
+            await compute.attach()
+        runners = compute.runners
+    else:
+        compute = SimpleNamespace(default="m@1", name="b", models=[], device="cpu", dtype="float32")
+        runners = run_chunks
+    batcher = Batcher(runners, BatchLimits(512, 16384, 0.002, 100000), BatchMetrics(host.metrics, "b", ["cpu"]))
     host.registry.groups["b"] = LocalGroup(compute, batcher)
     batcher.start()
     if hasattr(host, "listen"):
@@ -64,6 +80,35 @@ async def main():
 factory = _loop_factory()
 with asyncio.Runner(loop_factory=factory) as runner:
     runner.run(main())
+"""
+
+STANDIN = """
+import os, sys, time
+from multiprocessing.connection import Connection
+
+import numpy as np
+
+from service.serving.core.results import Result
+from service.serving.engine.pipe import Computed, ComputedPlain, Loaded, RunPlain
+
+conn = Connection(int(sys.argv[1]))
+seconds = float(os.environ["STANDIN_BATCH_MS"]) / 1000
+load = conn.recv()
+conn.send(Loaded({key: {} for key in load.keys}, "cpu", "float32", [], plain=True))
+answer = Result(label="positive", scores={"negative": 0.1, "neutral": 0.2, "positive": 0.7}, logits=[0.1, 0.2, 0.3])
+while True:
+    try:
+        msg = conn.recv()
+    except EOFError:
+        break
+    if msg is None:
+        break
+    time.sleep(seconds)
+    phases = {"encode": seconds / 2, "heads": seconds / 2, "host": 0.0}
+    if isinstance(msg, RunPlain):
+        conn.send(ComputedPlain(np.zeros((len(msg.lengths), 3), np.float32), phases, [], 0))
+    else:
+        conn.send(Computed([[answer for _ in w.job.asks] for w in msg.works], [], 0))
 """
 
 
@@ -110,17 +155,21 @@ def _front(path: str, concurrency: int, seconds: float, host_pid: int, out: Any,
     asyncio.run(go())
 
 
-def measure(tree: Path, concurrency: int, seconds: float, batch_ms: float, texts_per_request: int = 1
-            ) -> dict[str, float]:
+def measure(tree: Path, concurrency: int, seconds: float, batch_ms: float, texts_per_request: int = 1,
+            backbone_process: bool = False) -> dict[str, float]:
     """One round of the host of the checkout at ``tree``: requests a second, and its CPU microseconds a request and
     a text."""
     with tempfile.TemporaryDirectory() as tmp:
         path = str(Path(tmp) / "host.sock")
         env_dir = Path(tmp) / "metrics"
         env_dir.mkdir()
-        host = subprocess.Popen([sys.executable, "-c", HOST, path, str(batch_ms)], cwd=tree, stdout=subprocess.PIPE,
-                                text=True, env={**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(env_dir),
-                                                "PYTHONPATH": str(tree)})
+        (Path(tmp) / "standin_backbone.py").write_text(STANDIN)
+        model = str(tree / "models" / "tweet-sentiment") if backbone_process else ""
+        host = subprocess.Popen([sys.executable, "-c", HOST, path, str(batch_ms), model], cwd=tree,
+                                stdout=subprocess.PIPE, text=True,
+                                env={**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(env_dir),
+                                     "PYTHONPATH": os.pathsep.join([str(tree), tmp]),
+                                     "STANDIN_BATCH_MS": str(batch_ms)})
         try:
             if host.stdout is None or host.stdout.readline().strip() != "ready":
                 raise RuntimeError(f"the host of {tree} did not start (code {host.poll()})")
@@ -139,7 +188,7 @@ def measure(tree: Path, concurrency: int, seconds: float, batch_ms: float, texts
 
 
 def run(root: Path, baseline: Path | None, concurrencies: list[int], seconds: float, rounds: int, batch_ms: float,
-        out: Path, texts_per_request: int = 1) -> dict[str, Any]:
+        out: Path, texts_per_request: int = 1, backbone_process: bool = False) -> dict[str, Any]:
     """Every version at every concurrency, ``rounds`` turns (each version first in every other round); prints a
     table, writes the JSON."""
     versions = {"this": root, **({"baseline": baseline} if baseline is not None else {})}
@@ -148,7 +197,7 @@ def run(root: Path, baseline: Path | None, concurrencies: list[int], seconds: fl
     for c in concurrencies:
         for r in range(rounds):
             for name in report.in_turns(list(versions), r):
-                row = measure(versions[name], c, seconds, batch_ms, texts_per_request)
+                row = measure(versions[name], c, seconds, batch_ms, texts_per_request, backbone_process)
                 results[str(c)][name].append(row)
                 report.echo(f"bench host: c={c} round {r + 1} {name}: {row['requests_per_s']:.0f} requests/s, "
                             f"{row['host_us_per_request']:.1f} us of host CPU a request "
@@ -164,7 +213,8 @@ def run(root: Path, baseline: Path | None, concurrencies: list[int], seconds: fl
                                     this_over_baseline_rounds=rounds_ratio,
                                     this_over_baseline_median_round=statistics.median(rounds_ratio))
     settings = {"baseline": str(baseline) if baseline else None, "concurrency": concurrencies, "seconds": seconds,
-                "rounds": rounds, "batch_ms": batch_ms, "texts_per_request": texts_per_request}
+                "rounds": rounds, "batch_ms": batch_ms, "texts_per_request": texts_per_request,
+                "backbone_process": backbone_process}
     rows = [{"level": c, **{f"{v} us": u for v, u in s["host_us_per_request"].items()},
              "this/baseline": s.get("this_over_baseline", "")} for c, s in summary.items()]
     report.echo(report.table(rows, ["level", *(f"{v} us" for v in versions), "this/baseline"]))

@@ -30,3 +30,13 @@ def test_requests_of_several_texts_count_the_host_cpu_a_text(tmp_path: Path) -> 
     summary = result["summary"]["c4"]
     assert len(summary["this_over_baseline_rounds"]) == 2 and summary["this_over_baseline_median_round"] > 0
     assert result["settings"]["texts_per_request"] == 16
+
+
+def test_the_backbone_may_be_a_process_reached_over_the_pipe_as_served(tmp_path: Path) -> None:
+    """With ``backbone_process``, each version's host reaches a stand-in of the backbone's process over its own pipe
+    (its BackboneProcess, plain batches as arrays, scores read back against the bundled model's labels)."""
+    result = host.run(ROOT, ROOT, [8], 0.5, 1, 1.0, tmp_path / "host.json", backbone_process=True)
+    for name in ("this", "baseline"):
+        (row,) = result["results"]["8"][name]
+        assert row["requests"] > 0 and 0 < row["host_us_per_request"] < 10_000
+    assert result["settings"]["backbone_process"] is True
