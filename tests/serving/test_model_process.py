@@ -109,6 +109,7 @@ def test_a_process_that_exits_is_started_again_and_closes_cleanly(tiny_repo: Pat
     finally:
         mp.close(timeout_s=30)
     assert mp._proc.returncode == 0  # asked to close after a batch, it exited on its own, not killed after the timeout
+    mp.close()  # a second close does nothing (its loop and pipe are closed already)
 
 
 def test_a_process_attached_to_a_loop_computes_there_and_changes_heads_from_threads(tiny_repo: Path) -> None:

@@ -643,16 +643,19 @@ class BackboneProcess(Compute):
             self._on_loop(self._end())
         else:
             self._sock.close()
-        if loop is not None and self._own is not None:
+        if loop is not None and self._own is not None and not loop.is_closed():  # (closed once already)
             loop.call_soon_threadsafe(loop.stop)
             self._own.join()
             loop.close()
 
     async def _goodbye(self) -> None:
-        """Tell the process to exit, after the messages sent before (it answers nothing)."""
+        """Tell the process to exit, after the messages sent before (it answers nothing); where its pipe is not read
+        on the loop (a restart stopped at shutdown), close it: the process reads its end and exits."""
         async with self._lock:
             if self._link is not None and self._link.transport is not None and not self._link.lost:
                 self._link.transport.write(_frame(None))
+            else:
+                self._sock.close()
 
     async def _end(self) -> None:
         assert self._link is not None
