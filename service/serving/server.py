@@ -4,6 +4,9 @@ SIGTERM, exit codes (1: the models could not be loaded; 3: the address cannot be
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import errno
+import functools
 import logging
 import socket
 import sys
@@ -25,17 +28,71 @@ from service.serving.state import AppState
 
 log = logging.getLogger("service.http")
 WRITE_GRACE_S = 2  # after the drain: time for handlers to write their last answers
+ACCEPT_PAUSE_S = 0.001  # a front holding connections waits this long before it takes another queued one
 
 
 class DrainingServer(uvicorn.Server):
     """On the first SIGTERM/SIGINT: readiness goes 503 and new requests get 503 while every accepted
-    request is answered; then uvicorn shuts down. A second signal exits at once."""
+    request is answered; then uvicorn shuts down. A second signal exits at once. With ``shared`` (a front's), its
+    connections come from a listening socket every front accepts from, one connection at a time (see
+    :meth:`_accept`)."""
 
-    def __init__(self, config: uvicorn.Config, state: AppState) -> None:
+    def __init__(self, config: uvicorn.Config, state: AppState, shared: socket.socket | None = None) -> None:
         super().__init__(config)
         self.app_state = state
         self._draining = False
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._shared = shared
+        self._acceptor: asyncio.Task[None] | None = None
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        if self._shared is None:
+            return await super().startup(sockets)
+        await super().startup(sockets=[])  # the app's lifespan, and no listener of uvicorn's own
+        if not self.should_exit:
+            self._acceptor = asyncio.get_running_loop().create_task(self._accept(self._shared))
+
+    async def _accept(self, sock: socket.socket) -> None:
+        """Take connections from the socket every front shares, one at a time: uvloop's own server accepts every
+        queued connection when it wakes, so the first front to wake took a burst of clients nearly whole (64
+        connections opened at once: 58 and 6 on two fronts here; 32 queued while both were stopped: 32 and 0), and
+        the fronts woken with it stayed idle. A front that holds connections already waits ``ACCEPT_PAUSE_S`` after
+        taking one that was queued (a burst), so that the others take the next ones; a connection that had to be
+        waited for is not followed by a pause. Each connection is served by uvicorn's protocol, as its server
+        would."""
+        loop = asyncio.get_running_loop()
+        sock.setblocking(False)
+        config = self.config
+        protocol = functools.partial(config.http_protocol_class, config=config, server_state=self.server_state,
+                                     app_state=self.lifespan.state)
+        while True:
+            try:
+                try:
+                    conn, _ = sock.accept()  # queued already
+                    queued = True
+                except BlockingIOError:
+                    conn, _ = await loop.sock_accept(sock)
+                    queued = False
+                try:
+                    await loop.connect_accepted_socket(protocol, conn, ssl=config.ssl)
+                except Exception:
+                    conn.close()
+                    raise
+            except Exception as e:  # out of file descriptors, a client gone already...: as uvicorn's server, go on
+                log.warning("accepting a connection failed: %s: %s", type(e).__name__, e)
+                await asyncio.sleep(0.1 if isinstance(e, OSError) and e.errno == errno.EMFILE else 0)
+                continue
+            if queued and len(self.server_state.connections) >= 2:
+                await asyncio.sleep(ACCEPT_PAUSE_S)  # the other fronts' turn at the queue
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        if self._acceptor is not None:  # no new connection; the front's copy of the shared socket closed
+            self._acceptor.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._acceptor
+        if self._shared is not None:
+            self._shared.close()
+        await super().shutdown(sockets)
 
     async def serve(self, sockets: Any = None) -> None:
         self._loop = asyncio.get_running_loop()
@@ -105,7 +162,7 @@ def _serve(settings: Settings, app: FastAPI, sock: socket.socket | None = None) 
     # only closes idle connections: a short timeout, not the drain timeout a second time
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None, access_log=False,
                             http=guarded_protocol(limits, app.state.metrics), timeout_graceful_shutdown=WRITE_GRACE_S)
-    server = DrainingServer(config, state)
+    server = DrainingServer(config, state, sock)
 
     async def main() -> None:
         async def after_loading() -> None:  # exit if the models could not load; else freeze what the start made
@@ -117,7 +174,7 @@ def _serve(settings: Settings, app: FastAPI, sock: socket.socket | None = None) 
                 tune_garbage_collector()
 
         watcher = asyncio.create_task(after_loading())
-        await server.serve(sockets=[sock] if sock is not None else None)
+        await server.serve()
         watcher.cancel()
 
     # uvicorn's loop choice (uvloop where installed: less CPU per request, left to the model's threads)

@@ -5,10 +5,12 @@ a drain that loses no accepted request, a front that dies started again."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
 import signal
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -197,6 +199,49 @@ def test_a_drain_answers_every_accepted_request_and_a_dead_front_is_started_agai
     finally:
         if server.proc.poll() is None:  # the test failed before its drain
             server.stop()
+
+
+def connections_held(pid: int, port: int) -> int:
+    """Established TCP connections to ``port`` on this machine that process ``pid`` holds (its file descriptors'
+    sockets, read against /proc/net/tcp)."""
+    inodes = set()
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "01":  # local port; ESTABLISHED
+            inodes.add(fields[9])
+    links = []
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            links.append(os.readlink(fd))
+    return sum(link.startswith("socket:[") and link[8:-1] in inodes for link in links)
+
+
+def test_a_burst_of_connections_is_shared_by_the_fronts(servers: tuple[Server, Server]) -> None:
+    """Connections queued while the fronts were not running (a load generator opening its connections at once) are
+    taken by every front, not by the first to wake: each accepts one at a time. (uvloop's own server, which each
+    front used before, accepts every queued connection when woken: 32 and 0 here.)"""
+    _, two = servers
+    port = int(two.url.rsplit(":", 1)[1])
+    pids = fronts(two)
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    clients = []
+    try:
+        for _ in range(32):  # queued by the kernel (the handshake needs no front)
+            clients.append(socket.create_connection(("127.0.0.1", port), timeout=10))
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
+    try:
+        for _ in range(100):
+            held = [connections_held(pid, port) for pid in pids]
+            if sum(held) == 32:
+                break
+            time.sleep(0.05)
+        assert sum(held) == 32 and min(held) >= 4, held
+    finally:
+        for c in clients:
+            c.close()
 
 
 def test_several_fronts_have_no_head_cache_yet() -> None:
