@@ -4,6 +4,8 @@ text alone. The per-text token cap answers 413."""
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -86,13 +88,14 @@ def short_behind_long(c: TestClient) -> None:
     gate, first = threading.Event(), threading.Event()
     batches: list[list[bool]] = []  # per batch, per chunk: whether it is the long text's
     run_chunks = batcher.runners[0]
+    assert inspect.iscoroutinefunction(run_chunks)  # the backbone's process, awaited on the server's loop
 
-    def gated(works: list[ChunkWork]) -> list[Result | None]:
+    async def gated(works: list[ChunkWork]) -> list[Result | None]:
         batches.append([len(w.job.encoding.chunks) > 1 for w in works])
         if len(batches) == 1:
             first.set()
-            gate.wait(10)
-        return run_chunks(works)
+            await asyncio.to_thread(gate.wait, 10)  # "computing" while the loop takes requests
+        return await run_chunks(works)
 
     batcher.runners[0] = gated
     done: dict[str, float] = {}
