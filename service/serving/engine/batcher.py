@@ -123,7 +123,6 @@ class Batcher(Generic[P, R]):
         self.runners: list[BatchRunner[P, R]] = [run_batch] if callable(run_batch) else list(run_batch)
         if not self.runners:
             raise ValueError("a batcher needs at least one runner")
-        self._awaited = [inspect.iscoroutinefunction(r) for r in self.runners]  # runner -> awaited on the loop
         self.limits, self.name = limits, name
         self.observer: BatchObserver[P, R] = observer or NullObserver()
         self._pending: list[_Item[P]] = []
@@ -428,7 +427,8 @@ class Batcher(Generic[P, R]):
         ok, results = False, []  # type: ignore[var-annotated]
         try:
             run, payloads = self.runners[runner], [it.payload for it in batch]
-            results = await (cast(Callable[[list[P]], Awaitable[list[R]]], run)(payloads) if self._awaited[runner]
+            results = await (cast(Callable[[list[P]], Awaitable[list[R]]], run)(payloads)
+                             if inspect.iscoroutinefunction(run)  # (asked each batch: a runner may be replaced)
                              else loop.run_in_executor(self._executor, cast(Callable[[list[P]], list[R]], run),
                                                        payloads))
             if len(results) != len(batch):
