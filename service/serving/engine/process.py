@@ -47,6 +47,7 @@ import numpy as np
 from service.modeling.encoding import Encoding
 from service.modeling.manifest import MANIFEST, ModelLoadError, read_manifest
 from service.modeling.tokenizer import BackboneError, ChunkTokenizer
+from service.serving.core.frames import Frames
 from service.serving.core.results import Answer, Answers, Result
 from service.serving.core.work import Ask, ChunkWork, RunBatch, TextJob
 from service.serving.engine.compute import AsyncRunner, Compute, Runner
@@ -290,7 +291,7 @@ class _Link(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.lost = False  # the process's end has closed (or this end was closed)
         self._waiting: collections.deque[asyncio.Future[Any]] = collections.deque()  # replies due, in order
-        self._buffer = bytearray()
+        self._frames: Frames[Any] = Frames(pickle.loads, _SIZE, _LONG)  # the replies' frames
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)
@@ -308,26 +309,10 @@ class _Link(asyncio.Protocol):
         return reply
 
     def data_received(self, data: bytes) -> None:
-        buffer = self._buffer
-        buffer += data
-        start, end = 0, len(buffer)
-        with memoryview(buffer) as view:
-            while end - start >= _SIZE.size:
-                (n,) = _SIZE.unpack_from(view, start)
-                head = _SIZE.size
-                if n == -1:  # a frame of 2 GiB or more: its size follows in 8 bytes
-                    if end - start < _SIZE.size + _LONG.size:
-                        break
-                    (n,) = _LONG.unpack_from(view, start + _SIZE.size)
-                    head += _LONG.size
-                if end - start - head < n:
-                    break
-                msg = pickle.loads(view[start + head : start + head + n])
-                start += head + n
-                reply = self._waiting.popleft()
-                if not reply.done():  # (a batch cancelled at shutdown: its reply is read and dropped)
-                    reply.set_result(msg)
-        del buffer[:start]
+        for msg in self._frames.feed(data):
+            reply = self._waiting.popleft()
+            if not reply.done():  # (a batch cancelled at shutdown: its reply is read and dropped)
+                reply.set_result(msg)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True

@@ -15,11 +15,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import struct
-from typing import Any, Generic, Literal, Protocol, TypeVar
+from typing import Any, Literal, Protocol, TypeVar
 
 import msgspec
 
 from service.modeling.encoding import Encoding
+from service.serving.core import frames
 from service.serving.core.results import Answer
 from service.serving.core.work import Ask, TextJob
 
@@ -187,29 +188,12 @@ class Outbox:
             self.writer.write(data)
 
 
-class Frames(Generic[M]):
+class Frames(frames.Frames[M]):
     """The messages of a stream's bytes as they arrive (a protocol's ``data_received``), decoded by ``decoder``: no
     coroutine a message, for the engine host's connections, which every request of every front passes through."""
 
     def __init__(self, decoder: msgspec.msgpack.Decoder[M]) -> None:
-        self.decoder = decoder
-        self._buffer = bytearray()
-
-    def feed(self, data: bytes) -> list[M]:
-        """Every message whose frame is whole now, in order (what is left of a frame waits for the next bytes)."""
-        buffer = self._buffer
-        buffer += data
-        messages, start, end = [], 0, len(buffer)
-        with memoryview(buffer) as view:
-            while end - start >= FRAME.size:
-                (n,) = FRAME.unpack_from(view, start)
-                if end - start - FRAME.size < n:
-                    break
-                start += FRAME.size
-                messages.append(self.decoder.decode(view[start:start + n]))
-                start += n
-        del buffer[:start]
-        return messages
+        super().__init__(decoder.decode, FRAME)
 
 
 async def _read(reader: asyncio.StreamReader) -> bytes | None:
