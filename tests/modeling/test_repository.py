@@ -6,6 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from service.modeling.encoding import Truncation
 from service.modeling.head import RoutingHead
 from service.modeling.repository import ModelLoadError, discover, load_model, read_manifest
 from tests.conftest import edit_manifest, write_tiny_model
@@ -173,3 +174,25 @@ def test_the_fronts_tokenizer_cuts_texts_as_the_backbones_own(tiny_backbone_dir:
         assert [o for o, s in zip(enc.offsets, enc.special, strict=True) if not s] == [tuple(o) for o in
                                                                                     hf["offset_mapping"][t]]
         assert front.token_names(enc) == backbone.tokenizer.convert_ids_to_tokens([i for c in enc.chunks for i in c])
+
+
+@pytest.mark.parametrize("truncation", [None, Truncation("right"), Truncation("left"), Truncation("left", 7)])
+def test_without_spans_the_tokenizer_cuts_the_same_ids_and_keeps_nothing_else(tiny_backbone_dir: Path,
+                                                                             truncation: Truncation | None) -> None:
+    """A text asking no credit is tokenized without character offsets (the tokenizer's faster call): its chunks
+    are those of the full encoding, at every length, texts of one chunk and of several, and nothing else is kept."""
+    from service.modeling.tokenizer import ChunkTokenizer
+
+    texts = ["Hello, world! Ünïcödé and emojis 🙂 here.", "word " * 40, "x", "", "  spaced\tout\n text  ",
+             "中文字符 mixed with English and accents: café, naïve."]
+    chunker = ChunkTokenizer.load(str(tiny_backbone_dir))
+    full = chunker.encode_lengths(texts, [12, 16, 64], truncation)
+    bare = chunker.encode_lengths(texts, [12, 16, 64], truncation, spans=False)
+    assert [sorted(f) for f in full] == [sorted(b) for b in bare] == [[12, 16, 64]] * len(texts)
+    for f, b in zip(full, bare, strict=True):
+        for length in f:
+            assert b[length].chunks == f[length].chunks
+            assert b[length].bare and not f[length].bare
+    if truncation is None:  # a text that fits one chunk of the shortest length shares its encoding at every length
+        assert bare[2][12] is bare[2][16] is bare[2][64]
+        assert len(bare[1][12].chunks) > 1

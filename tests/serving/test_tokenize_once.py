@@ -23,14 +23,20 @@ V2 = {"inputs": [{"name": "text", "datatype": "BYTES", "shape": [3], "data": TEX
 
 
 class CountingTokenizer:
-    """Delegates to the real tokenizer and counts its calls (tokenizations of a batch of texts)."""
+    """Delegates to the real tokenizer and counts its calls (tokenizations of a batch of texts): ``calls`` in all,
+    ``spans`` of them with the tokens' character offsets (``encode_batch``; ``encode_batch_fast`` keeps none)."""
 
     def __init__(self, inner: Any) -> None:
-        self.inner, self.calls = inner, 0
+        self.inner, self.calls, self.spans = inner, 0, 0
 
     def encode_batch(self, *args: Any, **kwargs: Any) -> Any:
         self.calls += 1
+        self.spans += 1
         return self.inner.encode_batch(*args, **kwargs)
+
+    def encode_batch_fast(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        return self.inner.encode_batch_fast(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -63,10 +69,12 @@ def client(tiny_repo: Path) -> Iterator[tuple[TestClient, CountingTokenizer]]:
 ])
 def test_one_tokenization_per_request(client: tuple[TestClient, CountingTokenizer], path: str, body: dict) -> None:
     c, counting = client
-    before = counting.calls
+    before, spans = counting.calls, counting.spans
     r = c.post(path, json=body)
     assert r.status_code == 200, r.text
     assert counting.calls - before == 1  # all texts of the request in one call, and never again
+    credit = path != "/v1/classify" or body.get("explain", False)
+    assert counting.spans - spans == int(credit)  # character offsets tracked only where credit is rendered
 
 
 def test_a_full_queue_answers_503_without_tokenizing(tiny_repo: Path) -> None:

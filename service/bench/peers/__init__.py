@@ -44,7 +44,7 @@ class Model:
     def __call__(self, texts: list[str]) -> list[dict[str, Any]]:
         from service.serving.core.work import Task
 
-        encodings = self.engine.encode(texts, [self.key])
+        encodings = self.engine.encode(texts, [self.key], spans=False)  # the ids alone, as a front asking no credit
         results = self.engine.run([Task(t, e[self.length], self.key) for t, e in zip(texts, encodings, strict=True)])
         if self._log is not None:
             os.write(self._log, b"%d\n" % len(texts))

@@ -60,12 +60,12 @@ class Planner:
         """Tokens per chunk for ``model`` (its manifest's, capped at the backbone's limit)."""
         return self.chunker.cut(self.manifests[model].max_length)
 
-    def encode(self, texts: list[str], models: Sequence[str], truncation: Truncation | None = None
-               ) -> list[dict[int, Encoding]]:
+    def encode(self, texts: list[str], models: Sequence[str], truncation: Truncation | None = None,
+               spans: bool = True) -> list[dict[int, Encoding]]:
         """Tokenize ``texts`` once and cut each for every chunk length the ``models`` use (see
-        :meth:`ChunkTokenizer.encode_lengths`; ``truncation``: to one chunk each): per text, chunk length ->
-        encoding."""
-        return self.chunker.encode_lengths(texts, [self.max_length(m) for m in models], truncation)
+        :meth:`ChunkTokenizer.encode_lengths`; ``truncation``: to one chunk each; without ``spans``, the token ids
+        alone, enough where no credit is asked): per text, chunk length -> encoding."""
+        return self.chunker.encode_lengths(texts, [self.max_length(m) for m in models], truncation, spans)
 
     def encode_ids(self, ids: TokenIds, models: Sequence[str], truncation: Truncation | None = None
                    ) -> list[dict[int, Encoding]]:
@@ -95,7 +95,9 @@ class Planner:
         if unknown:
             raise KeyError(f"no model {unknown} on backbone {self.name} (it has {self.models})")
         missing = [k for k, t in enumerate(tasks) if t.encoding is None]
-        fresh = iter(self.encode([tasks[k].text for k in missing], [models[k] for k in missing]) if missing else [])
+        spans = any(tasks[k].credit is not None for k in missing)  # the ids alone where no credit is asked
+        fresh = iter(self.encode([tasks[k].text for k in missing], [models[k] for k in missing], spans=spans)
+                     if missing else [])
         plans = []
         asks: dict[tuple[str, CreditSpec | None], tuple[Ask]] = {}  # one Ask for every text asking the same
         for t, model in zip(tasks, models, strict=True):

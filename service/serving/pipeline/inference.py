@@ -263,6 +263,7 @@ class Inference:
             except (Overloaded, Draining) as e:
                 raise _refused(e) from None
         loop = asyncio.get_running_loop()
+        spans = any(spec is not None for spec in specs)  # credit is rendered over the tokens' spans; else ids alone
         plans: list[tuple[BackboneGroup, list[TextJob], list[int]]] = []  # a group's jobs, and each job's text
         encodings: dict[tuple[int, int], Encoding] = {}  # (head, text) -> the encoding it sees
         for name, ms in by_group.items():
@@ -274,9 +275,9 @@ class Inference:
                     if isinstance(texts, TokenIds):
                         per_text = planner.encode_ids(texts, heads, truncation)
                     elif sum(map(len, texts)) <= INLINE_CHARS:  # a thread hop would cost more than the tokenizing
-                        per_text = planner.encode(texts, heads, truncation)
+                        per_text = planner.encode(texts, heads, truncation, spans)
                     else:
-                        per_text = await loop.run_in_executor(None, planner.encode, texts, heads, truncation)
+                        per_text = await loop.run_in_executor(None, planner.encode, texts, heads, truncation, spans)
                 except BackboneError as e:  # a truncation the tokenizer cannot make
                     raise APIError(422, str(e), details=[{"field": "truncate", "message": str(e),
                                                           "type": "value_error"}]) from None
