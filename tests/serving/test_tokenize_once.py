@@ -4,6 +4,7 @@ tokenizer's calls can be counted; the model's own process gets token ids only.""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -17,6 +18,7 @@ from fastapi.testclient import TestClient
 from service.config import Settings
 from service.modeling.backbone import ChunkTokenizer
 from service.serving.api.app import create_app
+from service.serving.pipeline.inference import INLINE_CHARS
 
 TEXTS = ["the first text", "a second, somewhat longer text. It has two sentences!", "Long one. " * 40]
 V2 = {"inputs": [{"name": "text", "datatype": "BYTES", "shape": [3], "data": TEXTS}], "parameters": {"explain": True}}
@@ -27,16 +29,16 @@ class CountingTokenizer:
     ``spans`` of them with the tokens' character offsets (``encode_batch``; ``encode_batch_fast`` keeps none)."""
 
     def __init__(self, inner: Any) -> None:
-        self.inner, self.calls, self.spans = inner, 0, 0
+        self.inner, self.calls, self.spans, self.threads = inner, 0, 0, []
 
     def encode_batch(self, *args: Any, **kwargs: Any) -> Any:
-        self.calls += 1
         self.spans += 1
-        return self.inner.encode_batch(*args, **kwargs)
+        return self.encode_batch_fast(*args, _spans=True, **kwargs)
 
-    def encode_batch_fast(self, *args: Any, **kwargs: Any) -> Any:
+    def encode_batch_fast(self, *args: Any, _spans: bool = False, **kwargs: Any) -> Any:
         self.calls += 1
-        return self.inner.encode_batch_fast(*args, **kwargs)
+        self.threads.append(threading.current_thread().name)
+        return (self.inner.encode_batch if _spans else self.inner.encode_batch_fast)(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -91,3 +93,15 @@ def test_a_full_queue_answers_503_without_tokenizing(tiny_repo: Path) -> None:
             assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
             assert counting.calls == before  # refused before any tokenization
             assert first.result(timeout=30).status_code == 200
+
+
+def test_short_texts_are_tokenized_on_the_event_loop_and_long_ones_in_a_thread(
+        client: tuple[TestClient, CountingTokenizer]) -> None:
+    c, counting = client
+    short = ["a tweet of about a hundred characters, as most requests carry: short enough to tokenize at once."] * 16
+    long = ["x" * (INLINE_CHARS // 2 + 1)] * 2
+    assert sum(map(len, short)) <= INLINE_CHARS < sum(map(len, long))
+    for texts, in_thread in ((short, False), (long, True)):
+        r = c.post("/v1/classify", json={"inputs": texts})
+        assert r.status_code == 200, r.text
+        assert counting.threads[-1].startswith("asyncio_") == in_thread  # the loop's default executor's threads
