@@ -99,3 +99,25 @@ def test_serve_takes_a_default_model_only_when_given(monkeypatch: pytest.MonkeyP
     named, unnamed = started
     assert named.default_model == "bbc-news-topics" and "default_model" in named.model_fields_set
     assert "default_model" not in unnamed.model_fields_set  # the start then picks it (default_model_at_start)
+
+
+@pytest.mark.parametrize("serial", [True, False])
+def test_a_serving_process_tokenizes_on_its_own_thread(tiny_backbone_dir: Path, serial: bool) -> None:
+    """With serial_tokenizer (what every serving process calls before it serves, even after its tokenizer was
+    used), a call of many texts starts no pool of threads; without it (the variable unset), the library's pool
+    starts; a value the environment sets is kept."""
+    import subprocess
+    import sys
+
+    code = ("import os; from service import threads; from service.modeling.tokenizer import ChunkTokenizer; "
+            f"c = ChunkTokenizer.load({str(tiny_backbone_dir)!r}); "
+            f"{'threads.serial_tokenizer(); ' if serial else ''}c.encode_lengths(['a text of some words'] * 64, [16]); "
+            "print(len(os.listdir('/proc/self/task')), os.environ.get('TOKENIZERS_PARALLELISM'))")
+    env = {k: v for k, v in os.environ.items() if k != "TOKENIZERS_PARALLELISM"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env).stdout
+    n, value = out.split()
+    assert (int(n) == 1, value) == ((True, "false") if serial else (False, "None"))
+    env["TOKENIZERS_PARALLELISM"] = "true"
+    if serial:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env).stdout
+        assert out.split()[1] == "true"

@@ -5,7 +5,6 @@ every front shares (see :mod:`service.serving.supervisor`)."""
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -14,7 +13,6 @@ from service.serving.server import run_front
 
 
 def main(argv: list[str]) -> int:
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     return run_front(Settings.model_validate_json(sys.stdin.read()), int(argv[0]), Path(argv[1]), int(argv[2]))
 
 

@@ -25,6 +25,7 @@ from service.serving.listen import check_ports
 from service.serving.observe.logs import setup_logging, warn_unknown_variables
 from service.serving.observe.metrics import record_frozen
 from service.serving.state import AppState
+from service.threads import serial_tokenizer
 
 log = logging.getLogger("service.http")
 WRITE_GRACE_S = 2  # after the drain: time for handlers to write their last answers
@@ -155,6 +156,7 @@ def run_front(settings: Settings, k: int, host: Path, fd: int) -> int:
 def _serve(settings: Settings, app: FastAPI, sock: socket.socket | None = None) -> bool:
     """Serve ``app`` until SIGTERM (on ``sock`` when given, else on the settings' address); True if its models could
     not be loaded."""
+    serial_tokenizer()  # (read at each call of the tokenizer)
     state: AppState = app.state.app_state
     limits = HttpLimits(max_headers=settings.max_headers, max_header_bytes=settings.max_header_bytes,
                         header_timeout_s=settings.header_timeout_s)
