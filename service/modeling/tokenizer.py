@@ -196,7 +196,8 @@ class ChunkTokenizer:
         encoder pass then). With ``truncation``, a text longer than one chunk (or than ``truncation.tokens``) is
         cut to one instead, on the side it says. Without ``spans``, each encoding holds the token ids alone
         (:meth:`Encoding.of_chunks`: what a text asking no credit needs), read by the tokenizer's call that tracks no
-        character offsets (the same ids; about a third less time a short text, two fifths in calls of 16)."""
+        character offsets (the same ids; about a quarter less CPU: 44 against 57 us a test tweet here, one at a time
+        or 16 a call, on the calling thread)."""
         if truncation is not None and truncation.tokens is not None and truncation.tokens <= self.n_special:
             raise BackboneError(f"truncation to {truncation.tokens} tokens leaves no room for text tokens besides "
                                 f"the {self.n_special} special ones")

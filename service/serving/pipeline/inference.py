@@ -38,12 +38,12 @@ from service.serving.observe.stats import InferenceStats
 from service.serving.pipeline import render
 from service.serving.pipeline.render import Body
 
-INLINE_CHARS = 4000
-"""Texts of a request up to this many characters in all are tokenized on the event loop (about 1 ms: test tweets,
-104 characters on average, take 24 us each in calls of 16, token ids alone): handing them to a thread took longer
-than tokenizing them, as the thread waits for the GIL while the loop is busy (up to the interpreter's 5 ms switch
-interval); requests of 16 tweets (1,700 characters) cost the fronts 0.081-0.086 ms of CPU a text on the loop against
-0.090-0.094 through a thread (2 fronts, c = 16, in turns)."""
+INLINE_CHARS = 2000
+"""Texts of a request up to this many characters in all are tokenized on the event loop (about 0.9 ms: test tweets,
+104 characters on average, take 44 us each, token ids alone): handing them to a thread took longer than tokenizing
+them, as the thread waits for the GIL while the loop is busy (up to the interpreter's 5 ms switch interval); requests
+of 16 tweets (1,700 characters) cost the fronts 0.081-0.086 ms of CPU a text on the loop against 0.090-0.094 through
+a thread (2 fronts, c = 16, in turns)."""
 
 Target = str | list[str] | None
 """What a request asks to explain: a label, a list of labels, ``"all"``, or None (the predicted label)."""
