@@ -749,6 +749,9 @@ def bench_serve(
                                                 "of this service's best closed-loop throughput ('' to skip)")] = (
         "0.5,0.9"),
     peer_rounds: Annotated[int, typer.Option(min=1, help="Turns of the peer comparison")] = 2,
+    texts_per_request: Annotated[int, typer.Option(min=1, max=64, help="Texts in each request of the peer "
+                                                                        "comparison's closed loops (its open loops "
+                                                                        "send one)")] = 1,
     baseline: Annotated[Path | None, typer.Option(help="A checkout of this repository (e.g. a git worktree of "
                                                        "an earlier commit) to serve beside the peers")] = None,
     workers: Annotated[str, typer.Option(help="Also this service with these numbers of front processes "
@@ -792,7 +795,7 @@ def bench_serve(
         typer.echo(f"--baseline {baseline}: not a checkout of this repository (no service/ package)", err=True)
         raise typer.Exit(2)
     fronts = fronts_option(workers)
-    plan = (Plan(names, baseline, peer_levels, open_fractions, peer_rounds, fronts, load_processes)
+    plan = (Plan(names, baseline, peer_levels, open_fractions, peer_rounds, fronts, load_processes, texts_per_request)
             if names or baseline is not None or fronts else None)
     sb.run(model=model, preset=preset or model, levels=levels, duration=duration,
            n_texts=n_texts, repository=model_repository, device=device, max_wait_ms=max_wait_ms,

@@ -341,9 +341,10 @@ def run(model: str, preset: str, levels: list[int], duration: float, n_texts: in
         from service.bench import versus
 
         echo("  peer frameworks serving the same model", err=True)
+        per = peers.texts_per_request  # the engine alone computes the batches of ``level * per`` texts in flight
         peered = versus.measure(peers, repository, model, device, max_batch_size, max_wait_ms, logs, texts, duration,
-                                engine={level: functools.partial(offline.in_order, level, duration)
-                                        for level in peers.levels if level <= max_batch_size})
+                                engine={level: functools.partial(offline.in_order, level * per, duration)
+                                        for level in peers.levels if level * per <= max_batch_size})
     return report_all(runs, limit, paired, beside, replicated, inter, peered, top, max_wait_ms, out, {
         "model": model, "texts": len(texts), "levels": levels, "duration_s": duration, "device": device,
         "max_wait_ms": max_wait_ms, "max_batch_size": max_batch_size, "url": url, "long_chars": long_chars,

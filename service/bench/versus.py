@@ -146,18 +146,20 @@ def mean_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 def compare(contenders: list[Contender], texts: list[str], levels: list[int], seconds: float, rounds: int,
             open_fractions: list[float], engine: dict[int, Callable[[], float]] | None = None,
-            processes: int = 1) -> dict[str, Any]:
-    """Closed loops at ``levels``, then open loops at ``open_fractions`` of this service's best closed-loop
-    throughput, each measured in turns, the load from ``processes`` processes; per level, each contender's mean row
-    and its ratio to this service.
+            processes: int = 1, per_request: int = 1) -> dict[str, Any]:
+    """Closed loops at ``levels`` (each client sending ``per_request`` texts a request), then open loops at
+    ``open_fractions`` of this service's best closed-loop throughput (one text a request), each measured in turns,
+    the load from ``processes`` processes; per level, each contender's mean row (texts a second) and its ratio to
+    this service.
     ``engine[level]``: texts/s of the model function alone on the batches a closed loop of ``level`` clients
     forms, measured in that level's turns; each contender's share of it at that level."""
     closed: dict[int, tuple[dict[str, list[dict[str, Any]]], list[float]]] = {}
     for level in levels:
         closed[level] = rows_in_turns(contenders, lambda c, level=level: row(run_async(closed_loop(
-            c.server.url, c.path, texts, level, seconds, cpu=_total_cpu(c), stats=c.stats, processes=processes)),
-            concurrency=level),
-            rounds, f"c={level}", texts, engine=(engine or {}).get(level))
+            c.server.url, c.path, texts, level, seconds, cpu=_total_cpu(c), stats=c.stats, processes=processes,
+            per_request=per_request)), concurrency=level, texts_per_request=per_request),
+            rounds, f"c={level}" + (f" x{per_request}" if per_request > 1 else ""), texts,
+            engine=(engine or {}).get(level))
     capacity = max(mean_row(per[THIS])["throughput"] for per, _ in closed.values())
     opened: dict[float, dict[str, list[dict[str, Any]]]] = {}
     for fraction in open_fractions:
@@ -175,7 +177,7 @@ def compare(contenders: list[Contender], texts: list[str], levels: list[int], se
                     **({"of_engine_alone": m["throughput"] / limit} if limit else {})}
                 for n, m in means.items()}
 
-    return {"capacity_texts_per_s": capacity,
+    return {"capacity_texts_per_s": capacity, "texts_per_request": per_request,
             "closed": {lv: {"rounds": per, "summary": summary(per, alone_rounds),
                             **({ENGINE: {"rounds": alone_rounds, "throughput": sum(alone_rounds) / len(alone_rounds)}}
                                if alone_rounds else {})}
@@ -197,6 +199,8 @@ class Plan:
     """Also this service with each of these numbers of front processes (``ROUTING_WORKERS``)."""
     load_processes: int = 1
     """Processes of the load generator (see :func:`service.bench.load.closed_loop`)."""
+    texts_per_request: int = 1
+    """Texts in each request of the closed loops (the open loops send one)."""
 
 
 def measure(plan: Plan, repository: Path, model: str, device: str, max_batch_size: int, max_wait_ms: float,
@@ -205,14 +209,14 @@ def measure(plan: Plan, repository: Path, model: str, device: str, max_batch_siz
     """Start every contender, compare them (see :func:`compare`, ``engine`` too), stop them; print the tables."""
     names = [THIS, *(f"{THIS}, {n} fronts" for n in plan.fronts), *(["baseline"] if plan.baseline else []),
              *plan.peers]
-    echo(f"  {', '.join(names)}: each measured while the others are paused, closed loops at {plan.levels} and "
-         f"open loops at {plan.open_fractions} of capacity, {plan.rounds} rounds in turns, {seconds:.0f} s each",
-         err=True)
+    echo(f"  {', '.join(names)}: each measured while the others are paused, closed loops at {plan.levels} ("
+         f"{plan.texts_per_request} text{'s' if plan.texts_per_request > 1 else ''} a request) and open loops at "
+         f"{plan.open_fractions} of capacity, {plan.rounds} rounds in turns, {seconds:.0f} s each", err=True)
     contenders = start(plan.peers, repository, model, device, max_batch_size, max_wait_ms, logs, plan.baseline,
                        plan.fronts)
     try:
         result = compare(contenders, texts, plan.levels, seconds, plan.rounds, plan.open_fractions, engine,
-                         plan.load_processes)
+                         plan.load_processes, plan.texts_per_request)
         result["versions"] = {peer: version(peer) for peer in plan.peers}
         result["pss_mib"] = memory(contenders)
     finally:
@@ -247,10 +251,12 @@ def report(result: dict[str, Any]) -> None:
         return [] if e is None else [{"server": ENGINE, "texts/s": e["throughput"], "of engine alone": 1.0,
                                       "rounds": [round(v, 1) for v in e["rounds"]]}]
 
-    echo("\nthe same model behind each server, closed loop (one text per request), measured in turns; texts/s and "
-         "batch averaged over the rounds, p50 the median round's, p99 the worst round's; the engine alone: the model "
-         "function with no server on the batches the clients form (where the level is at most the servers' "
-         "max_batch_size: batches of that many texts in the clients' order), every server paused:")
+    per = result.get("texts_per_request", 1)
+    echo(f"\nthe same model behind each server, closed loop ({per} text{'s' if per > 1 else ''} per request), measured "
+         "in turns; texts/s and batch averaged over the rounds, p50 the median round's, p99 the worst round's; the "
+         "engine alone: the model function with no server on the batches the clients form (where the texts in flight "
+         "are at most the servers' max_batch_size: batches of that many texts in the clients' order), every server "
+         "paused:")
     echo(table([{"concurrency": lv, **r} for lv, d in result["closed"].items()
                 for r in rows(d["summary"]) + engine_row(d)], ["concurrency", *cols[:3], "of engine alone", *cols[3:]]))
     if result["open"]:

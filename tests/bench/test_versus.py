@@ -154,6 +154,26 @@ def test_the_engine_alone_computes_the_clients_batches_and_each_server_gets_its_
     assert (tmp_path / "serve.json").exists()
 
 
+def test_the_closed_loops_send_the_texts_a_request_asked(pair: list[Server], monkeypatch: pytest.MonkeyPatch) -> None:
+    """``bench serve --texts-per-request 3``: every closed loop of the comparison sends requests of 3 texts, counted
+    in texts (the warm-up before each turn sends one)."""
+    contenders = [versus.Contender(name, s, "/v1/classify", metrics_stats(s.url), s.cpu)
+                  for name, s in zip((versus.THIS, "other"), pair, strict=True)]
+    sent: list[int] = []
+    real = versus.closed_loop
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        sent.append(kwargs.get("per_request", 1))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(versus, "closed_loop", spy)
+    result = versus.compare(contenders, [f"text {k}" for k in range(12)], [2], 0.3, 1, [], per_request=3)
+    assert sent == [1, 3, 1, 3] and result["texts_per_request"] == 3
+    rows = [r for rounds in result["closed"][2]["rounds"].values() for r in rounds]
+    assert len(rows) == 2 and all(r["texts_per_request"] == 3 and r["errors"] == 0 for r in rows)
+    assert all(r["throughput"] > 0 for r in rows)
+
+
 def test_this_service_with_several_fronts_is_a_contender_of_its_own(tiny_repo: Path, tmp_path: Path) -> None:
     """``bench serve --workers 2``: the same service with two fronts beside the one-front server, measured in turns;
     its CPU counts every process of it (supervisor, fronts, engine host: server; backbone: models), and the engine
