@@ -514,6 +514,9 @@ def summarize(results: dict[str, Any], budget: int) -> dict[str, Any]:
     multi = next((r for r in levels if r["texts_per_request"] > 1), None)
     offline = cur.get(str(budget))
     out["served_over_offline_multi_text"] = multi["texts_per_s"] / offline if multi and offline else None
+    # against the engine offline as a GPU's server runs it by default, two batches in flight (the larger figure)
+    piped = (out["offline_texts_per_s_two_in_flight_current"] or {}).get(str(budget))
+    out["served_over_offline_two_in_flight_multi_text"] = multi["texts_per_s"] / piped if multi and piped else None
     closed = get("beside", "closed") or {}
     out["beside"] = {f"c{level}": {name: {"texts_per_s": m["throughput"], "p99_ms": m["p99_ms"],
                                           "this_over_it": m["this_over_it"], "errors": m["errors"]}

@@ -72,6 +72,11 @@ def test_every_section_runs_and_every_field_is_written_on_the_cpu(tiny_repo: Pat
     assert heads["texts"] == 20 and 0 <= heads["accuracy_heads_bfloat16"] <= 1
     assert 0 < heads["largest_probability_change_heads_float32_vs_bfloat16"] < 0.1
     served = summary["served"]
+    piped = summary["offline_texts_per_s_two_in_flight_current"]["8192"]  # served 16-text requests against the
+    # engine offline one batch in flight (the headline) and two (as a GPU's server runs it)
+    assert summary["served_over_offline_two_in_flight_multi_text"] == served["c64x16"]["texts_per_s"] / piped
+    assert summary["served_over_offline_multi_text"] == (served["c64x16"]["texts_per_s"]
+                                                         / summary["offline_texts_per_s_at_default_budget"])
     assert set(served) == {"c4x1", "c64x16"} and all(v["errors"] == 0 and v["texts_per_s"] > 0
                                                       for v in served.values())
     # where a served level's time went: texts a batch, the engine's busy share, each part's CPU a text
