@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -33,12 +33,16 @@ class CountingTokenizer:
 
     def encode_batch(self, *args: Any, **kwargs: Any) -> Any:
         self.spans += 1
-        return self.encode_batch_fast(*args, _spans=True, **kwargs)
+        return self._counted(self.inner.encode_batch, *args, **kwargs)
 
-    def encode_batch_fast(self, *args: Any, _spans: bool = False, **kwargs: Any) -> Any:
+    def encode_batch_fast(self, *args: Any, **kwargs: Any) -> Any:
+        return self._counted(self.inner.encode_batch_fast, *args, **kwargs)
+
+    def _counted(self, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``call`` counted, with the thread it ran on."""
         self.calls += 1
         self.threads.append(threading.current_thread().name)
-        return (self.inner.encode_batch if _spans else self.inner.encode_batch_fast)(*args, **kwargs)
+        return call(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
