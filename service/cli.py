@@ -645,6 +645,9 @@ def bench_gpu(
     concurrency: Annotated[str, typer.Option(help="Served single-text concurrencies (16-text requests: c = 64)")
                            ] = "32,64,256",
     load_processes: Annotated[int, typer.Option(min=1, help="Processes of the load generator")] = 4,
+    load_cpus: Annotated[str, typer.Option(help="CPUs of the load generator's own in the served sections, whole "
+                                                "cores, the servers on the rest (auto: one a load process where "
+                                                "there are 4 CPUs a load process, else 0: they share)")] = "auto",
     peers: Annotated[str, typer.Option(help="Peer frameworks serving the same engine, single texts at the peer "
                                             "levels, in turns ('' to skip; those not installed are named and left "
                                             "out): mosec, litserve")] = "mosec,litserve",
@@ -674,7 +677,7 @@ def bench_gpu(
     """Every GPU measurement in one run: engine texts/s by token budget (against --baseline in turns), kernels,
     device-busy share and host time per text, batch-1 latency, float32 against bfloat16 accuracy, served
     throughput, and the GPU-only tests."""
-    from service.bench import gpu, report
+    from service.bench import cpus, gpu, report
 
     if write_texts_file is not None:
         with user_errors():
@@ -685,6 +688,10 @@ def bench_gpu(
     if baseline is not None and not (baseline / "service").is_dir():
         raise typer.BadParameter(f"{baseline} holds no service package", param_hint="--baseline")
     peer_names, fronts = peers_option(peers), fronts_option(workers)
+    try:
+        cpu_split = cpus.from_option(load_cpus, load_processes)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--load-cpus") from None
     if device.startswith("cuda"):
         import torch
 
@@ -701,7 +708,7 @@ def bench_gpu(
                          baseline, served_seconds, numbers(concurrency, "--concurrency"), load_processes,
                          accuracy_texts, out.parent / "logs", texts_file, checkpoint, variants, peer_names,
                          fronts, numbers(peer_concurrency, "--peer-concurrency"),
-                         served_settings(served_variant))
+                         served_settings(served_variant), cpu_split)
     summary = result["summary"]
     typer.echo(json.dumps(summary, indent=1))
     path = report.write_json(out, "gpu", result["settings"], result["results"], summary)

@@ -24,7 +24,9 @@ fails records its error and the run goes on):
   and what the warm-up took (``--variant buckets=off`` measures the eager engine's speed in the turns, on a GPU);
 - ``served``: the server started on the device, driven by clients in several processes (one aiohttp process tops
   out near 3,500 requests/s) with its default fronts (their number recorded): single-text requests at the given
-  concurrencies and 16-text requests, requests and texts per second, p50 and p99;
+  concurrencies and 16-text requests, requests and texts per second, p50 and p99. In this and the next two
+  sections the load processes run on cores of their own where the machine has them to spare, every server on the
+  rest (:mod:`service.bench.cpus`; both recorded);
 - ``served_variant`` (with ``--served-variant``): the server again with settings over its defaults (e.g. one batch
   in flight, or no buckets): its time to ready (which includes capturing the buckets' graphs), at the last
   single-text level and the 16-text one;
@@ -53,6 +55,7 @@ from pathlib import Path
 from typing import Any
 
 from service.bench import report
+from service.bench.cpus import CpuSplit, pinned
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("engine_worker.py")
@@ -238,31 +241,36 @@ def _argmax(p: list[float]) -> int:
 
 
 def closed_loop(url: str, texts: list[str], concurrency: int, per_request: int, seconds: float,
-                processes: int, cpu: Callable[[], dict[str, float] | None] | None = None) -> dict[str, Any]:
-    """``concurrency`` clients spread over ``processes`` load processes, each sending ``per_request`` texts at a
-    time for ``seconds``: requests and texts per second answered 200, latency percentiles (ms), errors; the texts a
-    batch and the share of the time the engine computed (the server's metrics, summed over its runners: with two
-    batches in flight, up to 2, each batch counted from its sending to its answer); with ``cpu`` (the server's parts'
-    CPU seconds so far), each part's CPU milliseconds a text (``server_cpu_ms``, ``host_cpu_ms``, ``models_cpu_ms``,
-    ``load_generator_cpu_ms``): where the machine's CPU went."""
+                processes: int, cpu: Callable[[], dict[str, float] | None] | None = None,
+                load_cpus: tuple[int, ...] | None = None) -> dict[str, Any]:
+    """``concurrency`` clients spread over ``processes`` load processes (on ``load_cpus``, where given), each sending
+    ``per_request`` texts at a time for ``seconds``: requests and texts per second answered 200, latency percentiles
+    (ms), errors; the texts a batch and the share of the time the engine computed (the server's metrics, summed over
+    its runners: with two batches in flight, up to 2, each batch counted from its sending to its answer); with
+    ``cpu`` (the server's parts' CPU seconds so far), each part's CPU milliseconds a text (``server_cpu_ms``,
+    ``host_cpu_ms``, ``models_cpu_ms``, ``load_generator_cpu_ms``): where the machine's CPU went; ``load_cpus``: the
+    CPUs the load generator ran on."""
     from service.bench.load import closed_loop as clients
     from service.bench.load import run_async
 
     t0 = time.monotonic()
     level = run_async(clients(url, "/v1/classify", texts, concurrency, seconds, processes=processes,
-                              per_request=per_request, cpu=cpu))
+                              per_request=per_request, cpu=cpu, cpus=load_cpus))
     row = level.row()
     return {"concurrency": concurrency, "texts_per_request": per_request, "load_processes": row["load_processes"],
             "requests_per_s": row["requests_per_s"], "texts_per_s": row["throughput"], "errors": row["errors"],
             "p50_ms": row["p50_ms"], "p99_ms": row["p99_ms"], "wall_s": time.monotonic() - t0,
             "mean_batch": row["mean_batch"], "engine_busy": row["model_busy"], "batch_ms": row["batch_ms"],
+            "load_cpus": row["load_cpus"],
             **{k: v for k, v in row.items() if k.endswith("_cpu_ms")}}
 
 
 def served(repository: Path, model: str, device: str, texts: list[str], levels: list[tuple[int, int]],
-           seconds: float, processes: int, logs: Path, settings: dict[str, str] | None = None) -> dict[str, Any]:
+           seconds: float, processes: int, logs: Path, settings: dict[str, str] | None = None,
+           cpu_split: CpuSplit | None = None) -> dict[str, Any]:
     """This version's server on ``device`` (with ``settings``, ``ROUTING_*`` variables, beside its defaults), driven at
-    each (concurrency, texts per request) of ``levels``; ``ready_s``: from its start to ready."""
+    each (concurrency, texts per request) of ``levels``; ``ready_s``: from its start to ready. With ``cpu_split``, the
+    server (its fronts counted from its CPUs) and the load generator each on their own CPUs."""
     from service.bench.server import ServerProcess, free_port, fronts_of, server_cpu
 
     port = free_port()
@@ -271,17 +279,20 @@ def served(repository: Path, model: str, device: str, texts: list[str], levels: 
     env = {**os.environ, "ROUTING_LOG_LEVEL": "warning", "ROUTING_MAX_QUEUE": "100000",
            "ROUTING_GRPC_PORT": str(free_port()),  # gRPC on a port of its own: the default may be taken
            "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), **(settings or {})}
-    server = ServerProcess(logs, command, env, "bench-gpu-server", port, cwd=ROOT)
+    with pinned(cpu_split.server if cpu_split else None):
+        server = ServerProcess(logs, command, env, "bench-gpu-server", port, cwd=ROOT)
     try:
         t0 = time.perf_counter()
         server.wait_ready(300)
         out: dict[str, Any] = {"ready_s": time.perf_counter() - t0, "fronts": fronts_of(server.proc.pid),
-                               "settings": settings or {}, "levels": []}  # the default fronts (ROUTING_WORKERS=auto)
-        closed_loop(server.url, texts, 8, 1, min(1.0, seconds), 1)  # warm-up
+                               "settings": settings or {}, "levels": [],  # the default fronts (ROUTING_WORKERS=auto)
+                               "server_cpus": sorted(os.sched_getaffinity(server.proc.pid))}
+        load_cpus = cpu_split.load if cpu_split else None
+        closed_loop(server.url, texts, 8, 1, min(1.0, seconds), 1, load_cpus=load_cpus)  # warm-up
         fronts = out["fronts"]
         for concurrency, per_request in levels:
             row = closed_loop(server.url, texts, concurrency, per_request, seconds, processes,
-                              lambda: server_cpu(server.proc.pid, fronts))
+                              lambda: server_cpu(server.proc.pid, fronts), load_cpus)
             report.echo(f"bench gpu: served c={concurrency} x{per_request}: {row['requests_per_s']:.0f} requests/s, "
                         f"p99 {row['p99_ms']:.1f} ms", err=True)
             out["levels"].append(row)
@@ -291,12 +302,14 @@ def served(repository: Path, model: str, device: str, texts: list[str], levels: 
 
 
 def beside(repository: Path, model: str, device: str, texts: list[str], peers: list[str], fronts: list[int],
-           levels: list[int], seconds: float, rounds: int, processes: int, logs: Path) -> dict[str, Any]:
+           levels: list[int], seconds: float, rounds: int, processes: int, logs: Path,
+           cpu_split: CpuSplit | None = None) -> dict[str, Any]:
     """This service (one front, and each number of ``fronts``) and the ``peers`` (mosec, LitServe: this version's
     engine inside as the service runs it, captured shape buckets on a GPU included, their own batching at this
     service's default batch size for the device), single texts at each
     closed-loop level of ``levels`` from ``processes`` load processes, each measured while the others are paused
-    (see :func:`service.bench.versus.compare`). Peers not installed are left out and named."""
+    (see :func:`service.bench.versus.compare`); with ``cpu_split``, every server on its CPUs and the load generator
+    on its own. Peers not installed are left out and named."""
     from importlib.metadata import version
     from importlib.util import find_spec
 
@@ -307,9 +320,12 @@ def beside(repository: Path, model: str, device: str, texts: list[str], peers: l
     present = [p for p in peers if p not in missing]
     max_batch_size, _ = Settings().batch_limits(device)
     max_wait_ms = Settings.model_fields["max_wait_ms"].default
-    contenders = versus.start(present, repository, model, device, max_batch_size, max_wait_ms, logs, None, fronts)
+    with pinned(cpu_split.server if cpu_split else None):
+        contenders = versus.start(present, repository, model, device, max_batch_size, max_wait_ms, logs, None,
+                                  fronts)
     try:
-        out = versus.compare(contenders, texts, levels, seconds, rounds, [], processes=processes)
+        out = versus.compare(contenders, texts, levels, seconds, rounds, [], processes=processes,
+                             load_cpus=cpu_split.load if cpu_split else None)
     finally:
         versus.stop(contenders)
     return {**out, "versions": {p: version(p) for p in present}, "missing_peers": missing,
@@ -344,11 +360,13 @@ def run(device: str, model: str, repository: Path, n_texts: int, budgets: list[i
         accuracy_texts: int, logs: Path, texts_file: Path | None = None,
         checkpoint: Callable[[dict[str, Any], dict[str, Any]], None] | None = None,
         variant: list[dict[str, Any]] | None = None, peers: list[str] | None = None, fronts: list[int] | None = None,
-        peer_levels: list[int] | None = None, served_variant: dict[str, str] | None = None) -> dict[str, Any]:
+        peer_levels: list[int] | None = None, served_variant: dict[str, str] | None = None,
+        cpu_split: CpuSplit | None = None) -> dict[str, Any]:
     """Every section (see the module's docstring); ``results`` and a ``summary`` of the headline numbers.
     ``checkpoint(settings, results)`` after each section. ``peers``, ``fronts``, ``peer_levels``: see :func:`beside`
     (none of either: no such section). ``served_variant``: the server again with these ``ROUTING_*`` variables, at
-    the last two levels (none: not)."""
+    the last two levels (none: not). ``cpu_split``: the served sections' servers and load generator each on their
+    own CPUs (none: they share the machine's)."""
     import torch
 
     from service.config import CPU_BATCH, GPU_BATCH
@@ -385,6 +403,7 @@ def run(device: str, model: str, repository: Path, n_texts: int, budgets: list[i
                 "texts_file": str(given_texts) if given_texts else None, "variant": variant,
                 "peers": peers or [], "fronts": fronts or [], "peer_levels": peer_levels or [],
                 "served_variant": served_variant or {},
+                "cpus": cpu_split.record() if cpu_split else None,
                 "cuda_device": torch.cuda.get_device_name(0) if cuda and torch.cuda.is_available() else None}
     results: dict[str, Any] = {}
 
@@ -427,14 +446,14 @@ def run(device: str, model: str, repository: Path, n_texts: int, budgets: list[i
                                       labels[:accuracy_texts], default_budget, max_texts, "buckets",
                                       ("off", "cuda" if cuda else "eager"), "buckets"))
     levels = [(c, 1) for c in concurrencies] + [(64, 16)]
-    step("served", lambda: served(repository, model, device, texts, levels, served_seconds,
-                                              load_processes, logs))
+    step("served", lambda: served(repository, model, device, texts, levels, served_seconds, load_processes, logs,
+                                  cpu_split=cpu_split))
     if served_variant:  # the server with settings other than its defaults: ready time and the top levels
         step("served_variant", lambda: served(repository, model, device, texts, levels[-2:], served_seconds,
-                                              load_processes, logs, served_variant))
+                                              load_processes, logs, served_variant, cpu_split))
     if (peers or fronts) and peer_levels:
         step("beside", lambda: beside(repository, model, device, texts, peers or [], fronts or [], peer_levels,
-                                      served_seconds, 1, load_processes, logs))
+                                      served_seconds, 1, load_processes, logs, cpu_split))
     step("routing_headline", lambda: routing_headline(device))
     files.cleanup()
     return {"settings": settings, "results": results, "summary": summarize(results, default_budget)}
@@ -510,6 +529,7 @@ def summarize(results: dict[str, Any], budget: int) -> dict[str, Any]:
             "errors": r["errors"], "mean_batch": r.get("mean_batch"), "engine_busy": r.get("engine_busy"),
             **{k: v for k, v in r.items() if k.endswith("_cpu_ms")}} for r in get(name, "levels") or []} or None
     out["ready_s"] = get("served", "ready_s")
+    out["served_fronts"] = get("served", "fronts")  # ROUTING_WORKERS=auto on the server's CPUs
     out["ready_s_variant"] = get("served_variant", "ready_s")
     multi = next((r for r in levels if r["texts_per_request"] > 1), None)
     offline = cur.get(str(budget))

@@ -6,17 +6,21 @@ CPU each part used)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import multiprocessing
+import os
 import queue
 import random
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Collection, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import aiohttp
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
+
+from service.bench.cpus import pinned
 
 T = TypeVar("T")
 
@@ -34,6 +38,7 @@ class Level:
     cpu_s: dict[str, float] | None = None  # CPU seconds meanwhile: the server's parts, the load generator
     per_request: int = 1  # texts per request
     processes: int = 1  # processes of the load generator
+    load_cpus: tuple[int, ...] = ()  # the CPUs the load generator's processes ran on
 
     def row(self) -> dict[str, Any]:
         lat = sorted(self.latencies)
@@ -48,6 +53,7 @@ class Level:
                 "model_busy": self.compute_s / self.seconds,
                 "batch_ms": 1000 * self.compute_s / max(self.batch_count, 1),
                 "errors": self.errors, "requests": len(self.latencies) + self.errors,
+                "load_cpus": list(self.load_cpus),
                 **{f"{part}_cpu_ms": 1000 * s / max(self.texts, 1) for part, s in (self.cpu_s or {}).items()}}
 
 
@@ -105,12 +111,13 @@ Target = str | Sequence[str] | Callable[[int], str]
 @dataclass
 class Load:
     """What one load process got: the latencies (s) of the requests answered 200, the failed ones, the seconds from
-    its start until its last answer, and the CPU seconds it used."""
+    its start until its last answer, the CPU seconds it used, and the CPUs it ran on."""
 
     latencies: list[float]
     errors: int
     seconds: float
     cpu_s: float
+    cpus: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -204,29 +211,34 @@ async def _open(a: Arrivals) -> Load:
 
 async def _send(part: Clients | Arrivals) -> Load:
     """The load ``part`` sent from this process."""
-    return await (_closed(part) if isinstance(part, Clients) else _open(part))
+    load = await (_closed(part) if isinstance(part, Clients) else _open(part))
+    return dataclasses.replace(load, cpus=tuple(sorted(os.sched_getaffinity(0))))
 
 
-def _load_process(p: int, part: Clients | Arrivals, go: Any, results: Any) -> None:
-    """Load process ``p``: says it is ready (imports done), waits for ``go``, sends its part of the load, then puts
-    what it got on ``results``."""
+def _load_process(p: int, part: Clients | Arrivals, go: Any, results: Any, cpus: Collection[int] | None) -> None:
+    """Load process ``p``: moves to ``cpus`` (if any), says it is ready (imports done), waits for ``go``, sends its
+    part of the load, then puts what it got on ``results``."""
+    if cpus:
+        os.sched_setaffinity(0, cpus)
     results.put((p, None))
     go.wait()
     results.put((p, run_async(_send(part))))
 
 
-def in_processes(parts: Sequence[Clients | Arrivals], begin: Callable[[], object] = lambda: None) -> list[Load]:
-    """Each of ``parts`` in a process of its own, all starting together once every process is ready (``begin`` is
-    called just before: e.g. to read the server's totals then); what each got. A server that answers more than one
-    process of aiohttp can send (about 3,500 requests/s to this service on a GPU machine's cores; 10,000-11,600 to a
-    bare aiohttp server sharing these 2 cores) needs several.
+def in_processes(parts: Sequence[Clients | Arrivals], begin: Callable[[], object] = lambda: None,
+                 cpus: Collection[int] | None = None) -> list[Load]:
+    """Each of ``parts`` in a process of its own (on ``cpus``, where given), all starting together once every process
+    is ready (``begin`` is called just before: e.g. to read the server's totals then); what each got. A server that
+    answers more than one process of aiohttp can send (about 3,500 requests/s to this service on a GPU machine's
+    cores; 10,000-11,600 to a bare aiohttp server sharing these 2 cores) needs several.
 
     Raises:
         RuntimeError: a load process exited without its answer.
     """
     ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no copy of this one's threads or event loop
     go, results = ctx.Event(), ctx.Queue()
-    procs = [ctx.Process(target=_load_process, args=(p, part, go, results), daemon=True, name=f"load process {p}")
+    procs = [ctx.Process(target=_load_process, args=(p, part, go, results, cpus), daemon=True,
+                         name=f"load process {p}")
              for p, part in enumerate(parts)]
 
     def collect() -> dict[int, Load | None]:
@@ -266,18 +278,20 @@ def _spread(n: int, processes: int) -> list[tuple[int, int]]:
 
 
 async def _generate(parts: Sequence[Clients | Arrivals], concurrency: int, per_request: int,
-                    cpu: Callable[[], dict[str, float] | None] | None, stats: Stats) -> Level:
-    """Run the load ``parts`` (in this process if one, else each in a process of its own) and count what the
-    clients got, the server's batches meanwhile and, with ``cpu``, the CPU of the server's parts and of the load
-    generator (this process and its load processes)."""
+                    cpu: Callable[[], dict[str, float] | None] | None, stats: Stats,
+                    cpus: Collection[int] | None = None) -> Level:
+    """Run the load ``parts`` (in this process if one, else each in a process of its own; on ``cpus``, where given)
+    and count what the clients got, the server's batches meanwhile and, with ``cpu``, the CPU of the server's parts
+    and of the load generator (this process and its load processes)."""
     cpu0, own0 = (cpu() if cpu else None), time.process_time()
     if len(parts) == 1:  # this process's CPU is the load generator's
         s0 = stats()
         (part,) = parts
-        loads, others = [await _send(part)], 0.0
+        with pinned(cpus):
+            loads, others = [await _send(part)], 0.0
     else:
         at_start: list[tuple[float, float, float]] = []
-        loads = await asyncio.to_thread(in_processes, parts, lambda: at_start.append(stats()))
+        loads = await asyncio.to_thread(in_processes, parts, lambda: at_start.append(stats()), cpus)
         s0, others = at_start[0], sum(load.cpu_s for load in loads)
     s1 = stats()
     cpu1, own1 = (cpu() if cpu else None), time.process_time()
@@ -286,34 +300,36 @@ async def _generate(parts: Sequence[Clients | Arrivals], concurrency: int, per_r
     latencies = [x for load in loads for x in load.latencies]
     return Level(concurrency, max(load.seconds for load in loads), latencies, sum(load.errors for load in loads),
                  len(latencies) * per_request, s1[0] - s0[0], s1[1] - s0[1], s1[2] - s0[2], used,
-                 per_request=per_request, processes=len(parts))
+                 per_request=per_request, processes=len(parts),
+                 load_cpus=tuple(sorted({c for load in loads for c in load.cpus})))
 
 
 async def closed_loop(url: str, path: Target, texts: list[str], concurrency: int, seconds: float,
                       body: dict[str, Any] | None = None,
                       cpu: Callable[[], dict[str, float] | None] | None = None, stats: Stats | None = None,
-                      processes: int = 1, per_request: int = 1) -> Level:
+                      processes: int = 1, per_request: int = 1, cpus: Collection[int] | None = None) -> Level:
     """``concurrency`` clients, each sending ``per_request`` texts at a time for ``seconds`` (aiohttp: about a
     tenth of httpx's CPU per request, measured here: 0.2 vs 2.0 ms), spread over ``processes`` load processes
     (one: in this process); with several ``path`` s, client ``w`` sends to ``path[w % len(path)]``; with a function,
     request ``k`` goes to ``path(k)`` (a function that pickles, with several processes). ``cpu``: CPU seconds used
     so far by the server's parts (see ``LocalServer.cpu``), to count where the machine's CPU went, the load
-    generator's included. ``stats``: the server's batch totals (default: this service's metrics)."""
+    generator's included. ``stats``: the server's batch totals (default: this service's metrics). ``cpus``: the CPUs
+    the load generator runs on (default: this process's)."""
     parts = [Clients(url, path, texts, concurrency, seconds, body, per_request, first, count)
              for first, count in _spread(concurrency, processes)]
-    return await _generate(parts, concurrency, per_request, cpu, stats or metrics_stats(url))
+    return await _generate(parts, concurrency, per_request, cpu, stats or metrics_stats(url), cpus)
 
 
 async def open_loop(url: str, path: str | Callable[[int], str], texts: list[str], rate: float, seconds: float,
                     seed: int = 0,
                     cpu: Callable[[], dict[str, float] | None] | None = None, stats: Stats | None = None,
-                    processes: int = 1) -> Level:
+                    processes: int = 1, cpus: Collection[int] | None = None) -> Level:
     """Poisson arrivals at ``rate`` requests per second for ``seconds`` (seeded), each one text, whatever is in
     flight; every latency counts from the request's scheduled time (a generator that falls behind adds its
     delay instead of hiding it); request ``k`` goes to ``path(k)`` when ``path`` is a function. With several
     ``processes``, each sends arrivals at ``rate / processes`` (seeded apart; together Poisson at ``rate``). Waits
-    for the last answers; the level's concurrency is 0."""
+    for the last answers; the level's concurrency is 0. ``cpus``: as for :func:`closed_loop`."""
     processes = max(1, processes)
     parts = [Arrivals(url, path, texts, rate / processes, seconds, seed + 7919 * p, 104729 * p)
              for p in range(processes)]
-    return await _generate(parts, 0, 1, cpu, stats or metrics_stats(url))
+    return await _generate(parts, 0, 1, cpu, stats or metrics_stats(url), cpus)

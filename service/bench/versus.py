@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from importlib.metadata import version
 from pathlib import Path
@@ -84,7 +84,7 @@ def _total_cpu(c: Contender) -> Callable[[], dict[str, float] | None]:
 
 def row(level: Level, **extra: Any) -> dict[str, Any]:
     r = level.row()
-    keep = {k: r[k] for k in ("throughput", "p50_ms", "p99_ms", "mean_batch", "errors", "requests")}
+    keep = {k: r[k] for k in ("throughput", "p50_ms", "p99_ms", "mean_batch", "errors", "requests", "load_cpus")}
     return {**extra, **keep, "server_cpu_ms": r.get("server_cpu_ms"), "front_cpu_ms": r.get("front_cpu_ms"),
             "host_cpu_ms": r.get("host_cpu_ms"), "load_generator_cpu_ms": r.get("load_generator_cpu_ms")}
 
@@ -146,18 +146,18 @@ def mean_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 def compare(contenders: list[Contender], texts: list[str], levels: list[int], seconds: float, rounds: int,
             open_fractions: list[float], engine: dict[int, Callable[[], float]] | None = None,
-            processes: int = 1, per_request: int = 1) -> dict[str, Any]:
+            processes: int = 1, per_request: int = 1, load_cpus: Collection[int] | None = None) -> dict[str, Any]:
     """Closed loops at ``levels`` (each client sending ``per_request`` texts a request), then open loops at
     ``open_fractions`` of this service's best closed-loop throughput (one text a request), each measured in turns,
-    the load from ``processes`` processes; per level, each contender's mean row (texts a second) and its ratio to
-    this service.
+    the load from ``processes`` processes (on ``load_cpus``, where given); per level, each contender's mean row (texts
+    a second) and its ratio to this service.
     ``engine[level]``: texts/s of the model function alone on the batches a closed loop of ``level`` clients
     forms, measured in that level's turns; each contender's share of it at that level."""
     closed: dict[int, tuple[dict[str, list[dict[str, Any]]], list[float]]] = {}
     for level in levels:
         closed[level] = rows_in_turns(contenders, lambda c, level=level: row(run_async(closed_loop(
             c.server.url, c.path, texts, level, seconds, cpu=_total_cpu(c), stats=c.stats, processes=processes,
-            per_request=per_request)), concurrency=level, texts_per_request=per_request),
+            per_request=per_request, cpus=load_cpus)), concurrency=level, texts_per_request=per_request),
             rounds, f"c={level}" + (f" x{per_request}" if per_request > 1 else ""), texts,
             engine=(engine or {}).get(level))
     capacity = max(mean_row(per[THIS])["throughput"] for per, _ in closed.values())
@@ -166,7 +166,7 @@ def compare(contenders: list[Contender], texts: list[str], levels: list[int], se
         rate = fraction * capacity
         opened[fraction], _ = rows_in_turns(contenders, lambda c, rate=rate, fraction=fraction: row(run_async(
             open_loop(c.server.url, c.path, texts, rate, seconds, cpu=_total_cpu(c), stats=c.stats,
-                      processes=processes)),
+                      processes=processes, cpus=load_cpus)),
             fraction=fraction, rate=rate), rounds, f"open loop at {fraction:.0%} of {capacity:.1f} texts/s", texts)
 
     def summary(per: dict[str, list[dict[str, Any]]], alone_rounds: list[float] | None = None) -> dict[str, Any]:

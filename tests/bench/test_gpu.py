@@ -9,6 +9,7 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
+from service.bench import cpus
 from service.bench.gpu import IN_FLIGHT, ROOT, closed_loop, labelled_test, write_labelled
 from service.cli import app
 
@@ -24,11 +25,19 @@ def test_every_section_runs_and_every_field_is_written_on_the_cpu(tiny_repo: Pat
         "--baseline", str(ROOT), "--served-seconds", "0.3", "--concurrency", "4", "--load-processes", "2",
         "--accuracy-texts", "20", "--variant", "packed_heads=false,buckets=eager,head_dtype=bfloat16",
         "--served-variant", "buckets=eager,batches_in_flight=2", "--peers", "mosec",
-        "--workers", "2", "--peer-concurrency", "4", "--out", str(out)])
+        "--workers", "2", "--peer-concurrency", "4", "--load-cpus", "1", "--out", str(out)])
     assert res.exit_code == 0, res.output
     doc = json.loads(out.read_text())
     results, summary = doc["results"], doc["summary"]
     assert summary["failed_sections"] == [], {k: v.get("error") for k, v in results.items() if "error" in v}
+    # the served sections' load generator on a core of its own (the last), the servers on the rest
+    split = cpus.split(1)
+    assert split is not None and doc["settings"]["cpus"] == split.record()
+    levels = [*results["served"]["levels"], *results["served_variant"]["levels"],
+              *(r for level in results["beside"]["closed"].values() for rows in level["rounds"].values() for r in rows)]
+    assert levels and all(r["load_cpus"] == list(split.load) for r in levels)
+    assert results["served"]["server_cpus"] == results["served_variant"]["server_cpus"] == list(split.server)
+    assert summary["served_fronts"] == 1  # auto on a CPU
     sections = {"load", "engine", "profile", "latency", "accuracy", "head_precision", "buckets", "served",
                 "served_variant", "beside", "gpu_tests", "routing_headline"}
     assert set(results) == sections | {"seconds"} and set(results["seconds"]) == sections

@@ -110,7 +110,9 @@ def test_closed_loop_counts_answers_batches_and_cpu(pair: list[Server]) -> None:
     srv = pair[0]  # the tiny model's server, the model in its own process
     level = load.run_async(load.closed_loop(srv.url, "/v1/classify", ["one text", "another text"], 4, 1.0,
                                               cpu=srv.cpu))
-    bad = load.run_async(load.closed_loop(srv.url, "/v1/classify", [""], 2, 0.3))  # empty text: 422
+    mine = os.sched_getaffinity(0)
+    bad = load.run_async(load.closed_loop(srv.url, "/v1/classify", [""], 2, 0.3, cpus=[max(mine)]))  # empty: 422
+    assert bad.load_cpus == (max(mine),) and os.sched_getaffinity(0) == mine  # sent from here, on that CPU alone
     model_pids = children(srv.proc.pid)
     assert level.errors == 0 and level.texts == len(level.latencies) > 4
     assert level.batch_count >= 1 and level.batch_sum >= level.batch_count  # read from the server's /metrics
@@ -126,10 +128,12 @@ def test_closed_loop_counts_answers_batches_and_cpu(pair: list[Server]) -> None:
 
 def test_the_load_spreads_over_processes_and_counts_them_all(pair: list[Server]) -> None:
     srv = pair[0]
+    last = max(os.sched_getaffinity(0))  # the load processes on a CPU of their own (where the machine has some)
     level = load.run_async(load.closed_loop(srv.url, "/v1/classify", ["one text", "another text", "a third"], 5,
-                                              1.0, cpu=srv.cpu, processes=2, per_request=3))
+                                              1.0, cpu=srv.cpu, processes=2, per_request=3, cpus=[last]))
     row = level.row()
     assert level.errors == 0 and len(level.latencies) > 2 and level.processes == 2
+    assert level.load_cpus == (last,) and row["load_cpus"] == [last]
     assert level.texts == 3 * len(level.latencies) and row["throughput"] == pytest.approx(3 * row["requests_per_s"])
     assert level.cpu_s is not None and level.cpu_s["load_generator"] > 0 and level.batch_sum >= level.batch_count >= 1
     assert load._spread(5, 2) == [(0, 3), (3, 2)] and load._spread(2, 4) == [(0, 1), (1, 1)]  # every client once
@@ -138,6 +142,7 @@ def test_the_load_spreads_over_processes_and_counts_them_all(pair: list[Server])
     rate, seconds = 30.0, 1.0
     opened = load.run_async(load.open_loop(srv.url, "/v1/classify", ["one text"], rate, seconds, seed=5,
                                              processes=2))
+    assert opened.load_cpus == tuple(sorted(os.sched_getaffinity(0)))  # none asked: where this process runs
     scheduled = 0
     for p in range(2):
         rng, at = random.Random(5 + 7919 * p), 0.0
