@@ -106,6 +106,34 @@ async def test_a_queue_that_fits_goes_whole_unless_an_item_is_much_costlier() ->
     await b.stop(1)
 
 
+async def test_a_batch_takes_whole_requests_in_the_order_they_came() -> None:
+    # four requests of three items queued behind a batch, two requests' worth a batch: each batch holds whole
+    # requests (by cost alone, the 10s would go together and every request wait for both batches), and the first
+    # two are answered while the second batch computes
+    gates = [threading.Event() for _ in range(3)]
+    calls = iter(gates)
+    b, rec = make(lambda ps: (next(calls).wait(5), ps)[1], max_batch_size=1)
+    b.start()
+    blocker = asyncio.ensure_future(b.submit(["slow"], [1], later()))
+    await until(lambda: rec.batches == [["slow"]])
+    b.limits = BatchLimits(6, 1000, 0.0, 100)
+    costs = {"a": [10, 30, 10], "b": [30, 10, 30], "c": [10, 30, 10], "d": [30, 10, 30]}
+    asked = {r: asyncio.ensure_future(b.submit([f"{r}{k}" for k in range(3)], c, later())) for r, c in costs.items()}
+    await until(lambda: b.queue_depth == 12)
+    gates[0].set()
+    await blocker
+    await until(lambda: len(rec.batches) == 2)
+    gates[1].set()
+    await until(lambda: len(rec.batches) == 3)  # the second of them computes, held
+    assert [sorted(batch) for batch in rec.batches[1:]] == [["a0", "a1", "a2", "b0", "b1", "b2"],
+                                                             ["c0", "c1", "c2", "d0", "d1", "d2"]]
+    await until(lambda: asked["a"].done() and asked["b"].done())
+    assert not asked["c"].done() and await asked["a"] == ["a0", "a1", "a2"]
+    gates[2].set()
+    assert await asked["d"] == ["d0", "d1", "d2"]
+    await b.stop(1)
+
+
 async def test_failing_batch_fails_only_its_own_requests() -> None:
     b, _rec = make(fails_on_bad, max_batch_size=1)
     b.start()

@@ -3,10 +3,10 @@
 Callers ``submit`` a request's items (each with a cost, e.g. its token count, and a group, e.g. the
 text it is a part of) and await their results, or ``enqueue`` them and get the future of their results (no task
 waits: the items' answers settle it, a timer its deadline). One worker task forms batches under
-``max_batch_size`` items and ``max_batch_tokens`` of cost in all (items of similar cost together),
-and runs each batch through a synchronous ``run_batch`` callable in a worker thread, so the event
-loop keeps answering (health checks, metrics) while the model computes; or awaits it on the loop where it is a
-coroutine function (a model computing in another process, whose pipe the loop reads: no thread a batch).
+``max_batch_size`` items and ``max_batch_tokens`` of cost in all (a request's items together, none much costlier
+than the batch's first), and runs each batch through a synchronous ``run_batch`` callable in a worker thread, so
+the event loop keeps answering (health checks, metrics) while the model computes; or awaits it on the loop where it
+is a coroutine function (a model computing in another process, whose pipe the loop reads: no thread a batch).
 
 A free runner lets its next batch fill while items keep arriving, at most ``max_wait_s`` apart,
 counted from the first to arrive after it became free: the answers of the batch it just computed are
@@ -274,9 +274,10 @@ class Batcher(Generic[P, R]):
 
     def _take_batch(self, free: list[int]) -> tuple[int, list[_Item[P]]]:
         """A batch for one of the ``free`` runners: the anchor (the oldest item of the group that has
-        waited longest since its last batch finished, among the items those runners may take) plus the
-        queued items closest to it in cost and at most ``SIMILAR`` times its cost, within both limits:
-        a short text's batch never waits for a long text's chunks. Empty when every queued item's group
+        waited longest since its last batch finished, among the items those runners may take), the rest of its
+        request, then the queued items in the order they came (a request's items together), each at most
+        ``SIMILAR`` times the anchor's cost, within both limits: a short text's batch never waits for a long
+        text's chunks, and a request waits for one batch, not for every one. Empty when every queued item's group
         stays on a busy runner."""
         lim = self.limits
         pending = self._pending
@@ -293,8 +294,11 @@ class Batcher(Generic[P, R]):
             return free[0], []
         first = min(eligible, key=lambda it: (self._served.get(it.group, it.enqueued), it.enqueued))
         runner = self._pinned.get(first.group, free[0])
+        # the anchor's request first, then the others in the order they came, each one's items together: a batch
+        # holds whole requests but the last it reaches, which are answered as it ends (their clients' next requests
+        # come while the next batch computes), where items sorted by cost spread every request over every batch
         rest = sorted((it for it in eligible if it is not first and self._pinned.get(it.group, runner) == runner),
-                      key=lambda it: abs(it.cost - first.cost))
+                      key=lambda it: it.request is not first.request)
         batch, total = [first], first.cost
         for it in rest:
             if len(batch) >= lim.max_batch_size:
