@@ -52,12 +52,9 @@ def numbers(value: str, option: str, kind: Callable[[str], N] = int, required: b
 
 
 def fronts_option(value: str) -> list[int]:
-    """``--workers`` of a bench: the numbers of front processes to measure beside one front (each at least 2)."""
-    fronts = numbers(value, "--workers", required=False)
-    if any(n < 2 for n in fronts):
-        raise typer.BadParameter("numbers of fronts of at least 2 (one front is this service itself)",
-                                 param_hint="--workers")
-    return fronts
+    """``--workers`` of a bench: the numbers of front processes to measure beside this service's default
+    (``ROUTING_WORKERS=auto``: one on a CPU box)."""
+    return numbers(value, "--workers", required=False)
 
 
 def served_settings(value: str) -> dict[str, str]:
@@ -652,7 +649,8 @@ def bench_gpu(
                                             "levels, in turns ('' to skip; those not installed are named and left "
                                             "out): mosec, litserve")] = "mosec,litserve",
     workers: Annotated[str, typer.Option(help="This service also with these numbers of front processes "
-                                              "(ROUTING_WORKERS) at the peer levels ('' to skip)")] = "2,4,8",
+                                              "(ROUTING_WORKERS) at the peer levels, beside its default fronts "
+                                              "('' to skip)")] = "1,8",
     peer_concurrency: Annotated[str, typer.Option(help="Single-text concurrencies of the peers and fronts")] = (
         "32,64,256"),
     accuracy_texts: Annotated[int, typer.Option(min=1, help="Labelled test texts for the precisions' accuracy")
@@ -666,11 +664,10 @@ def bench_gpu(
                                                            "settings changed (e.g. head_call_overhead=8192, or "
                                                            "packed_heads=false,head_dtype=bfloat16), in turns too")
                        ] = None,
-    served_variant: Annotated[str, typer.Option(help="NAME=VALUE[,NAME=VALUE]: also serve with these settings "
-                                                     "(ROUTING_NAME=VALUE) over the defaults, e.g. "
-                                                     "batches_in_flight=1 or buckets=off ('' to skip): time to ready "
-                                                     "and the top levels")
-                              ] = "",
+    served_variant: Annotated[list[str] | None, typer.Option(
+        help="NAME=VALUE[,NAME=VALUE]: also serve with these settings (ROUTING_NAME=VALUE) over the defaults, e.g. "
+             "batches_in_flight=1, max_wait_ms=1 or buckets=off (repeat it for several): time to ready and the top "
+             "levels")] = None,
     model_repository: Path = Path("models"),
     out: Annotated[Path, typer.Option(help="JSON result file")] = Path("bench-results/gpu.json"),
 ) -> None:
@@ -708,7 +705,7 @@ def bench_gpu(
                          baseline, served_seconds, numbers(concurrency, "--concurrency"), load_processes,
                          accuracy_texts, out.parent / "logs", texts_file, checkpoint, variants, peer_names,
                          fronts, numbers(peer_concurrency, "--peer-concurrency"),
-                         served_settings(served_variant), cpu_split)
+                         [served_settings(v) for v in served_variant or []], cpu_split)
     summary = result["summary"]
     typer.echo(json.dumps(summary, indent=1))
     path = report.write_json(out, "gpu", result["settings"], result["results"], summary)
@@ -762,7 +759,8 @@ def bench_serve(
     baseline: Annotated[Path | None, typer.Option(help="A checkout of this repository (e.g. a git worktree of "
                                                        "an earlier commit) to serve beside the peers")] = None,
     workers: Annotated[str, typer.Option(help="Also this service with these numbers of front processes "
-                                              "(ROUTING_WORKERS), beside the peers (comma-separated)")] = "",
+                                              "(ROUTING_WORKERS), beside its default fronts and the peers "
+                                              "(comma-separated)")] = "",
     load_processes: Annotated[int, typer.Option(min=1, help="Processes of the load generator (one aiohttp process "
                                                      "offers about 3,500 requests/s; on a machine of few cores more "
                                                      "take the server's CPU)")] = 1,

@@ -27,9 +27,10 @@ fails records its error and the run goes on):
   concurrencies and 16-text requests, requests and texts per second, p50 and p99. In this and the next two
   sections the load processes run on cores of their own where the machine has them to spare, every server on the
   rest (:mod:`service.bench.cpus`; both recorded);
-- ``served_variant`` (with ``--served-variant``): the server again with settings over its defaults (e.g. one batch
-  in flight, or no buckets): its time to ready (which includes capturing the buckets' graphs), at the last
-  single-text level and the 16-text one;
+- ``served_variant``, ``served_variant_2``, ... (one for each ``--served-variant``, after ``beside``): the server
+  again with settings over its defaults (e.g. one batch in flight, a shorter wait for a batch to fill, no buckets):
+  its time to ready (which includes capturing the buckets' graphs), at the last single-text level and the 16-text
+  one;
 - ``beside``: single-text requests at the peer levels to this service with one front and with more (how many
   fronts a device needs), and to mosec and LitServe with this version's engine inside, in turns;
 - ``routing_headline``: the reference library's headline (``bench routing --headline``): 1,000,000 vectors of
@@ -360,13 +361,14 @@ def run(device: str, model: str, repository: Path, n_texts: int, budgets: list[i
         accuracy_texts: int, logs: Path, texts_file: Path | None = None,
         checkpoint: Callable[[dict[str, Any], dict[str, Any]], None] | None = None,
         variant: list[dict[str, Any]] | None = None, peers: list[str] | None = None, fronts: list[int] | None = None,
-        peer_levels: list[int] | None = None, served_variant: dict[str, str] | None = None,
+        peer_levels: list[int] | None = None, served_variants: list[dict[str, str]] | None = None,
         cpu_split: CpuSplit | None = None) -> dict[str, Any]:
     """Every section (see the module's docstring); ``results`` and a ``summary`` of the headline numbers.
     ``checkpoint(settings, results)`` after each section. ``peers``, ``fronts``, ``peer_levels``: see :func:`beside`
-    (none of either: no such section). ``served_variant``: the server again with these ``ROUTING_*`` variables, at
-    the last two levels (none: not). ``cpu_split``: the served sections' servers and load generator each on their
-    own CPUs (none: they share the machine's)."""
+    (none of either: no such section). ``served_variants``: the server again with each one's ``ROUTING_*``
+    variables, at the last two levels, after ``beside`` (the comparison a judgement needs comes first).
+    ``cpu_split``: the served sections' servers and load generator each on their own CPUs (none: they share the
+    machine's)."""
     import torch
 
     from service.config import CPU_BATCH, GPU_BATCH
@@ -402,7 +404,7 @@ def run(device: str, model: str, repository: Path, n_texts: int, budgets: list[i
                 "concurrencies": concurrencies, "load_processes": load_processes, "accuracy_texts": accuracy_texts,
                 "texts_file": str(given_texts) if given_texts else None, "variant": variant,
                 "peers": peers or [], "fronts": fronts or [], "peer_levels": peer_levels or [],
-                "served_variant": served_variant or {},
+                "served_variants": served_variants or [],
                 "cpus": cpu_split.record() if cpu_split else None,
                 "cuda_device": torch.cuda.get_device_name(0) if cuda and torch.cuda.is_available() else None}
     results: dict[str, Any] = {}
@@ -448,15 +450,22 @@ def run(device: str, model: str, repository: Path, n_texts: int, budgets: list[i
     levels = [(c, 1) for c in concurrencies] + [(64, 16)]
     step("served", lambda: served(repository, model, device, texts, levels, served_seconds, load_processes, logs,
                                   cpu_split=cpu_split))
-    if served_variant:  # the server with settings other than its defaults: ready time and the top levels
-        step("served_variant", lambda: served(repository, model, device, texts, levels[-2:], served_seconds,
-                                              load_processes, logs, served_variant, cpu_split))
     if (peers or fronts) and peer_levels:
         step("beside", lambda: beside(repository, model, device, texts, peers or [], fronts or [], peer_levels,
                                       served_seconds, 1, load_processes, logs, cpu_split))
+    for k, changed in enumerate(served_variants or []):  # the server with settings over its defaults: ready time
+        # and the top levels
+        step(variant_section(k), lambda changed=changed: served(repository, model, device, texts, levels[-2:],
+                                                                served_seconds, load_processes, logs, changed,
+                                                                cpu_split))
     step("routing_headline", lambda: routing_headline(device))
     files.cleanup()
     return {"settings": settings, "results": results, "summary": summarize(results, default_budget)}
+
+
+def variant_section(k: int) -> str:
+    """The section of the ``k``-th served variant (from 0): ``served_variant``, ``served_variant_2``, ..."""
+    return "served_variant" + (f"_{k + 1}" if k else "")
 
 
 def summarize(results: dict[str, Any], budget: int) -> dict[str, Any]:
@@ -523,14 +532,19 @@ def summarize(results: dict[str, Any], budget: int) -> dict[str, Any]:
             out[f"buckets_{name}"] = {k: last.get(k) for k in ("bucketed", "replayed", "one_head", "unfit",
                                                                "padded_share", "capture_s", "buckets", "failed")}
     levels = get("served", "levels") or []
-    for name in ("served", "served_variant"):
-        out[name] = {f"c{r['concurrency']}x{r['texts_per_request']}": {
+
+    def by_level(name: str) -> dict[str, Any] | None:
+        return {f"c{r['concurrency']}x{r['texts_per_request']}": {
             "requests_per_s": r["requests_per_s"], "texts_per_s": r["texts_per_s"], "p99_ms": r["p99_ms"],
             "errors": r["errors"], "mean_batch": r.get("mean_batch"), "engine_busy": r.get("engine_busy"),
             **{k: v for k, v in r.items() if k.endswith("_cpu_ms")}} for r in get(name, "levels") or []} or None
+
+    out["served"] = by_level("served")
     out["ready_s"] = get("served", "ready_s")
     out["served_fronts"] = get("served", "fronts")  # ROUTING_WORKERS=auto on the server's CPUs
-    out["ready_s_variant"] = get("served_variant", "ready_s")
+    variants = [k for k in results if k == variant_section(0) or k.startswith(variant_section(0) + "_")]
+    out["served_variants"] = {k: {"settings": get(k, "settings"), "ready_s": get(k, "ready_s"),
+                                  "fronts": get(k, "fronts"), "levels": by_level(k)} for k in variants} or None
     multi = next((r for r in levels if r["texts_per_request"] > 1), None)
     offline = cur.get(str(budget))
     out["served_over_offline_multi_text"] = multi["texts_per_s"] / offline if multi and offline else None

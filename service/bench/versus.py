@@ -44,14 +44,20 @@ def peer_stats(server: PeerServer) -> Stats:
     return read
 
 
+def with_fronts(n: int) -> str:
+    """The name of this service with ``n`` fronts set (``ROUTING_WORKERS=n``) beside its default."""
+    return f"{THIS}, {n} front{'s' if n > 1 else ''}"
+
+
 def start(peers: list[str], repository: Path, model: str, device: str, max_batch_size: int, max_wait_ms: float,
           logs: Path, baseline: Path | None, fronts: Sequence[int] = ()) -> list[Contender]:
-    """This service (defaults but the batch settings, and one front), with each number of ``fronts`` too, the
-    baseline's and each peer, all up and answering."""
+    """This service (its defaults but the batch settings: its fronts as ``ROUTING_WORKERS=auto`` picks them on this
+    machine's CPUs, one on a CPU box), with each number of ``fronts`` too, the baseline's and each peer, all up and
+    answering."""
     settings = {"model_repository": repository.resolve(), "models": model, "default_model": model,
                 "max_queue": 100000, "device": device, "max_batch_size": max_batch_size, "max_wait_ms": max_wait_ms}
     local: list[tuple[str, Path | None, dict[str, object]]] = [
-        (THIS, None, {"workers": 1}), *((f"{THIS}, {n} fronts", None, {"workers": n}) for n in fronts),
+        (THIS, None, {}), *((with_fronts(n), None, {"workers": n}) for n in fronts),
         *([("baseline", baseline, {})] if baseline else [])]
     servers = ready_together([
         *(functools.partial(LocalServer, logs, checkout=checkout, **settings, **more) for _, checkout, more in local),
@@ -207,7 +213,7 @@ def measure(plan: Plan, repository: Path, model: str, device: str, max_batch_siz
             logs: Path, texts: list[str], seconds: float,
             engine: dict[int, Callable[[], float]] | None = None) -> dict[str, Any]:
     """Start every contender, compare them (see :func:`compare`, ``engine`` too), stop them; print the tables."""
-    names = [THIS, *(f"{THIS}, {n} fronts" for n in plan.fronts), *(["baseline"] if plan.baseline else []),
+    names = [THIS, *map(with_fronts, plan.fronts), *(["baseline"] if plan.baseline else []),
              *plan.peers]
     echo(f"  {', '.join(names)}: each measured while the others are paused, closed loops at {plan.levels} ("
          f"{plan.texts_per_request} text{'s' if plan.texts_per_request > 1 else ''} a request) and open loops at "

@@ -24,7 +24,8 @@ def test_every_section_runs_and_every_field_is_written_on_the_cpu(tiny_repo: Pat
         "--texts-file", str(texts), "--texts", "32", "--budgets", "64", "--seconds", "0.05", "--rounds", "2",
         "--baseline", str(ROOT), "--served-seconds", "0.3", "--concurrency", "4", "--load-processes", "2",
         "--accuracy-texts", "20", "--variant", "packed_heads=false,buckets=eager,head_dtype=bfloat16",
-        "--served-variant", "buckets=eager,batches_in_flight=2", "--peers", "mosec",
+        "--served-variant", "buckets=eager,batches_in_flight=2", "--served-variant", "max_wait_ms=1",
+        "--peers", "mosec",
         "--workers", "2", "--peer-concurrency", "4", "--load-cpus", "1", "--out", str(out)])
     assert res.exit_code == 0, res.output
     doc = json.loads(out.read_text())
@@ -34,18 +35,25 @@ def test_every_section_runs_and_every_field_is_written_on_the_cpu(tiny_repo: Pat
     split = cpus.split(1)
     assert split is not None and doc["settings"]["cpus"] == split.record()
     levels = [*results["served"]["levels"], *results["served_variant"]["levels"],
+              *results["served_variant_2"]["levels"],
               *(r for level in results["beside"]["closed"].values() for rows in level["rounds"].values() for r in rows)]
     assert levels and all(r["load_cpus"] == list(split.load) for r in levels)
     assert results["served"]["server_cpus"] == results["served_variant"]["server_cpus"] == list(split.server)
     assert summary["served_fronts"] == 1  # auto on a CPU
     sections = {"load", "engine", "profile", "latency", "accuracy", "head_precision", "buckets", "served",
-                "served_variant", "beside", "gpu_tests", "routing_headline"}
+                "served_variant", "served_variant_2", "beside", "gpu_tests", "routing_headline"}
     assert set(results) == sections | {"seconds"} and set(results["seconds"]) == sections
     assert set(summary["section_seconds"]) == sections and all(v >= 0 for v in summary["section_seconds"].values())
     assert summary["seconds_in_all"] == round(sum(results["seconds"].values()), 1) > 0
-    assert results["served_variant"]["settings"] == {"ROUTING_BUCKETS": "eager", "ROUTING_BATCHES_IN_FLIGHT": "2"}
-    assert summary["ready_s_variant"] > 0
-    assert all(v["errors"] == 0 and v["texts_per_s"] > 0 for v in summary["served_variant"].values())
+    # each served variant after the comparison beside the peers, in the order asked, its settings over the defaults
+    assert list(results).index("beside") < list(results).index("served_variant") < list(results).index(
+        "served_variant_2")
+    variants = summary["served_variants"]
+    assert list(variants) == ["served_variant", "served_variant_2"]
+    assert variants["served_variant"]["settings"] == {"ROUTING_BUCKETS": "eager", "ROUTING_BATCHES_IN_FLIGHT": "2"}
+    assert variants["served_variant_2"]["settings"] == {"ROUTING_MAX_WAIT_MS": "1"}
+    assert all(v["ready_s"] > 0 and set(v["levels"]) == {"c4x1", "c64x16"} for v in variants.values())
+    assert all(r["errors"] == 0 and r["texts_per_s"] > 0 for v in variants.values() for r in v["levels"].values())
     assert results["routing_headline"]["n_inp"] == 2000 and results["routing_headline"]["finite"]
     empty = {k for k, v in summary.items() if v is None}
     assert all(k.startswith("device_busy_share") for k in empty), empty  # a CPU has no device to be busy
