@@ -24,17 +24,18 @@ fails records its error and the run goes on):
   and what the warm-up took (``--variant buckets=off`` measures the eager engine's speed in the turns, on a GPU);
 - ``served``: the server started on the device, driven by clients in several processes (one aiohttp process tops
   out near 3,500 requests/s) with its default fronts (their number recorded): single-text requests at the given
-  concurrencies and 16-text requests, requests and texts per second, p50 and p99. In this and the next two
-  sections the load processes run on cores of their own where the machine has them to spare, every server on the
-  rest (:mod:`service.bench.cpus`; both recorded);
-- ``served_variant``, ``served_variant_2``, ... (one for each ``--served-variant``, after ``beside``): the server
+  concurrencies and 16-text requests, requests and texts per second, p50 and p99. In this section, ``beside`` and
+  the served variants the load processes run on cores of their own where the machine has them to spare, every
+  server on the rest (:mod:`service.bench.cpus`; both recorded);
+- ``beside``: single-text requests at the peer levels to this service with its default fronts and with other
+  numbers of them (how many fronts a device needs), and to mosec and LitServe with this version's engine inside, in
+  turns;
+- ``routing_headline``: the reference library's headline (``bench routing --headline``): 1,000,000 vectors of
+  1,024 features routed to 100 of 1,024 in float32 with gradients, peak device memory against its stated ~18 GB;
+- ``served_variant``, ``served_variant_2``, ... (one for each ``--served-variant``, the run's last): the server
   again with settings over its defaults (e.g. one batch in flight, a shorter wait for a batch to fill, no buckets):
   its time to ready (which includes capturing the buckets' graphs), at the last single-text level and the 16-text
-  one;
-- ``beside``: single-text requests at the peer levels to this service with one front and with more (how many
-  fronts a device needs), and to mosec and LitServe with this version's engine inside, in turns;
-- ``routing_headline``: the reference library's headline (``bench routing --headline``): 1,000,000 vectors of
-  1,024 features routed to 100 of 1,024 in float32 with gradients, peak device memory against its stated ~18 GB.
+  one.
 
 Each section's wall seconds are kept beside them (``seconds``; the summary's ``section_seconds``), so that the run's
 sizes can be fitted to a device call's time.
@@ -366,7 +367,7 @@ def run(device: str, model: str, repository: Path, n_texts: int, budgets: list[i
     """Every section (see the module's docstring); ``results`` and a ``summary`` of the headline numbers.
     ``checkpoint(settings, results)`` after each section. ``peers``, ``fronts``, ``peer_levels``: see :func:`beside`
     (none of either: no such section). ``served_variants``: the server again with each one's ``ROUTING_*``
-    variables, at the last two levels, after ``beside`` (the comparison a judgement needs comes first).
+    variables, at the last two levels, the run's last sections (what a run stopped at its time limit may lose).
     ``cpu_split``: the served sections' servers and load generator each on their own CPUs (none: they share the
     machine's)."""
     import torch
@@ -453,12 +454,13 @@ def run(device: str, model: str, repository: Path, n_texts: int, budgets: list[i
     if (peers or fronts) and peer_levels:
         step("beside", lambda: beside(repository, model, device, texts, peers or [], fronts or [], peer_levels,
                                       served_seconds, 1, load_processes, logs, cpu_split))
-    for k, changed in enumerate(served_variants or []):  # the server with settings over its defaults: ready time
-        # and the top levels
+    step("routing_headline", lambda: routing_headline(device))
+    # last, the server with settings over its defaults (ready time and the top levels): what a run stopped at its
+    # time limit may lose
+    for k, changed in enumerate(served_variants or []):
         step(variant_section(k), lambda changed=changed: served(repository, model, device, texts, levels[-2:],
                                                                 served_seconds, load_processes, logs, changed,
                                                                 cpu_split))
-    step("routing_headline", lambda: routing_headline(device))
     files.cleanup()
     return {"settings": settings, "results": results, "summary": summarize(results, default_budget)}
 
