@@ -306,10 +306,10 @@ def served(repository: Path, model: str, device: str, texts: list[str], levels: 
 def beside(repository: Path, model: str, device: str, texts: list[str], peers: list[str], fronts: list[int],
            levels: list[int], seconds: float, rounds: int, processes: int, logs: Path,
            cpu_split: CpuSplit | None = None) -> dict[str, Any]:
-    """This service (one front, and each number of ``fronts``) and the ``peers`` (mosec, LitServe: this version's
-    engine inside as the service runs it, captured shape buckets on a GPU included, their own batching at this
-    service's default batch size for the device), single texts at each
-    closed-loop level of ``levels`` from ``processes`` load processes, each measured while the others are paused
+    """This service (its default fronts, and each number of ``fronts``) and the ``peers`` (mosec, LitServe: this
+    version's engine inside as the service runs it, captured shape buckets on a GPU included, their own batching at
+    this service's default batch size for the device), single texts at each closed-loop level of ``levels`` from
+    ``processes`` load processes, each measured while the others are paused
     (see :func:`service.bench.versus.compare`); with ``cpu_split``, every server on its CPUs and the load generator
     on its own. Peers not installed are left out and named."""
     from importlib.metadata import version
