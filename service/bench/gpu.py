@@ -389,11 +389,8 @@ def run(device: str, model: str, repository: Path, n_texts: int, budgets: list[i
 
     def worker(tree: Path, name: str, dtype: str = "auto", path: Path = texts_file,
                engine: dict[str, Any] | None = None) -> EngineWorker:
-        # another version reads the model from its own tree where it has one: this version's manifests have fields
-        # an earlier version's refuses (the engines' speed depends on the head's shape, not on its weights)
-        own = tree / "models"
-        repo = own if tree.resolve() != ROOT and (own / model).is_dir() else repository
-        settings = {"repository": str(repo), "model": model, "device": device, "texts_file": str(path),
+        settings = {"repository": str(report.repository_for(tree, repository, model)), "model": model,
+                    "device": device, "texts_file": str(path),
                     "engine": engine or {}, "max_texts": max_texts,
                     # an older version may not know "auto": give it what auto means
                     "dtype": dtype if dtype != "auto" else ("bfloat16" if cuda else "float32")}

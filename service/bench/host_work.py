@@ -23,8 +23,6 @@ from typing import Any
 from service.bench import report
 from service.bench.gpu import EngineWorker, labelled_test
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 def run(root: Path, baseline: Path | None, model: str, repository: Path, n_texts: int, budget: int, max_texts: int,
         seconds: float, rounds: int, out: Path, logs: Path, texts_file: Path | None = None) -> dict[str, Any]:
@@ -41,10 +39,9 @@ def run(root: Path, baseline: Path | None, model: str, repository: Path, n_texts
         sent.write_text(json.dumps(texts))
         try:
             for name, tree in versions.items():
-                own = tree / "models"  # an earlier version reads the model from its own tree (see bench gpu)
-                repo = own if tree != ROOT and (own / model).is_dir() else repository.resolve()
                 workers[name] = EngineWorker(tree, {
-                    "repository": str(repo), "model": model, "device": "cpu", "dtype": "float32",
+                    "repository": str(report.repository_for(tree, repository, model)), "model": model,
+                    "device": "cpu", "dtype": "float32",
                     "texts_file": str(sent), "max_texts": max_texts, "budget": budget,
                     "engine": {"buckets": "eager", "stand_in": True}}, logs / f"host-work-{name}.log")
             rows: dict[str, list[dict[str, Any]]] = {name: [] for name in workers}

@@ -64,6 +64,16 @@ def round_ratios(these: Sequence[dict[str, Any]], those: Sequence[dict[str, Any]
     return [a[key] / b[key] for a, b in zip(these, those, strict=True)]
 
 
+def repository_for(tree: Path, repository: Path, model: str) -> Path:
+    """The model repository the version checked out in ``tree`` serves ``model`` from: its own where ``tree`` is
+    another checkout than this one and has that model (this version's manifests have fields an earlier version
+    refuses; the benches compare speed, which depends on a head's shape, not on its weights), else ``repository``."""
+    own = tree / "models"
+    if tree.resolve() != Path(__file__).resolve().parents[2] and (own / model).is_dir():
+        return own.resolve()
+    return repository.resolve()
+
+
 def table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
     """Format ``rows`` as a fixed-width text table with the given columns."""
     def cell(v: Any) -> str:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from service.bench.load import Level, Stats, closed_loop, metrics_stats, open_loop, run_async
-from service.bench.report import echo
+from service.bench.report import echo, repository_for
 from service.bench.server import LocalServer, PeerServer, ServerProcess, ready_together
 
 THIS = "routing-service"
@@ -52,13 +52,15 @@ def with_fronts(n: int) -> str:
 def start(peers: list[str], repository: Path, model: str, device: str, max_batch_size: int, max_wait_ms: float,
           logs: Path, baseline: Path | None, fronts: Sequence[int] = ()) -> list[Contender]:
     """This service (its defaults but the batch settings: its fronts as ``ROUTING_WORKERS=auto`` picks them on this
-    machine's CPUs, one on a CPU box), with each number of ``fronts`` too, the baseline's and each peer, all up and
+    machine's CPUs, one on a CPU box), with each number of ``fronts`` too, the baseline's (``model`` from its own
+    checkout's models where it has it: see :func:`service.bench.report.repository_for`) and each peer, all up and
     answering."""
     settings = {"model_repository": repository.resolve(), "models": model, "default_model": model,
                 "max_queue": 100000, "device": device, "max_batch_size": max_batch_size, "max_wait_ms": max_wait_ms}
     local: list[tuple[str, Path | None, dict[str, object]]] = [
         (THIS, None, {}), *((with_fronts(n), None, {"workers": n}) for n in fronts),
-        *([("baseline", baseline, {})] if baseline else [])]
+        *([("baseline", baseline, {"model_repository": repository_for(baseline, repository, model)})]
+          if baseline else [])]
     servers = ready_together([
         *(functools.partial(LocalServer, logs, checkout=checkout, **settings, **more) for _, checkout, more in local),
         *(functools.partial(PeerServer, logs, peer, (repository / model).resolve(), device, max_batch_size,

@@ -194,3 +194,17 @@ def test_this_service_with_several_fronts_is_a_contender_of_its_own(tiny_repo: P
         assert pss[contenders[1].name]["server"] > pss[versus.THIS]["server"]  # two fronts, a host, a supervisor
     finally:
         versus.stop(contenders)
+
+
+def test_another_checkout_serves_the_model_from_its_own_models(tmp_path: Path) -> None:
+    """A baseline checkout reads the model from its own tree, whose manifest it knows (an earlier version refuses
+    this one's fields); this checkout, and one without the model, from the repository given."""
+    from service.bench import report
+
+    repo, old = tmp_path / "repo", tmp_path / "old"
+    (repo / "m").mkdir(parents=True)
+    (old / "models" / "m").mkdir(parents=True)
+    assert report.repository_for(old, repo, "m") == (old / "models").resolve()
+    assert report.repository_for(old, repo, "n") == repo.resolve()
+    this = Path(report.__file__).resolve().parents[2]
+    assert report.repository_for(this, repo, "tweet-sentiment") == repo.resolve()
