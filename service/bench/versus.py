@@ -62,7 +62,8 @@ def start(peers: list[str], repository: Path, model: str, device: str, max_batch
         *([("baseline", baseline, {"model_repository": repository_for(baseline, repository, model)})]
           if baseline else [])]
     servers = ready_together([
-        *(functools.partial(LocalServer, logs, checkout=checkout, **settings, **more) for _, checkout, more in local),
+        *(functools.partial(LocalServer, logs, checkout=checkout, **{**settings, **more})
+          for _, checkout, more in local),
         *(functools.partial(PeerServer, logs, peer, (repository / model).resolve(), device, max_batch_size,
                             max_wait_ms) for peer in peers)])
     return [Contender(name, s, s.path, peer_stats(s), s.cpu) if isinstance(s, PeerServer)

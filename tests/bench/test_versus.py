@@ -208,3 +208,26 @@ def test_another_checkout_serves_the_model_from_its_own_models(tmp_path: Path) -
     assert report.repository_for(old, repo, "n") == repo.resolve()
     this = Path(report.__file__).resolve().parents[2]
     assert report.repository_for(this, repo, "tweet-sentiment") == repo.resolve()
+
+
+def test_the_contenders_start_with_their_own_settings(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """This service with its default fronts (no ROUTING_WORKERS), each number of fronts asked, and a baseline
+    checkout serving the model from its own models folder, every one with the batch settings given."""
+    started: list[dict[str, Any]] = []
+
+    class Fake:
+        url, cpu = "http://127.0.0.1:9", None
+
+        def __init__(self, logs: Path, **settings: Any) -> None:
+            started.append(settings)
+
+    monkeypatch.setattr(versus, "LocalServer", Fake)
+    monkeypatch.setattr(versus, "ready_together", lambda starts: [start() for start in starts])
+    repo, old = tmp_path / "repo", tmp_path / "old"
+    (old / "models" / "m").mkdir(parents=True)
+    contenders = versus.start([], repo, "m", "cpu", 32, 5.0, tmp_path, old, [1, 2])
+    assert [c.name for c in contenders] == ["routing-service", "routing-service, 1 front", "routing-service, 2 fronts",
+                                            "baseline"]
+    assert "workers" not in started[0] and [s.get("workers") for s in started[1:3]] == [1, 2]
+    assert [s["model_repository"] for s in started] == [repo.resolve()] * 3 + [(old / "models").resolve()]
+    assert started[3]["checkout"] == old and all(s["max_batch_size"] == 32 for s in started)
