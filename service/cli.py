@@ -666,8 +666,8 @@ def bench_gpu(
                        ] = None,
     served_variant: Annotated[list[str] | None, typer.Option(
         help="NAME=VALUE[,NAME=VALUE]: also serve with these settings (ROUTING_NAME=VALUE) over the defaults, e.g. "
-             "batches_in_flight=1, max_wait_ms=1 or buckets=off (repeat it for several): time to ready and the top "
-             "levels")] = None,
+             "batches_in_flight=1, max_wait_ms=1 or buckets=off (repeat it for several): time to ready and every "
+             "served level, last")] = None,
     model_repository: Path = Path("models"),
     out: Annotated[Path, typer.Option(help="JSON result file")] = Path("bench-results/gpu.json"),
 ) -> None:

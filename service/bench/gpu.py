@@ -34,8 +34,7 @@ fails records its error and the run goes on):
   1,024 features routed to 100 of 1,024 in float32 with gradients, peak device memory against its stated ~18 GB;
 - ``served_variant``, ``served_variant_2``, ... (one for each ``--served-variant``, the run's last): the server
   again with settings over its defaults (e.g. one batch in flight, a shorter wait for a batch to fill, no buckets):
-  its time to ready (which includes capturing the buckets' graphs), at the last single-text level and the 16-text
-  one.
+  its time to ready (which includes capturing the buckets' graphs), at every level of ``served``.
 
 Each section's wall seconds are kept beside them (``seconds``; the summary's ``section_seconds``), so that the run's
 sizes can be fitted to a device call's time.
@@ -367,7 +366,7 @@ def run(device: str, model: str, repository: Path, n_texts: int, budgets: list[i
     """Every section (see the module's docstring); ``results`` and a ``summary`` of the headline numbers.
     ``checkpoint(settings, results)`` after each section. ``peers``, ``fronts``, ``peer_levels``: see :func:`beside`
     (none of either: no such section). ``served_variants``: the server again with each one's ``ROUTING_*``
-    variables, at the last two levels, the run's last sections (what a run stopped at its time limit may lose).
+    variables, at every served level, the run's last sections (what a run stopped at its time limit may lose).
     ``cpu_split``: the served sections' servers and load generator each on their own CPUs (none: they share the
     machine's)."""
     import torch
@@ -452,10 +451,10 @@ def run(device: str, model: str, repository: Path, n_texts: int, budgets: list[i
         step("beside", lambda: beside(repository, model, device, texts, peers or [], fronts or [], peer_levels,
                                       served_seconds, 1, load_processes, logs, cpu_split))
     step("routing_headline", lambda: routing_headline(device))
-    # last, the server with settings over its defaults (ready time and the top levels): what a run stopped at its
+    # last, the server with settings over its defaults (ready time and every level): what a run stopped at its
     # time limit may lose
     for k, changed in enumerate(served_variants or []):
-        step(variant_section(k), lambda changed=changed: served(repository, model, device, texts, levels[-2:],
+        step(variant_section(k), lambda changed=changed: served(repository, model, device, texts, levels,
                                                                 served_seconds, load_processes, logs, changed,
                                                                 cpu_split))
     files.cleanup()
