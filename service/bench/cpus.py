@@ -5,7 +5,8 @@ the fronts need (each of its requests costs about 0.3 ms of CPU on a GPU machine
 machine has CPUs to spare (a GPU machine's 16), the load generator's processes get whole cores of their own and
 every server under test the others (a server started while this thread is :func:`pinned` keeps the mask, and so do
 the processes it starts: its fronts, engine host and backbones, whose defaults then count the CPUs it has). On a
-small machine (2 cores) they share, as before.
+small machine (2 cores) they share, as before; so they do where the system cannot pin a process (no
+``os.sched_getaffinity``: not Linux).
 """
 
 from __future__ import annotations
@@ -31,6 +32,11 @@ class CpuSplit:
         return {"server": list(self.server), "load_generator": list(self.load)}
 
 
+def current(pid: int = 0) -> tuple[int, ...]:
+    """The CPUs process ``pid`` (0: this thread) may run on; none where the system does not say."""
+    return tuple(sorted(os.sched_getaffinity(pid))) if hasattr(os, "sched_getaffinity") else ()
+
+
 def core_of(cpu: int) -> tuple[int, int]:
     """The (package, core) a CPU is a hardware thread of, from sysfs (the CPU alone where it does not say)."""
     top = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
@@ -44,9 +50,9 @@ def split(load_cpus: int, usable: Collection[int] | None = None,
           core: Callable[[int], tuple[int, int]] = core_of) -> CpuSplit | None:
     """At least ``load_cpus`` of the ``usable`` CPUs (default: this process's affinity) for the load generator, as
     whole cores taken from the end (a core's every hardware thread goes to one side), the rest for the servers;
-    None where ``load_cpus`` is 0 or the servers would keep fewer than half of them."""
-    cpus = sorted(usable if usable is not None else os.sched_getaffinity(0))
-    if load_cpus <= 0:
+    None where ``load_cpus`` is 0, the servers would keep fewer than half of them, or nothing is known of them."""
+    cpus = sorted(usable if usable is not None else current())
+    if load_cpus <= 0 or not cpus:
         return None
     cores: dict[tuple[int, int], list[int]] = {}
     for c in cpus:
@@ -65,7 +71,7 @@ def split(load_cpus: int, usable: Collection[int] | None = None,
 def auto_split(load_processes: int) -> CpuSplit | None:
     """One CPU of its own a load process where the machine has :data:`PER_LOAD_PROCESS` usable CPUs a load process
     (16 for 4 processes), else None (they share)."""
-    if len(os.sched_getaffinity(0)) < PER_LOAD_PROCESS * load_processes:
+    if len(current()) < PER_LOAD_PROCESS * load_processes:
         return None
     return split(load_processes)
 
@@ -75,7 +81,7 @@ def from_option(value: str, load_processes: int) -> CpuSplit | None:
     share every CPU) or how many CPUs the load generator gets of its own.
 
     Raises:
-        ValueError: neither, or more than half of the usable CPUs asked.
+        ValueError: neither, more than half of the usable CPUs asked, or a system that cannot pin a process.
     """
     if value == "auto":
         return auto_split(load_processes)
@@ -83,8 +89,10 @@ def from_option(value: str, load_processes: int) -> CpuSplit | None:
         raise ValueError(f"{value!r}: auto, 0 or a number of CPUs")
     got = split(int(value))
     if got is None and int(value):
+        if not current():
+            raise ValueError("this system cannot pin a process to CPUs (no os.sched_getaffinity)")
         raise ValueError(f"{value} CPUs for the load generator would leave the servers fewer than half of the "
-                         f"{len(os.sched_getaffinity(0))} usable")
+                         f"{len(current())} usable")
     return got
 
 

@@ -56,7 +56,7 @@ from pathlib import Path
 from typing import Any
 
 from service.bench import report
-from service.bench.cpus import CpuSplit, pinned
+from service.bench.cpus import CpuSplit, current, pinned
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("engine_worker.py")
@@ -287,7 +287,7 @@ def served(repository: Path, model: str, device: str, texts: list[str], levels: 
         server.wait_ready(300)
         out: dict[str, Any] = {"ready_s": time.perf_counter() - t0, "fronts": fronts_of(server.proc.pid),
                                "settings": settings or {}, "levels": [],  # the default fronts (ROUTING_WORKERS=auto)
-                               "server_cpus": sorted(os.sched_getaffinity(server.proc.pid))}
+                               "server_cpus": list(current(server.proc.pid))}
         load_cpus = cpu_split.load if cpu_split else None
         closed_loop(server.url, texts, 8, 1, min(1.0, seconds), 1, load_cpus=load_cpus)  # warm-up
         fronts = out["fronts"]

@@ -20,7 +20,7 @@ import aiohttp
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from service.bench.cpus import pinned
+from service.bench.cpus import current, pinned
 
 T = TypeVar("T")
 
@@ -212,7 +212,7 @@ async def _open(a: Arrivals) -> Load:
 async def _send(part: Clients | Arrivals) -> Load:
     """The load ``part`` sent from this process."""
     load = await (_closed(part) if isinstance(part, Clients) else _open(part))
-    return dataclasses.replace(load, cpus=tuple(sorted(os.sched_getaffinity(0))))
+    return dataclasses.replace(load, cpus=current())
 
 
 def _load_process(p: int, part: Clients | Arrivals, go: Any, results: Any, cpus: Collection[int] | None) -> None:

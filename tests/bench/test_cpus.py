@@ -60,3 +60,12 @@ def test_a_process_started_while_pinned_keeps_the_cpus_and_the_thread_gets_its_o
     assert os.sched_getaffinity(0) == before
     with cpus.pinned(None):  # nothing asked: as it is
         assert os.sched_getaffinity(0) == before
+
+
+def test_a_system_that_cannot_pin_shares_the_cpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without ``os.sched_getaffinity`` (not Linux) the load generator and the servers share the CPUs, and the CPUs
+    a load ran on are not known, rather than the bench failing."""
+    monkeypatch.delattr(cpus.os, "sched_getaffinity")
+    assert cpus.current() == () and cpus.from_option("auto", 1) is None and cpus.split(1) is None
+    with pytest.raises(ValueError, match="cannot pin"):
+        cpus.from_option("1", 1)
