@@ -57,8 +57,8 @@ from typing import Any
 
 from service.bench import report
 from service.bench.cpus import CpuSplit, current, pinned
+from service.bench.report import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("engine_worker.py")
 
 

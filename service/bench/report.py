@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+ROOT = Path(__file__).resolve().parents[2]
+"""This checkout's root (the repository the benches run from)."""
 
 
 def echo(message: str, err: bool = False) -> None:
@@ -69,7 +71,7 @@ def repository_for(tree: Path, repository: Path, model: str) -> Path:
     another checkout than this one and has that model (this version's manifests have fields an earlier version
     refuses; the benches compare speed, which depends on a head's shape, not on its weights), else ``repository``."""
     own = tree / "models"
-    if tree.resolve() != Path(__file__).resolve().parents[2] and (own / model).is_dir():
+    if tree.resolve() != ROOT and (own / model).is_dir():
         return own.resolve()
     return repository.resolve()
 
