@@ -721,8 +721,8 @@ def bench_serve(
     n_texts: Annotated[int, typer.Option("--texts", min=1, help="Test-split texts to cycle through")] = 1000,
     model_repository: Path = Path("models"),
     device: str = "cpu",
-    max_wait_ms: Annotated[float, typer.Option(min=0, help="The servers' setting")] = Settings.model_fields[
-        "max_wait_ms"].default,
+    max_wait_ms: Annotated[float | None, typer.Option(min=0, help="The servers' setting (default: theirs for "
+                                                                  "--device)")] = None,
     max_batch_size: Annotated[int, typer.Option(min=1, help="The servers' setting; the offline limit is the best of "
                                                             "the offline batch sizes up to it")] = (
         CPU_BATCH[0]),
@@ -803,7 +803,8 @@ def bench_serve(
     plan = (Plan(names, baseline, peer_levels, open_fractions, peer_rounds, fronts, load_processes, texts_per_request)
             if names or baseline is not None or fronts else None)
     sb.run(model=model, preset=preset or model, levels=levels, duration=duration,
-           n_texts=n_texts, repository=model_repository, device=device, max_wait_ms=max_wait_ms,
+           n_texts=n_texts, repository=model_repository, device=device,
+           max_wait_ms=Settings().batch_wait_ms(device) if max_wait_ms is None else max_wait_ms,
            max_batch_size=max_batch_size, offline_batch_sizes=sizes,
            url=url, out=out, thread_configs=configs, long_chars=long_chars, model_process=model_process,
            rounds=rounds, replicas=replicas, other_settings=other_settings, peers=plan, load_processes=load_processes)

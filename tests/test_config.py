@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from service.config import CPU_BATCH, GPU_BATCH, Settings, unknown_variables
+from service.config import CPU_BATCH, CPU_WAIT_MS, GPU_BATCH, GPU_WAIT_MS, Settings, unknown_variables
 from service.modeling.device import resolve_dtype
 from tests.serving.test_tokenize_once import started
 
@@ -23,6 +23,17 @@ def test_batch_limits_default_per_device_and_as_set() -> None:
         Settings(max_batch_tokens=8)
 
 
+def test_batch_wait_defaults_per_device_and_as_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert Settings().max_wait_ms is None  # chosen where the backbone loads
+    assert Settings().batch_wait_ms("cpu") == CPU_WAIT_MS == 5.0
+    assert Settings().batch_wait_ms("cuda:0") == Settings().batch_wait_ms("cuda") == GPU_WAIT_MS == 1.0
+    assert Settings(max_wait_ms=0).batch_wait_ms("cuda") == 0  # set, even to nothing: as set on every device
+    monkeypatch.setenv("ROUTING_MAX_WAIT_MS", "7.5")
+    assert Settings().batch_wait_ms("cpu") == Settings().batch_wait_ms("cuda") == 7.5
+    with pytest.raises(ValueError, match="greater than or equal to 0"):
+        Settings(max_wait_ms=-1)
+
+
 def test_auto_precision_is_bfloat16_on_a_gpu_and_float32_on_a_cpu() -> None:
     assert Settings().dtype == "auto"
     assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
@@ -36,6 +47,7 @@ def test_a_server_on_the_cpu_batches_with_the_cpus_limits(tiny_repo: Path) -> No
     for c, _ in started(tiny_repo):
         limits = c.app.state.app_state.inference.models["tiny"].batcher.limits
         assert (limits.max_batch_size, limits.max_batch_tokens) == CPU_BATCH
+        assert limits.max_wait_s == CPU_WAIT_MS / 1000
         assert c.get("/v1/models/tiny").json()["dtype"] == "float32"  # auto, on a CPU
 
 

@@ -307,10 +307,10 @@ def beside(repository: Path, model: str, device: str, texts: list[str], peers: l
            cpu_split: CpuSplit | None = None) -> dict[str, Any]:
     """This service (its default fronts, and each number of ``fronts``) and the ``peers`` (mosec, LitServe: this
     version's engine inside as the service runs it, captured shape buckets on a GPU included, their own batching at
-    this service's default batch size for the device), single texts at each closed-loop level of ``levels`` from
-    ``processes`` load processes, each measured while the others are paused
-    (see :func:`service.bench.versus.compare`); with ``cpu_split``, every server on its CPUs and the load generator
-    on its own. Peers not installed are left out and named."""
+    this service's default batch size and wait for the device), single texts at each closed-loop level of
+    ``levels`` from ``processes`` load processes, each measured while the others are paused (see
+    :func:`service.bench.versus.compare`); with ``cpu_split``, every server on its CPUs and the load generator on
+    its own. Peers not installed are left out and named."""
     from importlib.metadata import version
     from importlib.util import find_spec
 
@@ -319,8 +319,9 @@ def beside(repository: Path, model: str, device: str, texts: list[str], peers: l
 
     missing = [p for p in peers if find_spec(p) is None]
     present = [p for p in peers if p not in missing]
-    max_batch_size, _ = Settings().batch_limits(device)
-    max_wait_ms = Settings.model_fields["max_wait_ms"].default
+    defaults = Settings()
+    max_batch_size, _ = defaults.batch_limits(device)
+    max_wait_ms = defaults.batch_wait_ms(device)
     with pinned(cpu_split.server if cpu_split else None):
         contenders = versus.start(present, repository, model, device, max_batch_size, max_wait_ms, logs, None,
                                   fronts)

@@ -105,7 +105,7 @@ def test_every_section_runs_and_every_field_is_written_on_the_cpu(tiny_repo: Pat
     assert all(v["errors"] == 0 and v["texts_per_s"] > 0 for v in beside.values())
     two = beside["routing-service, 2 fronts"]
     assert two["this_over_it"] == beside["routing-service"]["texts_per_s"] / two["texts_per_s"]
-    assert results["beside"]["max_batch_size"] == 32
+    assert results["beside"]["max_batch_size"] == 32 and results["beside"]["max_wait_ms"] == 5  # a CPU's defaults
     assert results["beside"]["missing_peers"] == ([] if has_mosec else ["mosec"])
     said = summary["gpu_tests"]  # pytest's last line: the GPU tests found and skipped here, none failing
     assert " skipped" in said and "failed" not in said and "error" not in said, said

@@ -116,8 +116,9 @@ class Loader:
         engine = await asyncio.get_running_loop().run_in_executor(None, self._load, folders, keys)
         await engine.attach()  # its processes' pipes read on this loop: the batcher awaits their batches here
         engine.name = self.registry.unique_name(engine.name, engine.key[0])
-        size, tokens = s.batch_limits(str(engine.device))
-        limits = BatchLimits(max_batch_size=size, max_batch_tokens=tokens, max_wait_s=s.max_wait_ms / 1000,
+        device = str(engine.device)
+        size, tokens = s.batch_limits(device)
+        limits = BatchLimits(max_batch_size=size, max_batch_tokens=tokens, max_wait_s=s.batch_wait_ms(device) / 1000,
                              max_queue=s.max_queue)
         observer = self.metrics.observer(engine.name, engine.runner_devices)
         if tracing.enabled():  # each batch's span, linked to its texts' requests
