@@ -67,7 +67,7 @@ def stand_in(engine: object, buckets: str) -> None:
 
 
 def main() -> None:
-    cfg = json.loads(sys.stdin.readline())
+    # imported before the settings are read: a process started ahead of its turn has them ready
     import torch
 
     try:  # the package in layers (2026-11-28 on)
@@ -76,6 +76,7 @@ def main() -> None:
     except ImportError:  # an earlier version's flat package
         from service.serving.engine import Engine, Task  # type: ignore[no-redef]
 
+    cfg = json.loads(sys.stdin.readline())
     t0 = time.perf_counter()
     engine = Engine.load(Path(cfg["repository"]) / cfg["model"], device=cfg["device"], dtype=cfg["dtype"])
     model = engine.models[0]

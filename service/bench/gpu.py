@@ -5,7 +5,8 @@ fails records its error and the run goes on):
 
 - ``engine``: texts/s of the engine alone on token ids (tokenizing is the fronts' work) by token budget, this
   version against another (``--baseline``: a folder holding that version's ``service`` package, e.g. a
-  ``git worktree`` of it) in turns, each in a process of its own computing on its main thread; with each, the
+  ``git worktree`` of it) in turns, each in a process of its own computing on its main thread (the processes
+  started together, their imports side by side, each engine loaded in turn); with each, the
   host's microseconds per text (everything but the encoder's and heads' forward calls and the wait for the
   device, timed without the profiler, where the version keeps that clock). This version's engine (``current``) runs
   as the server's defaults have it on the device: in captured shape buckets on a GPU (:data:`SERVED_ENGINE_ON_GPU`),
@@ -15,7 +16,8 @@ fails records its error and the run goes on):
 - ``latency``: one text a batch, p50, p90 and p99 milliseconds, every version;
 - ``gpu_tests``: the tests marked ``gpu`` (``pytest -m gpu``), skipped without a GPU;
 - ``accuracy``: the test texts' accuracy in float32 and in the default precision (bfloat16 on a GPU), the largest
-  probability change between them, and between each text alone and in mixed batches;
+  probability change between them, and between each text alone and in mixed batches (each text whose label changed
+  named, with its margins: :func:`alone_vs_mixed`);
 - ``head_precision``: the same for the heads' scores in float32 against bfloat16 (``Engine.head_dtype``), the
   backbone in its default precision (``--variant buckets=off,head_dtype=bfloat16`` measures their speed in the
   engine's turns);
@@ -74,13 +76,25 @@ class EngineWorker:
     """An engine of the version in ``tree`` (a folder holding its ``service`` package) in a process of its own (see
     :mod:`service.bench.engine_worker`)."""
 
-    def __init__(self, tree: Path, settings: dict[str, Any], log: Path) -> None:
+    def __init__(self, tree: Path, settings: dict[str, Any], log: Path, *, load_now: bool = True) -> None:
+        """``load_now`` False: the process starts (its imports take seconds) and loads the engine when first asked
+        (:attr:`loaded`, :meth:`ask`), so that processes started together import side by side and load in turn."""
         self.log_path = log
         self._log = log.open("w")
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tree), os.environ.get("PYTHONPATH")]))}
         self.proc = subprocess.Popen([sys.executable, "-c", WORKER.read_text()], cwd=tree, env=env, text=True,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log)
-        self.loaded = self._send(settings)
+        self._settings = settings
+        self._loaded: dict[str, Any] | None = None
+        if load_now:
+            _ = self.loaded
+
+    @property
+    def loaded(self) -> dict[str, Any]:
+        """What the engine's process answered once it loaded (loading it first if it has not yet)."""
+        if self._loaded is None:
+            self._loaded = self._send(self._settings)
+        return self._loaded
 
     def _send(self, obj: dict[str, Any]) -> dict[str, Any]:
         assert self.proc.stdin is not None and self.proc.stdout is not None
@@ -96,6 +110,7 @@ class EngineWorker:
         raise RuntimeError(f"the engine process exited ({self.proc.wait()}):\n{self.log_path.read_text()[-3000:]}")
 
     def ask(self, op: str, **args: Any) -> dict[str, Any]:
+        _ = self.loaded
         return self._send({"op": op, **args})
 
     def close(self) -> None:
@@ -170,17 +185,19 @@ def accuracy(make: Callable[[str], EngineWorker], labels: list[str], dtypes: lis
     other precision, and, in the last precision, between each text alone and in batches of ``budget`` tokens."""
     probs: dict[str, list[list[float]]] = {}
     out: dict[str, Any] = {"texts": len(labels)}
-    alone = mixed = None
-    for dtype in dtypes:
-        w = make(dtype)
-        try:
+    alone = None
+    workers = {dtype: make(dtype) for dtype in dtypes}  # started together, loaded and used in turn
+    try:
+        for dtype, w in workers.items():
             names = w.loaded["labels"]
-            mixed = w.ask("predict", alone=False, budget=budget, max_texts=max_texts)["probs"]
-            probs[dtype] = mixed
+            probs[dtype] = w.ask("predict", alone=False, budget=budget, max_texts=max_texts)["probs"]
             if dtype == dtypes[-1]:
                 alone = w.ask("predict", alone=True)["probs"]
-        finally:
             w.close()
+    finally:
+        for w in workers.values():
+            w.close()
+    for dtype, mixed in probs.items():
         best = [names[max(range(len(p)), key=p.__getitem__)] for p in mixed]
         out[f"accuracy_{dtype}"] = sum(b == t for b, t in zip(best, labels, strict=True)) / len(labels)
         out[f"probs_{dtype}"] = [[round(x, 7) for x in p] for p in mixed]  # to compare with another machine's
@@ -189,10 +206,8 @@ def accuracy(make: Callable[[str], EngineWorker], labels: list[str], dtypes: lis
     out["largest_probability_change_" + "_vs_".join(dtypes)] = _largest(probs[first], probs[last])
     out["accuracy_points_" + "_minus_".join((last, first))] = 100 * (out[f"accuracy_{last}"] -
                                                                       out[f"accuracy_{first}"])
-    assert alone is not None and mixed is not None
-    out[f"largest_probability_change_alone_vs_mixed_{last}"] = _largest(alone, mixed)
-    out[f"label_flips_alone_vs_mixed_{last}"] = sum(_argmax(a) != _argmax(m) for a, m in zip(alone, mixed,
-                                                                                                 strict=True))
+    assert alone is not None
+    out.update(alone_vs_mixed(alone, probs[last], last))
     return out
 
 
@@ -206,9 +221,9 @@ def agreement(make: Callable[[dict[str, Any]], EngineWorker], labels: list[str],
     out: dict[str, Any] = {"texts": len(labels), "setting": setting}
     probs: dict[str, list[list[float]]] = {}
     alone: list[list[float]] = []
-    for value in values:
-        w = make({setting: value})
-        try:
+    workers = {value: make({setting: value}) for value in values}  # started together, loaded and used in turn
+    try:
+        for value, w in workers.items():
             names = w.loaded["labels"]
             got = w.ask("predict", alone=False, budget=budget, max_texts=max_texts)
             probs[value] = got["probs"]
@@ -218,8 +233,11 @@ def agreement(make: Callable[[dict[str, Any]], EngineWorker], labels: list[str],
                 alone = w.ask("predict", alone=True)["probs"]
             if w.loaded.get("buckets"):
                 out[f"warm_up_{tag}_{value}"] = w.loaded["buckets"]
-        finally:
             w.close()
+    finally:
+        for w in workers.values():
+            w.close()
+    for value in values:
         best = [names[_argmax(p)] for p in probs[value]]
         out[f"accuracy_{tag}_{value}"] = sum(b == t for b, t in zip(best, labels, strict=True)) / len(labels)
     a, b = values
@@ -227,10 +245,23 @@ def agreement(make: Callable[[dict[str, Any]], EngineWorker], labels: list[str],
     out[f"largest_probability_change_{tag}_{a}_vs_{b}"] = _largest(probs[a], probs[b])
     out[f"labels_changed_{tag}_{a}_vs_{b}"] = sum(_argmax(x) != _argmax(y) for x, y in zip(probs[a], probs[b],
                                                                                             strict=True))
-    out[f"largest_probability_change_alone_vs_mixed_{tag}_{b}"] = _largest(alone, probs[b])
-    out[f"label_flips_alone_vs_mixed_{tag}_{b}"] = sum(_argmax(x) != _argmax(y) for x, y in zip(alone, probs[b],
-                                                                                                   strict=True))
+    out.update(alone_vs_mixed(alone, probs[b], f"{tag}_{b}"))
     return out
+
+
+def alone_vs_mixed(alone: list[list[float]], mixed: list[list[float]], tag: str) -> dict[str, Any]:
+    """Each text's probabilities alone against in mixed batches: the largest change, the labels that flipped, and
+    for each flipped text its margin (its top probability over its second, alone and mixed): a flip whose margin is
+    within the largest change is a near tie that the precision's rounding decides."""
+    flipped = [{"text": i, "margin_alone": _margin(a), "margin_mixed": _margin(m)}
+               for i, (a, m) in enumerate(zip(alone, mixed, strict=True)) if _argmax(a) != _argmax(m)]
+    return {f"largest_probability_change_alone_vs_mixed_{tag}": _largest(alone, mixed),
+            f"label_flips_alone_vs_mixed_{tag}": len(flipped), f"flipped_alone_vs_mixed_{tag}": flipped}
+
+
+def _margin(p: list[float]) -> float:
+    first, second = sorted(p, reverse=True)[:2]
+    return first - second
 
 
 def _largest(a: list[list[float]], b: list[list[float]]) -> float:
@@ -394,7 +425,7 @@ def run(device: str, model: str, repository: Path, n_texts: int, budgets: list[i
                     "engine": engine or {}, "max_texts": max_texts,
                     # an older version may not know "auto": give it what auto means
                     "dtype": dtype if dtype != "auto" else ("bfloat16" if cuda else "float32")}
-        return EngineWorker(tree, settings, logs / f"engine-{name}-{dtype}.log")
+        return EngineWorker(tree, settings, logs / f"engine-{name}-{dtype}.log", load_now=False)
 
     settings = {"device": device, "model": model, "texts": n_texts, "budgets": budgets,
                 "default_budget": default_budget, "max_texts": max_texts, "seconds": seconds, "rounds": rounds,
@@ -420,8 +451,12 @@ def run(device: str, model: str, repository: Path, n_texts: int, budgets: list[i
     settings["engines"] = engines
     workers: dict[str, EngineWorker] = {}
     try:
-        step("load", lambda: {name: (workers.setdefault(name, worker(tree, name, engine=engines.get(name)))).loaded
-                              for name, tree in versions.items()})
+        def load() -> dict[str, Any]:
+            # every process started at once (their imports side by side), each loaded in turn (load_s alone)
+            workers.update({name: worker(tree, name, engine=engines.get(name)) for name, tree in versions.items()})
+            return {name: w.loaded for name, w in workers.items()}
+
+        step("load", load)
         step("engine", lambda: engine_turns(workers, budgets, max_texts, seconds, rounds))
         step("profile", lambda: {
             **{name: w.ask("profile", budget=default_budget, max_texts=max_texts, batches=8)

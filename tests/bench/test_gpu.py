@@ -7,10 +7,11 @@ import json
 from importlib.util import find_spec
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from service.bench import cpus
-from service.bench.gpu import IN_FLIGHT, ROOT, closed_loop, labelled_test, write_labelled
+from service.bench.gpu import IN_FLIGHT, ROOT, alone_vs_mixed, closed_loop, labelled_test, write_labelled
 from service.cli import app
 
 
@@ -84,6 +85,8 @@ def test_every_section_runs_and_every_field_is_written_on_the_cpu(tiny_repo: Pat
     assert sorted(results["engine"]["current"]) == ["64", "8192"]  # the CPU's default budget is added
     assert summary["accuracy"]["texts"] == 20 and 0 <= summary["accuracy"]["accuracy_float32"] <= 1
     assert summary["accuracy"]["largest_probability_change_alone_vs_mixed_float32"] <= 1e-5  # batch invariance
+    assert summary["accuracy"]["label_flips_alone_vs_mixed_float32"] == 0
+    assert summary["accuracy"]["flipped_alone_vs_mixed_float32"] == []
     heads = summary["head_precision"]  # float32 against bfloat16 heads, both measured
     assert heads["texts"] == 20 and 0 <= heads["accuracy_heads_bfloat16"] <= 1
     assert 0 < heads["largest_probability_change_heads_float32_vs_bfloat16"] < 0.1
@@ -109,6 +112,17 @@ def test_every_section_runs_and_every_field_is_written_on_the_cpu(tiny_repo: Pat
     assert results["beside"]["missing_peers"] == ([] if has_mosec else ["mosec"])
     said = summary["gpu_tests"]  # pytest's last line: the GPU tests found and skipped here, none failing
     assert " skipped" in said and "failed" not in said and "error" not in said, said
+
+
+def test_a_flip_alone_vs_mixed_is_named_with_its_margins() -> None:
+    alone = [[0.7, 0.2, 0.1], [0.4, 0.35, 0.25], [0.501, 0.499, 0.0]]
+    mixed = [[0.7, 0.2, 0.1], [0.4, 0.36, 0.24], [0.498, 0.502, 0.0]]  # the third, a near tie, flips
+    got = alone_vs_mixed(alone, mixed, "x")
+    assert got["largest_probability_change_alone_vs_mixed_x"] == pytest.approx(0.01)
+    assert got["label_flips_alone_vs_mixed_x"] == 1
+    (flip,) = got["flipped_alone_vs_mixed_x"]
+    assert flip["text"] == 2
+    assert flip["margin_alone"] == pytest.approx(0.002) and flip["margin_mixed"] == pytest.approx(0.004)
 
 
 def test_labelled_texts_round_trip_through_a_file(tmp_path: Path) -> None:
