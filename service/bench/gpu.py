@@ -166,6 +166,18 @@ def section(results: dict[str, Any], name: str, fn: Callable[[], Any],
         checkpoint(results)
 
 
+def keep_partial(results: dict[str, Any], name: str, save: Callable[[dict[str, Any]], None] | None
+                 ) -> Callable[[dict[str, Any]], None]:
+    """A served section's ``progress``: each time, ``results[name]`` becomes a copy of what it has measured so far,
+    marked ``partial`` (the section's end replaces it), and ``save(results)`` keeps it (a run stopped at its time
+    limit keeps the levels done)."""
+    def keep(so_far: dict[str, Any]) -> None:
+        results[name] = {**so_far, "levels": list(so_far["levels"]), "partial": True}
+        if save is not None:
+            save(results)
+    return keep
+
+
 def engine_turns(workers: dict[str, EngineWorker], budgets: list[int], max_texts: int, seconds: float,
                  rounds: int) -> dict[str, Any]:
     """Texts/s (and the host's microseconds per text) of each version at each budget, the versions in turns (the
@@ -299,10 +311,12 @@ def closed_loop(url: str, texts: list[str], concurrency: int, per_request: int, 
 
 def served(repository: Path, model: str, device: str, texts: list[str], levels: list[tuple[int, int]],
            seconds: float, processes: int, logs: Path, settings: dict[str, str] | None = None,
-           cpu_split: CpuSplit | None = None) -> dict[str, Any]:
+           cpu_split: CpuSplit | None = None,
+           progress: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """This version's server on ``device`` (with ``settings``, ``ROUTING_*`` variables, beside its defaults), driven at
     each (concurrency, texts per request) of ``levels``; ``ready_s``: from its start to ready. With ``cpu_split``, the
-    server (its fronts counted from its CPUs) and the load generator each on their own CPUs."""
+    server (its fronts counted from its CPUs) and the load generator each on their own CPUs. ``progress``: given what
+    is measured so far after each level (a run stopped at its time limit keeps the levels done)."""
     from service.bench.server import ServerProcess, free_port, fronts_of, server_cpu
 
     port = free_port()
@@ -328,6 +342,8 @@ def served(repository: Path, model: str, device: str, texts: list[str], levels: 
             report.echo(f"bench gpu: served c={concurrency} x{per_request}: {row['requests_per_s']:.0f} requests/s, "
                         f"p99 {row['p99_ms']:.1f} ms", err=True)
             out["levels"].append(row)
+            if progress is not None:
+                progress(out)
         return out
     finally:
         server.stop()
@@ -441,6 +457,9 @@ def run(device: str, model: str, repository: Path, n_texts: int, budgets: list[i
     def step(name: str, fn: Callable[[], Any]) -> None:
         section(results, name, fn, None if checkpoint is None else lambda r: checkpoint(settings, r))
 
+    def so_far(name: str) -> Callable[[dict[str, Any]], None]:
+        return keep_partial(results, name, None if checkpoint is None else lambda r: checkpoint(settings, r))
+
     versions = {"current": ROOT, **({"baseline": baseline.resolve()} if baseline else {})}
     # this version's engine as the server computes on this device (ROUTING_BUCKETS=auto: captured shape buckets on
     # a GPU); a variant is those settings with its own over them
@@ -482,7 +501,7 @@ def run(device: str, model: str, repository: Path, n_texts: int, budgets: list[i
                                       ("off", "cuda" if cuda else "eager"), "buckets"))
     levels = [(c, 1) for c in concurrencies] + [(64, 16)]
     step("served", lambda: served(repository, model, device, texts, levels, served_seconds, load_processes, logs,
-                                  cpu_split=cpu_split))
+                                  cpu_split=cpu_split, progress=so_far("served")))
     if (peers or fronts) and peer_levels:
         step("beside", lambda: beside(repository, model, device, texts, peers or [], fronts or [], peer_levels,
                                       served_seconds, 1, load_processes, logs, cpu_split))
@@ -490,9 +509,10 @@ def run(device: str, model: str, repository: Path, n_texts: int, budgets: list[i
     # last, the server with settings over its defaults (ready time and every level): what a run stopped at its
     # time limit may lose
     for k, changed in enumerate(served_variants or []):
-        step(variant_section(k), lambda changed=changed: served(repository, model, device, texts, levels,
-                                                                served_seconds, load_processes, logs, changed,
-                                                                cpu_split))
+        name = variant_section(k)
+        step(name, lambda changed=changed, name=name: served(repository, model, device, texts, levels,
+                                                             served_seconds, load_processes, logs, changed, cpu_split,
+                                                             so_far(name)))
     files.cleanup()
     return {"settings": settings, "results": results, "summary": summarize(results, default_budget)}
 
@@ -571,14 +591,16 @@ def summarize(results: dict[str, Any], budget: int) -> dict[str, Any]:
         return {f"c{r['concurrency']}x{r['texts_per_request']}": {
             "requests_per_s": r["requests_per_s"], "texts_per_s": r["texts_per_s"], "p99_ms": r["p99_ms"],
             "errors": r["errors"], "mean_batch": r.get("mean_batch"), "engine_busy": r.get("engine_busy"),
-            **{k: v for k, v in r.items() if k.endswith("_cpu_ms")}} for r in get(name, "levels") or []} or None
+            "batch_ms": r.get("batch_ms"), **{k: v for k, v in r.items() if k.endswith("_cpu_ms")}}
+            for r in get(name, "levels") or []} or None
 
     out["served"] = by_level("served")
     out["ready_s"] = get("served", "ready_s")
     out["served_fronts"] = get("served", "fronts")  # ROUTING_WORKERS=auto on the server's CPUs
     variants = [k for k in results if k == variant_section(0) or k.startswith(variant_section(0) + "_")]
     out["served_variants"] = {k: {"settings": get(k, "settings"), "ready_s": get(k, "ready_s"),
-                                  "fronts": get(k, "fronts"), "levels": by_level(k)} for k in variants} or None
+                                  "fronts": get(k, "fronts"), "levels": by_level(k),
+                                  **({"partial": True} if get(k, "partial") else {})} for k in variants} or None
     multi = next((r for r in levels if r["texts_per_request"] > 1), None)
     offline = cur.get(str(budget))
     out["served_over_offline_multi_text"] = multi["texts_per_s"] / offline if multi and offline else None

@@ -11,7 +11,16 @@ import pytest
 from typer.testing import CliRunner
 
 from service.bench import cpus
-from service.bench.gpu import IN_FLIGHT, ROOT, alone_vs_mixed, closed_loop, labelled_test, write_labelled
+from service.bench.gpu import (
+    IN_FLIGHT,
+    ROOT,
+    alone_vs_mixed,
+    closed_loop,
+    keep_partial,
+    labelled_test,
+    section,
+    write_labelled,
+)
 from service.cli import app
 
 
@@ -48,6 +57,7 @@ def test_every_section_runs_and_every_field_is_written_on_the_cpu(tiny_repo: Pat
     assert summary["seconds_in_all"] == round(sum(results["seconds"].values()), 1) > 0
     # the served variants last, in the order asked, each its settings over the defaults
     assert list(results)[-2:] == ["served_variant", "served_variant_2"]
+    assert not any(isinstance(v, dict) and "partial" in v for v in results.values())  # each section's end kept
     variants = summary["served_variants"]
     assert list(variants) == ["served_variant", "served_variant_2"]
     assert variants["served_variant"]["settings"] == {"ROUTING_BUCKETS": "eager", "ROUTING_BATCHES_IN_FLIGHT": "2"}
@@ -123,6 +133,20 @@ def test_a_flip_alone_vs_mixed_is_named_with_its_margins() -> None:
     (flip,) = got["flipped_alone_vs_mixed_x"]
     assert flip["text"] == 2
     assert flip["margin_alone"] == pytest.approx(0.002) and flip["margin_mixed"] == pytest.approx(0.004)
+
+
+def test_a_served_section_stopped_midway_keeps_its_levels_done() -> None:
+    results: dict = {"served": {"levels": ["earlier section"]}}
+    saved: list[dict] = []
+    keep = keep_partial(results, "served_variant", lambda r: saved.append(json.loads(json.dumps(r))))
+    out = {"ready_s": 1.0, "levels": [{"concurrency": 32}]}
+    keep(out)  # the first level measured; the run is stopped during the second
+    out["levels"].append({"concurrency": 256})  # (never reported: not kept)
+    assert saved[-1]["served_variant"] == {"ready_s": 1.0, "levels": [{"concurrency": 32}], "partial": True}
+    assert results["served"] == {"levels": ["earlier section"]}
+    # a section that ends replaces what it kept, partial no more
+    section(results, "served_variant", lambda: {**out, "levels": out["levels"]})
+    assert "partial" not in results["served_variant"] and len(results["served_variant"]["levels"]) == 2
 
 
 def test_labelled_texts_round_trip_through_a_file(tmp_path: Path) -> None:
