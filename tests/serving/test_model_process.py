@@ -388,3 +388,58 @@ def test_plain_batches_cross_the_pipe_as_arrays_and_answer_as_the_engine(tiny_re
         assert sent[-1] == "RunPlain"
     finally:
         mp.close()
+
+
+class _Device:
+    """A stand-in for a begun batch's device work: computed once ``done`` (what ``Engine.computed`` reads)."""
+
+    def __init__(self) -> None:
+        self.done = False
+        self.asked = 0
+
+    def computed(self, begun: object) -> bool:
+        self.asked += 1
+        return self.done
+
+
+def test_a_batch_that_arrives_while_the_device_computes_is_taken_before_the_one_ahead_is_completed() -> None:
+    from multiprocessing import Pipe
+
+    from service.serving.engine.process import _message_first
+
+    ours, theirs = Pipe()
+    device = _Device()
+    try:
+        # the device still computing the batch ahead: the process waits until the next batch comes, and takes it
+        # first (it goes on the device behind the one ahead), not after the scores
+        with ThreadPoolExecutor(1) as pool:
+            pool.submit(lambda: (time.sleep(0.05), theirs.send("next batch")))
+            assert _message_first(ours, device, object())  # type: ignore[arg-type]
+        assert device.asked > 1 and ours.recv() == "next batch"
+        device.done = True  # the device done and nothing behind: the batch ahead is completed at once
+        assert not _message_first(ours, device, object())  # type: ignore[arg-type]
+        theirs.send("another")  # both: the message first, as before the device was asked at all
+        asked = device.asked
+        assert _message_first(ours, device, object()) and device.asked == asked  # type: ignore[arg-type]
+    finally:
+        ours.close()
+        theirs.close()
+
+
+def test_a_begun_batch_on_the_cpu_is_computed_already(tiny_repo: Path) -> None:
+    engine = Engine.load(tiny_repo / "tiny", device="cpu")
+    tasks = [Task("a short text"), Task("and a third, somewhat longer text than the first")]
+    begun = engine.begin(engine._chunks(tasks))
+    assert Engine.computed(begun)  # nothing to wait for on a CPU: the process completes it as before
+    engine.complete(begun)
+    engine.use_buckets("eager", lengths=[4, 8, 12, 16])  # a plain batch of arrays, in a shape bucket
+    plain = engine.begin_plain(*_arrays(engine, tasks))
+    assert plain is not None and Engine.computed(plain)
+
+
+def _arrays(engine: Engine, tasks: list[Task]) -> tuple:
+    from service.serving.engine.pipe import RunPlain
+
+    encoded = [engine.encode([t.text], [engine.default])[0][engine.max_length(engine.default)] for t in tasks]
+    batch = RunPlain.of([(e.chunks[0], None) for e in encoded], [])
+    return batch.ids, batch.lengths, batch.head, batch.heads

@@ -511,6 +511,13 @@ class Engine(Compute):
         self.clock.forward_s += runner.stats.forward_s - forward0
         return None if logits is None else (logits, order)
 
+    @staticmethod
+    def computed(begun: Begun | PlainBegun) -> bool:
+        """Whether a begun batch's scores are on the host already (its device's work done; always where nothing was
+        left to wait for, as on a CPU): completing it now would not wait."""
+        ready = begun.ready if isinstance(begun, PlainBegun) else getattr(begun.submitted, "ready", None)
+        return ready is None or bool(ready.query())
+
     def complete_plain(self, begun: PlainBegun) -> tuple[np.ndarray, dict[str, float]]:
         """A :meth:`begin_plain` batch's scores, ``logits [s k]`` in the order its texts came, and its phases."""
         clock, t0 = self._clock_now(), time.perf_counter()

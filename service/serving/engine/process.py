@@ -7,13 +7,14 @@ of the server's process needs the GIL between every two tensor operations and wa
 event loop answers requests; in a process of its own it never does (on two CPU cores, served
 throughput at concurrency 32 rose by about 5%, measured in turns by ``bench serve``; see the README).
 
-One pipe carries batches one way and answers the other, in the order the batches went. The server's event loop
-reads it (the batcher awaits each batch there): no thread waits on the pipe, and a batch's answers are read and
-given to their requests in the loop's turn their bytes arrive in (an echo of these messages through a worker thread
-cost 164 us of the server's CPU and 245 us of wall time a round trip here, against 82 and 158 on the loop). With two
-batches in flight (``ROUTING_BATCHES_IN_FLIGHT``, a GPU's default) the process submits the next batch before it
-answers the one ahead, so that the host's work on one overlaps the device's on the other. The model's process keeps
-the hidden states of texts whose chunks span several batches; the server tells it which texts it has given up (their
+One pipe carries batches one way and answers the other, in the order the batches went. The server's event loop reads
+it (the batcher awaits each batch there): no thread waits on the pipe, and a batch's answers are read and given to
+their requests in the loop's turn their bytes arrive in (an echo of these messages through a worker thread cost 164
+us of the server's CPU and 245 us of wall time a round trip here, against 82 and 158 on the loop). With two batches
+in flight (``ROUTING_BATCHES_IN_FLIGHT``, a GPU's default) the process submits the next batch before it answers the
+one ahead, so that the host's work on one overlaps the device's on the other; a batch that arrives while the process
+waits for the device's scores of the one ahead is submitted at once, not after them. The model's process keeps the
+hidden states of texts whose chunks span several batches; the server tells it which texts it has given up (their
 ``TextJob`` was freed), so nothing is held for a text nobody waits for. The model's process ignores SIGINT (Ctrl-C
 reaches the whole process group; the server drains first and then closes it), and it exits by itself when the
 server's process is gone. :class:`~service.serving.engine.replicas.Replicas` runs several such processes of one
@@ -153,7 +154,7 @@ def _serve(conn: Connection) -> None:
     held: dict[int, TextJob] = {}  # texts with chunks still to come: their states so far
     begun: Begun | PlainBegun | None = None  # a batch submitted, its answers not sent yet
     while True:
-        if begun is not None and not conn.poll():  # no batch behind it yet: answer it
+        if begun is not None and not _message_first(conn, engine, begun):  # no batch behind it: answer it
             _complete(engine, begun, held, conn, memory)
             begun = None
             continue
@@ -188,6 +189,17 @@ def _serve(conn: Connection) -> None:
             _failed(works, following, held, conn)
         else:
             begun = following
+
+
+def _message_first(conn: Connection, engine: Engine, begun: Begun | PlainBegun) -> bool:
+    """Whether a message (the next batch) comes before ``begun`` is computed: then it is received, and a batch begun
+    (queued on the device behind this one), before this one is completed, so that the device does not idle on the
+    next batch's launch while the process waits for this one's scores. Checked in a spin while the device computes
+    (as waiting for it spins); where nothing is left to wait for (a CPU), whether one is there already."""
+    while not conn.poll():
+        if engine.computed(begun):
+            return False
+    return True
 
 
 def _complete(engine: Engine, begun: Begun | PlainBegun, held: dict[int, TextJob], conn: Connection,
