@@ -198,8 +198,10 @@ def accuracy(make: Callable[[str], EngineWorker], labels: list[str], dtypes: lis
     probs: dict[str, list[list[float]]] = {}
     out: dict[str, Any] = {"texts": len(labels)}
     alone = None
-    workers = {dtype: make(dtype) for dtype in dtypes}  # started together, loaded and used in turn
+    workers: dict[str, EngineWorker] = {}
     try:
+        for dtype in dtypes:  # started together (their imports side by side), loaded and used in turn
+            workers[dtype] = make(dtype)
         for dtype, w in workers.items():
             names = w.loaded["labels"]
             probs[dtype] = w.ask("predict", alone=False, budget=budget, max_texts=max_texts)["probs"]
@@ -233,8 +235,10 @@ def agreement(make: Callable[[dict[str, Any]], EngineWorker], labels: list[str],
     out: dict[str, Any] = {"texts": len(labels), "setting": setting}
     probs: dict[str, list[list[float]]] = {}
     alone: list[list[float]] = []
-    workers = {value: make({setting: value}) for value in values}  # started together, loaded and used in turn
+    workers: dict[str, EngineWorker] = {}
     try:
+        for value in values:  # started together (their imports side by side), loaded and used in turn
+            workers[value] = make({setting: value})
         for value, w in workers.items():
             names = w.loaded["labels"]
             got = w.ask("predict", alone=False, budget=budget, max_texts=max_texts)
@@ -472,7 +476,8 @@ def run(device: str, model: str, repository: Path, n_texts: int, budgets: list[i
     try:
         def load() -> dict[str, Any]:
             # every process started at once (their imports side by side), each loaded in turn (load_s alone)
-            workers.update({name: worker(tree, name, engine=engines.get(name)) for name, tree in versions.items()})
+            for name, tree in versions.items():
+                workers[name] = worker(tree, name, engine=engines.get(name))
             return {name: w.loaded for name, w in workers.items()}
 
         step("load", load)
