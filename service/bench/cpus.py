@@ -89,10 +89,11 @@ def from_option(value: str, load_processes: int) -> CpuSplit | None:
         raise ValueError(f"{value!r}: auto, 0 or a number of CPUs")
     got = split(int(value))
     if got is None and int(value):
-        if not current():
+        usable = current()
+        if not usable:
             raise ValueError("this system cannot pin a process to CPUs (no os.sched_getaffinity)")
         raise ValueError(f"{value} CPUs for the load generator would leave the servers fewer than half of the "
-                         f"{len(current())} usable")
+                         f"{len(usable)} usable")
     return got
 
 

@@ -53,7 +53,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -191,6 +191,20 @@ def engine_turns(workers: dict[str, EngineWorker], budgets: list[int], max_texts
     return runs
 
 
+@contextlib.contextmanager
+def started_together(keys: Sequence[str], make: Callable[[str], EngineWorker]) -> Iterator[dict[str, EngineWorker]]:
+    """``make(key)`` for every key at once (their processes import side by side; each loads when first asked, so the
+    caller loads and uses them in turn, closing each when done), every one closed at the end."""
+    workers: dict[str, EngineWorker] = {}
+    try:
+        for key in keys:
+            workers[key] = make(key)
+        yield workers
+    finally:
+        for w in workers.values():
+            w.close()
+
+
 def accuracy(make: Callable[[str], EngineWorker], labels: list[str], dtypes: list[str], budget: int,
              max_texts: int) -> dict[str, Any]:
     """Accuracy of each precision on the labelled texts, the largest probability change between the first and each
@@ -198,21 +212,15 @@ def accuracy(make: Callable[[str], EngineWorker], labels: list[str], dtypes: lis
     probs: dict[str, list[list[float]]] = {}
     out: dict[str, Any] = {"texts": len(labels)}
     alone = None
-    workers: dict[str, EngineWorker] = {}
-    try:
-        for dtype in dtypes:  # started together (their imports side by side), loaded and used in turn
-            workers[dtype] = make(dtype)
+    with started_together(dtypes, make) as workers:
         for dtype, w in workers.items():
             names = w.loaded["labels"]
             probs[dtype] = w.ask("predict", alone=False, budget=budget, max_texts=max_texts)["probs"]
             if dtype == dtypes[-1]:
                 alone = w.ask("predict", alone=True)["probs"]
             w.close()
-    finally:
-        for w in workers.values():
-            w.close()
     for dtype, mixed in probs.items():
-        best = [names[max(range(len(p)), key=p.__getitem__)] for p in mixed]
+        best = [names[_argmax(p)] for p in mixed]
         out[f"accuracy_{dtype}"] = sum(b == t for b, t in zip(best, labels, strict=True)) / len(labels)
         out[f"probs_{dtype}"] = [[round(x, 7) for x in p] for p in mixed]  # to compare with another machine's
     out["labels"] = names
@@ -235,10 +243,7 @@ def agreement(make: Callable[[dict[str, Any]], EngineWorker], labels: list[str],
     out: dict[str, Any] = {"texts": len(labels), "setting": setting}
     probs: dict[str, list[list[float]]] = {}
     alone: list[list[float]] = []
-    workers: dict[str, EngineWorker] = {}
-    try:
-        for value in values:  # started together (their imports side by side), loaded and used in turn
-            workers[value] = make({setting: value})
+    with started_together(values, lambda value: make({setting: value})) as workers:
         for value, w in workers.items():
             names = w.loaded["labels"]
             got = w.ask("predict", alone=False, budget=budget, max_texts=max_texts)
@@ -249,9 +254,6 @@ def agreement(make: Callable[[dict[str, Any]], EngineWorker], labels: list[str],
                 alone = w.ask("predict", alone=True)["probs"]
             if w.loaded.get("buckets"):
                 out[f"warm_up_{tag}_{value}"] = w.loaded["buckets"]
-            w.close()
-    finally:
-        for w in workers.values():
             w.close()
     for value in values:
         best = [names[_argmax(p)] for p in probs[value]]
@@ -458,11 +460,13 @@ def run(device: str, model: str, repository: Path, n_texts: int, budgets: list[i
                 "cuda_device": torch.cuda.get_device_name(0) if cuda and torch.cuda.is_available() else None}
     results: dict[str, Any] = {}
 
+    save = None if checkpoint is None else lambda r: checkpoint(settings, r)
+
     def step(name: str, fn: Callable[[], Any]) -> None:
-        section(results, name, fn, None if checkpoint is None else lambda r: checkpoint(settings, r))
+        section(results, name, fn, save)
 
     def so_far(name: str) -> Callable[[dict[str, Any]], None]:
-        return keep_partial(results, name, None if checkpoint is None else lambda r: checkpoint(settings, r))
+        return keep_partial(results, name, save)
 
     versions = {"current": ROOT, **({"baseline": baseline.resolve()} if baseline else {})}
     # this version's engine as the server computes on this device (ROUTING_BUCKETS=auto: captured shape buckets on
