@@ -17,12 +17,17 @@ into one). Exact against it up to float rounding (tests: within 1e-5 in fp32).
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+Linear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+"""A linear layer's product, as ``torch.nn.functional.linear``: ``x [T, i]``, ``weight [o, i]``, ``bias [o]`` ->
+``[T, o]``."""
 
 ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu, "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
                "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
@@ -146,21 +151,26 @@ class PackedLayer(nn.Module):
         self.out, self.norm1 = att.output.dense, att.output.LayerNorm
         self.up, self.down, self.norm2 = layer.intermediate.dense, layer.output.dense, layer.output.LayerNorm
         self.n_heads, self.act, self.act_name, self.eps = n_heads, ACTIVATIONS[act], act, eps
+        self.linear: Linear = F.linear
+        """How the layer's four products are computed (see :meth:`PackedEncoder.use_linear`)."""
 
     def forward(self, x: torch.Tensor, p: Packing) -> torch.Tensor:
         """``x [T, d]`` -> ``[T, d]``."""
         d = x.shape[-1]
         s, L = p.shape
         h = self.n_heads
-        qkv = F.linear(x, self.W_qkv, self.b_qkv)  # [T 3d]
+        linear = self.linear
+        qkv = linear(x, self.W_qkv, self.b_qkv)  # [T 3d]
         padded = qkv.view(s, L, 3 * d) if p.to_padded is None else qkv[p.to_padded]  # [s L 3d]
         q, k, v = padded.view(s, L, 3, h, d // h).permute(2, 0, 3, 1, 4).unbind(0)  # each [s h L c]
         a = F.scaled_dot_product_attention(q, k, v, attn_mask=p.keep)  # [s h L c]
         a = a.transpose(1, 2).reshape(s * L, d)  # [sL d]
         if p.from_padded is not None:
             a = a[p.from_padded]  # [T d]
-        x = F.layer_norm(x + self.out(a), (d,), self.norm1.weight, self.norm1.bias, self.eps)  # [T d]
-        y = self.down(self.act(self.up(x)))  # [T d]
+        x = F.layer_norm(x + linear(a, self.out.weight, self.out.bias), (d,), self.norm1.weight, self.norm1.bias,
+                         self.eps)  # [T d]
+        up = self.act(linear(x, self.up.weight, self.up.bias))  # [T 4d]
+        y = linear(up, self.down.weight, self.down.bias)  # [T d]
         return F.layer_norm(x + y, (d,), self.norm2.weight, self.norm2.bias, self.eps)  # [T d]
 
 
@@ -190,6 +200,13 @@ class PackedEncoder(nn.Module):
                  and not getattr(cfg, "is_decoder", False)
                  and hasattr(model, "embeddings") and hasattr(model, "encoder"))
         return cls(model) if known else None
+
+    def use_linear(self, linear: Linear = F.linear) -> None:
+        """Every layer's products (query, key and value; attention's output; the feed-forward pair) through
+        ``linear`` from now on: ``torch.nn.functional.linear`` (the default), or one that computes each token's
+        outputs in the same order whatever the batch (:func:`service.modeling.invariant.linear`)."""
+        for layer in self.layers:
+            layer.linear = linear
 
     def forward(self, p: Packing, out: torch.Tensor | None = None) -> torch.Tensor:
         """``[T, e, d]`` the hidden states of every depth of the packed tokens (the embeddings' output first); with
