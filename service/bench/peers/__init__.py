@@ -35,7 +35,8 @@ class Model:
         device = setting("DEVICE", "cpu")
         _, budget = Settings().batch_limits(device)
         plan = BucketPlan(setting("BUCKETS", "auto"), int(setting("MAX_BATCH_SIZE", "32")), budget)
-        self.engine = Engine.load(Path(os.environ["PEER_MODEL"]), device=device, buckets=plan)
+        self.engine = Engine.load(Path(os.environ["PEER_MODEL"]), device=device, buckets=plan,
+                                  batch_invariance=setting("BATCH_INVARIANCE", "off"))
         self.key = self.engine.models[0]
         self.length = self.engine.max_length(self.key)
         log = os.environ.get("PEER_BATCH_LOG")

@@ -224,6 +224,7 @@ class Engine(Compute):
         """Shape buckets (:meth:`use_buckets`) with a second computation each for batches whose texts all ask one
         head: its parameters broadcast, not gathered for every text (:mod:`~service.serving.engine.graphs`); twice
         the captures at warm-up. ``routing-service bench gpu --variant one_head_buckets=false`` measures it."""
+        self._invariance = "off"  # see batch_invariance
         self.clock = EngineClock()
         self.head_batch_positions = backbone.chunk_batch_tokens * (1 if device.type == "cpu" else 4)
         """Padded positions (texts x their longest) per head call. On a GPU larger than the encoder's budget: a
@@ -237,14 +238,16 @@ class Engine(Compute):
 
     @classmethod
     def load(cls, folders: Path | Sequence[Path], device: str = "auto", dtype: str = "auto",
-             warmup: bool = True, keys: Sequence[str] | None = None, buckets: BucketPlan | None = None) -> Engine:
+             warmup: bool = True, keys: Sequence[str] | None = None, buckets: BucketPlan | None = None,
+             batch_invariance: str = "off") -> Engine:
         """Load the models of ``folders`` (one folder, or several naming the same backbone) on one backbone,
         each head under its key in ``keys`` (by default its model's name); with ``buckets``, its plain batches in
-        shape buckets from the start (see :meth:`use_buckets`; ``auto``: captured where that can be, else none).
+        shape buckets from the start (see :meth:`use_buckets`; ``auto``: captured where that can be, else none);
+        ``batch_invariance`` set before the warm-up (see :attr:`batch_invariance`).
 
         Raises:
-            ValueError: ``buckets`` asks for what this device or backbone cannot do (``cuda`` without a GPU, a
-                backbone the packed encoder does not know).
+            ValueError: ``buckets`` or ``batch_invariance`` asks for what this device or backbone cannot do
+                (``cuda`` without a GPU, a backbone the packed encoder does not know, kernels without Triton).
         """
         t0 = time.perf_counter()
         folders = [folders] if isinstance(folders, Path | str) else list(folders)
@@ -254,6 +257,8 @@ class Engine(Compute):
             keep_freed_memory()
         manifests, classifiers = load_backbone(folders, dev, dt, keys)
         engine = cls(manifests, classifiers, dev, dt, 0.0)
+        if batch_invariance != "off":  # (its kernels compiled by the warm-up, before ready)
+            engine.batch_invariance = batch_invariance
         if warmup:
             engine._warm_up(engine.models)
         if buckets is not None:
@@ -367,6 +372,49 @@ class Engine(Compute):
                         "buckets are chosen for every length from 4 to 128 tokens alike", self.name)
             return list(range(4, 129))
         return [n for q in kept for n in draw_lengths(q, 4000 // len(kept) + 1)]
+
+    @property
+    def batch_invariance(self) -> str:
+        """How much of a text's computation is kept from depending on the rest of its batch, beyond float32's
+        (where any order agrees within 1e-5):
+
+        - ``"off"``: the libraries' choices (cuBLAS picks a kernel by the product's shape, and may add the parts of
+          a split sum in bfloat16);
+        - ``"reductions"``: the parts of a split sum of a bfloat16 product added in float32 (cuBLAS's, for the
+          whole process: ``torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction`` False);
+        - ``"kernels"``: that, and the encoder's linear layers through one Triton kernel with one tiling, every
+          token's outputs summed in the same order whatever the batch (:mod:`service.modeling.invariant`; a CUDA
+          device, or Triton's interpreter on a CPU).
+
+        Set before :meth:`use_buckets` (captured graphs keep the kernels they captured). ``routing-service bench gpu
+        --invariance batch_invariance=...`` measures how far each moves a text's probabilities between a batch of
+        its own and mixed ones, and what it costs.
+
+        Raises (on setting):
+            ValueError: an unknown value; ``kernels`` where Triton cannot run or the backbone has no packed
+                encoder; any value once buckets are in use.
+        """
+        return self._invariance
+
+    @batch_invariance.setter
+    def batch_invariance(self, value: str) -> None:
+        from service.modeling import invariant  # (Triton itself is imported on the kernel's first use)
+
+        if value not in ("off", "reductions", "kernels"):
+            raise ValueError(f"batch_invariance {value!r}: one of off, reductions, kernels")
+        if self._buckets is not None:
+            raise ValueError("batch_invariance is set before use_buckets: captured graphs keep their kernels")
+        stream = self.backbone.stream
+        if value == "kernels":
+            why = invariant.available(self.device)
+            if why is None and stream is None:
+                why = f"backbone {self.name} has no packed encoder, whose linear layers the kernel replaces"
+            if why is not None:
+                raise ValueError(f"batch_invariance kernels: {why}")
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = value == "off"
+        if stream is not None:
+            stream.use_linear(invariant.linear if value == "kernels" else torch.nn.functional.linear)
+        self._invariance = value
 
     @property
     def bucket_stats(self) -> BucketStats | None:

@@ -38,6 +38,7 @@ class LoadBackbone:
     torch_threads: int | None
     log: LogSetup = field(default_factory=LogSetup)
     buckets: BucketPlan = field(default_factory=BucketPlan)
+    batch_invariance: str = "off"
 
 
 @dataclass(frozen=True)

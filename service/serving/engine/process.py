@@ -144,7 +144,7 @@ def _serve(conn: Connection) -> None:
     try:
         set_torch_threads(load.torch_threads)
         engine = Engine.load([Path(f) for f in load.folders], load.device, load.dtype, load.warmup, load.keys,
-                             load.buckets)
+                             load.buckets, load.batch_invariance)
     except Exception as e:  # reported to the server, which fails its start with it
         conn.send(Failed(f"{type(e).__name__}: {e}"))
         return
@@ -356,7 +356,7 @@ class BackboneProcess(Compute):
 
     Args:
         folders: the folders of the models on this backbone (their manifests name the same one).
-        device, dtype, warmup, buckets: as for :meth:`Engine.load`, in the backbone's process.
+        device, dtype, warmup, buckets, batch_invariance: as for :meth:`Engine.load`, in the backbone's process.
         torch_threads: intra-op threads of the backbone's process (None: the CPUs it may use).
         chunker: the backbone's tokenizer when it is already loaded (another process of the same backbone).
         launches: where the process is registered while it loads (a server shutting down stops it there).
@@ -371,7 +371,7 @@ class BackboneProcess(Compute):
     def __init__(self, folders: Path | list[Path], device: str = "auto", dtype: str = "auto", warmup: bool = True,
                  torch_threads: int | None = None, chunker: ChunkTokenizer | None = None,
                  keys: list[str] | None = None, launches: Launches | None = None,
-                 buckets: BucketPlan | None = None, in_flight: int = 1) -> None:
+                 buckets: BucketPlan | None = None, in_flight: int = 1, batch_invariance: str = "off") -> None:
         folders = [folders] if isinstance(folders, Path) else list(folders)
         manifests = [read_manifest(f) for f in folders]
         if chunker is None:
@@ -382,7 +382,7 @@ class BackboneProcess(Compute):
         super().__init__(manifests, chunker, keys)
         self._folders = dict(zip(self.models, folders, strict=True))  # head key -> its model's folder
         self._load = LoadBackbone(tuple(str(f) for f in folders), tuple(self.models), device, dtype, warmup,
-                                  torch_threads, logs.current(), buckets or BucketPlan())
+                                  torch_threads, logs.current(), buckets or BucketPlan(), batch_invariance)
         self._launches = launches or Launches()
         self.in_flight = in_flight
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop that reads the pipe (see attach)

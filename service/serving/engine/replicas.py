@@ -29,7 +29,7 @@ class Replicas(Compute):
     five comparisons (measured in turns; see the README). Each holds a copy of the model's weights.
 
     Args:
-        folders, dtype, warmup, launches, buckets, in_flight: as for :class:`BackboneProcess`.
+        folders, dtype, warmup, launches, buckets, in_flight, batch_invariance: as for :class:`BackboneProcess`.
         devices: each process's device (at least 2).
         torch_threads: intra-op threads of each (None: the CPUs this process may use, shared among those on the CPU).
 
@@ -39,19 +39,20 @@ class Replicas(Compute):
 
     def __init__(self, folders: Path | list[Path], devices: Sequence[str] = ("auto", "auto"), dtype: str = "auto",
                  warmup: bool = True, torch_threads: int | None = None, keys: list[str] | None = None,
-                 launches: Launches | None = None, buckets: BucketPlan | None = None, in_flight: int = 1) -> None:
+                 launches: Launches | None = None, buckets: BucketPlan | None = None, in_flight: int = 1,
+                 batch_invariance: str = "off") -> None:
         n = len(devices)
         if n < 2:
             raise ValueError(f"replicas need at least 2 processes, not {n}")
         on_cpu = sum(d == "cpu" or (d == "auto" and not cuda_here()) for d in devices)
         threads = torch_threads or max(1, available_cpus() // max(on_cpu, 1))
         first = BackboneProcess(folders, devices[0], dtype, warmup, threads, keys=keys, launches=launches,
-                                buckets=buckets, in_flight=in_flight)
+                                buckets=buckets, in_flight=in_flight, batch_invariance=batch_invariance)
         super().__init__(list(first.manifests.values()), first.chunker, first.models)
         self.processes = [first]
         with ThreadPoolExecutor(n - 1) as pool:  # the others load side by side
             started = [pool.submit(BackboneProcess, folders, device, dtype, warmup, threads, first.chunker, keys,
-                                   launches, buckets, in_flight) for device in devices[1:]]
+                                   launches, buckets, in_flight, batch_invariance) for device in devices[1:]]
         self.processes += [f.result() for f in started if f.exception() is None]
         failed = next((e for f in started if (e := f.exception()) is not None), None)
         if failed is not None:

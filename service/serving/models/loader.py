@@ -143,13 +143,14 @@ class Loader:
         if not s.model_process:
             from service.serving.engine.engine import Engine  # torch, in this process only then
 
-            return Engine.load(folders, devices[0], s.dtype, s.warmup, keys, plan)
+            return Engine.load(folders, devices[0], s.dtype, s.warmup, keys, plan, s.batch_invariance)
         in_flight = s.in_flight(devices[0])
         if len(devices) > 1:
             return Replicas(folders, devices, s.dtype, s.warmup, s.torch_threads, keys, self.launches, plan,
-                            in_flight)
+                            in_flight, s.batch_invariance)
         return BackboneProcess(folders, devices[0], s.dtype, s.warmup, s.torch_threads, keys=keys,
-                               launches=self.launches, buckets=plan, in_flight=in_flight)
+                               launches=self.launches, buckets=plan, in_flight=in_flight,
+                               batch_invariance=s.batch_invariance)
 
 
 def bucket_plan(settings: Settings, device: str) -> BucketPlan:
