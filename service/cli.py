@@ -668,6 +668,10 @@ def bench_gpu(
         help="NAME=VALUE[,NAME=VALUE]: also serve with these settings (ROUTING_NAME=VALUE) over the defaults, e.g. "
              "batches_in_flight=1, max_wait_ms=1 or buckets=off (repeat it for several): time to ready and every "
              "served level, last")] = None,
+    invariance: Annotated[list[str] | None, typer.Option(
+        help="NAME=VALUE[,NAME=VALUE]: engine settings measured against the engine as served for how far a text's "
+             "probabilities move between a batch of its own and mixed ones, where its hidden states part, and "
+             "texts/s, in turns (e.g. batch_invariance=kernels; repeat it for several)")] = None,
     model_repository: Path = Path("models"),
     out: Annotated[Path, typer.Option(help="JSON result file")] = Path("bench-results/gpu.json"),
 ) -> None:
@@ -705,7 +709,8 @@ def bench_gpu(
                          baseline, served_seconds, numbers(concurrency, "--concurrency"), load_processes,
                          accuracy_texts, out.parent / "logs", texts_file, checkpoint, variants, peer_names,
                          fronts, numbers(peer_concurrency, "--peer-concurrency"),
-                         [served_settings(v) for v in served_variant or []], cpu_split)
+                         [served_settings(v) for v in served_variant or []], cpu_split,
+                         [variants_option(v.split(",")) for v in invariance or []])
     summary = result["summary"]
     typer.echo(json.dumps(summary, indent=1))
     path = report.write_json(out, "gpu", result["settings"], result["results"], summary)

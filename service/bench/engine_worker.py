@@ -66,6 +66,35 @@ def stand_in(engine: object, buckets: str) -> None:
     BucketRunner._compute = instant
 
 
+def divergence(engine: object, encodings: list, batches: list[list[int]], picked: list[int], run: object) -> dict:
+    """For each text of ``picked``: the largest difference of its hidden states at each depth (the embeddings'
+    output first), computed alone and within its batch of ``batches``, on the backbone's own path (no shape buckets:
+    the eager encoder), absolute and over the largest state of that depth; and its probabilities' largest change,
+    the heads run as the engine runs them (``run``: a batch of text indices to results; buckets included). What a
+    batch changes in a text, depth by depth."""
+    import torch
+
+    backbone = engine.backbone
+    model = engine.models[0]
+    labels = engine.labels(model)
+    of = {k: b for b in batches for k in b}
+    out = []
+    for k in picked:
+        ids = list(encodings[k].chunks[0])
+        batch = of[k]
+        with torch.inference_mode():
+            alone = backbone.run_chunks([ids])[0].float()  # [n e d]
+            mixed = backbone.run_chunks([list(encodings[j].chunks[0]) for j in batch])[batch.index(k)].float()
+        diff = (alone - mixed).abs().amax(dim=(0, 2))  # [e]
+        scale = alone.abs().amax(dim=(0, 2))  # [e]
+        p_alone, p_mixed = run([k])[0].scores, run(batch)[batch.index(k)].scores
+        out.append({"text": k, "tokens": len(ids), "batch_texts": len(batch), "batch_tokens": sum(
+            len(encodings[j].chunks[0]) for j in batch), "largest_state_change_by_depth": diff.tolist(),
+            "relative_state_change_by_depth": (diff / scale).tolist(),
+            "largest_probability_change": max(abs(p_alone[n] - p_mixed[n]) for n in labels)})
+    return {"texts": out}
+
+
 def main() -> None:
     # imported before the settings are read: a process started ahead of its turn has them ready
     import torch
@@ -200,6 +229,8 @@ def main() -> None:
             if getattr(engine, "bucket_stats", None) is not None:  # what ran in the buckets so far
                 out["buckets"] = bucket_stats(engine.bucket_stats)
             answer(out)
+        elif op == "divergence":  # where a text's hidden states part, alone against in its mixed batch
+            answer(divergence(engine, encodings, batches(cmd["budget"], cmd["max_texts"]), cmd["texts"], run))
         elif op == "profile":  # kernels and device time per batch, from a torch profile of a few batches
             from torch.autograd import DeviceType
             from torch.profiler import ProfilerActivity, profile

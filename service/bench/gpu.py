@@ -267,6 +267,53 @@ def agreement(make: Callable[[dict[str, Any]], EngineWorker], labels: list[str],
     return out
 
 
+def invariance(make: Callable[[str, dict[str, Any]], EngineWorker], labels: list[str],
+               candidates: dict[str, dict[str, Any]], budget: int, max_texts: int, seconds: float, rounds: int,
+               traced: int = 4) -> dict[str, Any]:
+    """Each candidate's engine settings (``candidates``: name -> settings, the engine as served first) on the
+    labelled texts: its accuracy; each text alone against in batches of ``budget`` tokens (:func:`alone_vs_mixed`);
+    for the ``traced`` texts that moved most as served (and any whose label flipped there), where their hidden
+    states part, depth by depth (the worker's ``divergence``); and texts/s at ``budget``, one and two batches in
+    flight, the candidates in turns (``rounds``, ``seconds`` each). ``make(name, settings)``: a worker on the
+    labelled texts. Which settings keep a text's label whatever its batch, and at what cost."""
+    out: dict[str, Any] = {"texts": len(labels), "candidates": candidates}
+    traced_texts: list[int] = []
+    with started_together(list(candidates), lambda name: make(name, candidates[name])) as workers:
+        for name, w in list(workers.items()):
+            try:
+                names = w.loaded["labels"]
+                mixed = w.ask("predict", alone=False, budget=budget, max_texts=max_texts)["probs"]
+                alone = w.ask("predict", alone=True)["probs"]
+                best = [names[_argmax(p)] for p in mixed]
+                row = {"accuracy": sum(b == t for b, t in zip(best, labels, strict=True)) / len(labels),
+                       "load": w.loaded, **alone_vs_mixed(alone, mixed, name)}
+                if not traced_texts:  # the engine as served: the texts a batch moves most, and those it flips
+                    moved = sorted(range(len(alone)), key=lambda k: -max(
+                        abs(x - y) for x, y in zip(alone[k], mixed[k], strict=True)))
+                    traced_texts = sorted({*moved[:traced],
+                                           *(f["text"] for f in row[f"flipped_alone_vs_mixed_{name}"])})
+                    out["traced_texts"] = traced_texts
+                row["divergence"] = w.ask("divergence", texts=traced_texts, budget=budget,
+                                          max_texts=max_texts)["texts"]
+            except RuntimeError as e:  # a candidate that cannot run here (its process failed): the others go on
+                out[name] = {"error": str(e)[-3000:]}
+                w.close()
+                del workers[name]
+                continue
+            out[name] = row
+        runs: dict[str, list[dict[str, Any]]] = {name: [] for name in workers}
+        for r in range(rounds):
+            for name in report.in_turns(list(workers), r):
+                runs[name].append(workers[name].ask("throughput", budget=budget, max_texts=max_texts,
+                                                    seconds=seconds))
+    for name, rows in runs.items():
+        out[name]["throughput"] = rows
+        out[name]["texts_per_s"] = max(r["texts_per_s"] for r in rows)
+        piped = [r["texts_per_s_pipelined"] for r in rows if r.get("texts_per_s_pipelined")]
+        out[name]["texts_per_s_two_in_flight"] = max(piped) if piped else None
+    return out
+
+
 def alone_vs_mixed(alone: list[list[float]], mixed: list[list[float]], tag: str) -> dict[str, Any]:
     """Each text's probabilities alone against in mixed batches: the largest change, the labels that flipped, and
     for each flipped text its margin (its top probability over its second, alone and mixed): a flip whose margin is
@@ -416,13 +463,15 @@ def run(device: str, model: str, repository: Path, n_texts: int, budgets: list[i
         checkpoint: Callable[[dict[str, Any], dict[str, Any]], None] | None = None,
         variant: list[dict[str, Any]] | None = None, peers: list[str] | None = None, fronts: list[int] | None = None,
         peer_levels: list[int] | None = None, served_variants: list[dict[str, str]] | None = None,
-        cpu_split: CpuSplit | None = None) -> dict[str, Any]:
+        cpu_split: CpuSplit | None = None, invariance_candidates: list[dict[str, Any]] | None = None
+        ) -> dict[str, Any]:
     """Every section (see the module's docstring); ``results`` and a ``summary`` of the headline numbers.
     ``checkpoint(settings, results)`` after each section. ``peers``, ``fronts``, ``peer_levels``: see :func:`beside`
     (none of either: no such section). ``served_variants``: the server again with each one's ``ROUTING_*``
     variables, at every served level, the run's last sections (what a run stopped at its time limit may lose).
     ``cpu_split``: the served sections' servers and load generator each on their own CPUs (none: they share the
-    machine's)."""
+    machine's). ``invariance_candidates``: engine settings over the served engine's, each measured against it in the
+    ``invariance`` section (:func:`invariance`; none: no such section)."""
     import torch
 
     from service.config import CPU_BATCH, GPU_BATCH
@@ -455,7 +504,7 @@ def run(device: str, model: str, repository: Path, n_texts: int, budgets: list[i
                 "concurrencies": concurrencies, "load_processes": load_processes, "accuracy_texts": accuracy_texts,
                 "texts_file": str(given_texts) if given_texts else None, "variant": variant,
                 "peers": peers or [], "fronts": fronts or [], "peer_levels": peer_levels or [],
-                "served_variants": served_variants or [],
+                "served_variants": served_variants or [], "invariance": invariance_candidates or [],
                 "cpus": cpu_split.record() if cpu_split else None,
                 "cuda_device": torch.cuda.get_device_name(0) if cuda and torch.cuda.is_available() else None}
     results: dict[str, Any] = {}
@@ -508,6 +557,13 @@ def run(device: str, model: str, repository: Path, n_texts: int, budgets: list[i
                                                             engine={**engine, "head_dtype": "bfloat16"}),
                                       labels[:accuracy_texts], default_budget, max_texts, "buckets",
                                       ("off", "cuda" if cuda else "eager"), "buckets"))
+    if invariance_candidates:
+        candidates = {"served": engines["current"],
+                      **{"-".join(f"{k}-{v}" for k, v in c.items()): {**engines["current"], **c}
+                         for c in invariance_candidates}}
+        step("invariance", lambda: invariance(
+            lambda name, engine: worker(ROOT, f"invariance-{name}", path=labelled_file, engine=engine),
+            labels[:accuracy_texts], candidates, default_budget, max_texts, seconds, rounds))
     levels = [(c, 1) for c in concurrencies] + [(64, 16)]
     step("served", lambda: served(repository, model, device, texts, levels, served_seconds, load_processes, logs,
                                   cpu_split=cpu_split, progress=so_far("served")))
@@ -587,6 +643,12 @@ def summarize(results: dict[str, Any], budget: int) -> dict[str, Any]:
                        if k != "traceback" and not k.startswith("probs")} or None
     out["head_precision"] = {k: v for k, v in (get("head_precision") or {}).items() if k != "traceback"} or None
     out["buckets"] = {k: v for k, v in (get("buckets") or {}).items() if k != "traceback"} or None
+    inv = get("invariance") or {}
+    out["invariance"] = {name: {k: row.get(k) for k in ("accuracy", f"largest_probability_change_alone_vs_mixed_{name}",
+                                                        f"label_flips_alone_vs_mixed_{name}", "texts_per_s",
+                                                        "texts_per_s_two_in_flight")} if "error" not in row
+                         else {"error": row["error"][-300:]}
+                         for name, row in inv.items() if name in (inv.get("candidates") or {})} or None
     for name, rows in engine.items():  # what the buckets did in the engine's turns at the default budget
         if not isinstance(rows, dict):
             continue

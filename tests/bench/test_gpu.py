@@ -14,14 +14,17 @@ from service.bench import cpus
 from service.bench.gpu import (
     IN_FLIGHT,
     ROOT,
+    EngineWorker,
     alone_vs_mixed,
     closed_loop,
+    invariance,
     keep_partial,
     labelled_test,
     section,
     write_labelled,
 )
 from service.cli import app
+from tests.conftest import TINY_LABELS
 
 
 def test_every_section_runs_and_every_field_is_written_on_the_cpu(tiny_repo: Path, tmp_path: Path) -> None:
@@ -35,6 +38,7 @@ def test_every_section_runs_and_every_field_is_written_on_the_cpu(tiny_repo: Pat
         "--baseline", str(ROOT), "--served-seconds", "0.3", "--concurrency", "4", "--load-processes", "2",
         "--accuracy-texts", "20", "--variant", "packed_heads=false,buckets=eager,head_dtype=bfloat16",
         "--served-variant", "buckets=eager,batches_in_flight=2", "--served-variant", "max_wait_ms=1",
+        "--invariance", "batch_invariance=reductions",
         "--peers", "mosec",
         "--workers", "2", "--peer-concurrency", "4", "--load-cpus", "1", "--out", str(out)])
     assert res.exit_code == 0, res.output
@@ -50,7 +54,8 @@ def test_every_section_runs_and_every_field_is_written_on_the_cpu(tiny_repo: Pat
     assert levels and all(r["load_cpus"] == list(split.load) for r in levels)
     assert results["served"]["server_cpus"] == results["served_variant"]["server_cpus"] == list(split.server)
     assert summary["served_fronts"] == 1  # auto on a CPU
-    sections = {"load", "engine", "profile", "latency", "accuracy", "head_precision", "buckets", "served",
+    sections = {"load", "engine", "profile", "latency", "accuracy", "head_precision", "buckets", "invariance",
+                "served",
                 "served_variant", "served_variant_2", "beside", "gpu_tests", "routing_headline"}
     assert set(results) == sections | {"seconds"} and set(results["seconds"]) == sections
     assert set(summary["section_seconds"]) == sections and all(v >= 0 for v in summary["section_seconds"].values())
@@ -65,6 +70,13 @@ def test_every_section_runs_and_every_field_is_written_on_the_cpu(tiny_repo: Pat
     assert all(v["ready_s"] > 0 and set(v["levels"]) == {"c4x1", "c64x16"} for v in variants.values())
     assert all(r["errors"] == 0 and r["texts_per_s"] > 0 for v in variants.values() for r in v["levels"].values())
     assert results["routing_headline"]["n_inp"] == 2000 and results["routing_headline"]["finite"]
+    # the engine as served against each --invariance candidate, its settings over the served engine's
+    assert doc["settings"]["invariance"] == [{"batch_invariance": "reductions"}]
+    assert results["invariance"]["candidates"] == {"served": {}, "batch_invariance-reductions": {
+        "batch_invariance": "reductions"}}
+    assert set(summary["invariance"]) == {"served", "batch_invariance-reductions"}
+    assert all(row["texts_per_s"] > 0 and row[f"label_flips_alone_vs_mixed_{name}"] == 0
+               for name, row in summary["invariance"].items())
     empty = {k for k, v in summary.items() if v is None}
     assert all(k.startswith("device_busy_share") for k in empty), empty  # a CPU has no device to be busy
     assert summary["kernels_per_batch"] == 0 and summary["torch_ops_per_batch"] > 0
@@ -133,6 +145,44 @@ def test_a_flip_alone_vs_mixed_is_named_with_its_margins() -> None:
     (flip,) = got["flipped_alone_vs_mixed_x"]
     assert flip["text"] == 2
     assert flip["margin_alone"] == pytest.approx(0.002) and flip["margin_mixed"] == pytest.approx(0.004)
+
+
+def test_the_invariance_section_measures_each_candidate_on_the_same_texts(
+        tiny_repo: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The served engine and each candidate, the kernel's by Triton's interpreter (the workers inherit it): in
+    float32 every one keeps each text's probabilities whatever its batch, and its states at every depth."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    texts = [f"text {k} " + "word " * (k % 7) for k in range(12)]
+    labels = [TINY_LABELS[k % 3] for k in range(12)]
+    (tmp_path / "texts.json").write_text(json.dumps(texts))
+
+    def make(name: str, engine: dict) -> EngineWorker:
+        return EngineWorker(ROOT, {"repository": str(tiny_repo), "model": "tiny", "device": "cpu", "dtype": "float32",
+                                   "texts_file": str(tmp_path / "texts.json"), "engine": engine},
+                            tmp_path / f"{name}.log", load_now=False)
+
+    candidates = {"served": {}, "reductions": {"batch_invariance": "reductions"},
+                  "kernels": {"batch_invariance": "kernels"}, "unknown": {"batch_invariance": "always"}}
+    got = invariance(make, labels, candidates, budget=40, max_texts=8, seconds=0.05, rounds=2, traced=2)
+    assert got["texts"] == 12 and got["candidates"] == candidates
+    # a candidate that cannot run says why, and the others are measured
+    assert "one of off, reductions, kernels" in got["unknown"]["error"]
+    del candidates["unknown"]
+    assert len(got["traced_texts"]) == 2 and set(got["traced_texts"]) <= set(range(12))
+    accuracy = {got[name]["accuracy"] for name in candidates}
+    assert len(accuracy) == 1 and 0 <= accuracy.pop() <= 1  # the same answers, whichever products
+    for name in candidates:
+        row = got[name]
+        assert row[f"largest_probability_change_alone_vs_mixed_{name}"] <= 1e-5
+        assert row[f"label_flips_alone_vs_mixed_{name}"] == 0 and row[f"flipped_alone_vs_mixed_{name}"] == []
+        assert [d["text"] for d in row["divergence"]] == got["traced_texts"]
+        for d in row["divergence"]:  # each depth's states, the embeddings' first: alone as in its batch
+            assert len(d["largest_state_change_by_depth"]) == len(d["relative_state_change_by_depth"]) == 3
+            assert max(d["relative_state_change_by_depth"]) <= 1e-5 and d["largest_probability_change"] <= 1e-5
+            assert 1 <= d["batch_texts"] <= 8 and d["tokens"] <= d["batch_tokens"] <= 40 + d["tokens"]
+        assert len(row["throughput"]) == 2 and row["texts_per_s"] > 0 and row["texts_per_s_two_in_flight"] > 0
+        assert row["load"]["device"] == "cpu"
 
 
 def test_a_served_section_stopped_midway_keeps_its_levels_done() -> None:
