@@ -46,15 +46,16 @@ def on_gpu(settings: Settings) -> bool:
 def auto_fronts(settings: Settings) -> int:
     """The fronts ``ROUTING_WORKERS=auto`` chooses. One where the models compute on the CPU: there the fronts take
     the model's cores (on 2 cores two fronts served 0.95x one at c = 8 and 1.06x at c = 32, and took 134 MiB more:
-    bench-results/serve-fronts-cpu-3.json), and one where a head cache is set (it needs one). On a GPU one for every
-    2 usable CPUs, 2 to 8: there the device waits on the fronts, and more served more. On an H200 with 16 CPUs
-    (bench-results/gpu-h200-3.json) 1, 2, 4 and 8 fronts served 922, 1,033, 896 and 1,203 single-text requests/s to
-    32 clients and 1,171, 1,674, 1,767 and 1,860 to 64; 4 fronts took 0.79-0.88 ms of CPU a request in all there,
-    so their 4 cores serve at most about 4,500-5,000 a second (4,696 at 256 clients): 8, not the 4 of one for every
-    4 CPUs before."""
+    bench-results/serve-fronts-cpu-3.json), and one where a head cache is set (it needs one). On a GPU all but 4 of
+    the usable CPUs (those left to the engine host, the model's process and the system), 2 to 8: there the device
+    waits on the fronts, and more served more. On an H200 with 16 CPUs (bench-results/gpu-h200-3.json) 1, 2, 4 and
+    8 fronts served 922, 1,033, 896 and 1,203 single-text requests/s to 32 clients and 1,171, 1,674, 1,767 and 1,860
+    to 64; with 12 of them (gpu-h200-4.json, the load generator on the other 4), 8 fronts served 4,498 and 6,610
+    to 32 and 64 clients in the same turns as 3,325 and 6,090 from 6 (one for every 2 CPUs, the rule before), and
+    6 fronts took 0.18 ms of CPU a text of 16-text requests, the limit of the 32,391 texts/s they served."""
     if settings.head_cache_bytes is not None or not on_gpu(settings):
         return 1
-    return max(2, min(8, available_cpus() // 2))
+    return max(2, min(8, available_cpus() - 4))
 
 
 class Settings(BaseSettings):

@@ -56,7 +56,7 @@ def test_auto_fronts_one_on_the_cpu_several_on_a_gpu(monkeypatch: pytest.MonkeyP
 
     assert Settings(device="cpu").workers == 1 and Settings(devices=["cpu", "cpu"]).workers == 1
     assert Settings(device="cuda", workers=3).workers == 3  # a number is kept
-    for cpus, fronts in ((2, 2), (8, 4), (16, 8), (64, 8)):
+    for cpus, fronts in ((2, 2), (8, 4), (10, 6), (12, 8), (16, 8), (64, 8)):
         monkeypatch.setattr(config, "available_cpus", lambda cpus=cpus: cpus)
         assert Settings(device="cuda:0").workers == fronts
         assert Settings(devices=["cuda:0", "cuda:1"]).workers == fronts
