@@ -76,13 +76,13 @@ class Settings(BaseSettings):
                          "float32 on a CPU; half precisions: GPU only")
     warmup: bool = Field(True, description="Run one batch per model before reporting ready")
     batch_invariance: Literal["off", "reductions", "kernels"] = Field(
-        "off", description="What keeps a text's answer from depending on the rest of its batch beyond float32's "
-        "agreement (within 1e-5, whatever this says) on a GPU in bfloat16, where a text alone and among others "
-        "computes in products of other shapes, whose rounding moved probabilities by up to 0.005 on an H200 (one "
-        "near tie of 1,000 test tweets changed label): reductions, cuBLAS adds the parts of a split product in "
-        "float32; kernels, that, and the encoder's linear layers in one Triton kernel whose order of summation does "
-        "not depend on the batch (a CUDA device with Triton). Not yet measured on a GPU: routing-service bench gpu "
-        "--invariance batch_invariance=kernels measures it")
+        "off", description="On a GPU in bfloat16, how far a text's answer is kept from depending on the other texts "
+        "of its batch (alone and among others it computes in products of other shapes, which round differently: on "
+        "an H200 its probabilities moved by up to 0.005, and one near tie of 1,000 test tweets changed label; in "
+        "float32 any batch agrees within 1e-5 whatever this says). off: as the libraries choose; reductions: cuBLAS "
+        "adds the parts of a split product in float32; kernels: that, and the encoder's linear layers through one "
+        "Triton kernel whose order of summation does not depend on the batch (a CUDA device). Not yet measured on "
+        "a GPU: routing-service bench gpu --invariance batch_invariance=kernels measures it")
     buckets: Literal["off", "auto", "eager", "cuda"] = Field(
         "auto", description="Plain batches (every text one chunk, one model, no credit) in shape buckets chosen "
         "for the lengths the models' manifests keep: cuda captures a CUDA graph per bucket before ready and replays "

@@ -24,6 +24,9 @@ fails records its error and the run goes on):
 - ``buckets``: the same for plain batches in shape buckets (``Engine.use_buckets``: captured as CUDA graphs on a
   GPU, padded eagerly on a CPU) against none, the heads' products in bfloat16 in both (as ``cuda`` computes them),
   and what the warm-up took (``--variant buckets=off`` measures the eager engine's speed in the turns, on a GPU);
+- ``invariance`` (with ``--invariance``): the engine as served against each candidate's settings (e.g.
+  ``batch_invariance=kernels``) on the labelled texts: accuracy, each text alone against mixed batches, where the
+  texts that moved most part depth by depth, and texts/s in turns (:func:`invariance`);
 - ``served``: the server started on the device, driven by clients in several processes (one aiohttp process tops
   out near 3,500 requests/s) with its default fronts (their number recorded): single-text requests at the given
   concurrencies and 16-text requests, requests and texts per second, p50 and p99. In this section, ``beside`` and
