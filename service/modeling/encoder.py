@@ -29,6 +29,10 @@ Linear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tenso
 """A linear layer's product, as ``torch.nn.functional.linear``: ``x [T, i]``, ``weight [o, i]``, ``bias [o]`` ->
 ``[T, o]``."""
 
+Attention = Callable[..., torch.Tensor]
+"""Attention as ``torch.nn.functional.scaled_dot_product_attention``: ``q, k, v [s, h, L, c]``, ``attn_mask`` (bool,
+broadcast to ``[s, h, L, L]``, or None) -> ``[s, h, L, c]``."""
+
 ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu, "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
                "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
@@ -152,7 +156,9 @@ class PackedLayer(nn.Module):
         self.up, self.down, self.norm2 = layer.intermediate.dense, layer.output.dense, layer.output.LayerNorm
         self.n_heads, self.act, self.act_name, self.eps = n_heads, ACTIVATIONS[act], act, eps
         self.linear: Linear = F.linear
-        """How the layer's four products are computed (see :meth:`PackedEncoder.use_linear`)."""
+        """How the layer's four products are computed (see :meth:`PackedEncoder.use_kernels`)."""
+        self.attention: Attention = F.scaled_dot_product_attention
+        """How its attention is computed (see :meth:`PackedEncoder.use_kernels`)."""
 
     def forward(self, x: torch.Tensor, p: Packing) -> torch.Tensor:
         """``x [T, d]`` -> ``[T, d]``."""
@@ -163,7 +169,7 @@ class PackedLayer(nn.Module):
         qkv = linear(x, self.W_qkv, self.b_qkv)  # [T 3d]
         padded = qkv.view(s, L, 3 * d) if p.to_padded is None else qkv[p.to_padded]  # [s L 3d]
         q, k, v = padded.view(s, L, 3, h, d // h).permute(2, 0, 3, 1, 4).unbind(0)  # each [s h L c]
-        a = F.scaled_dot_product_attention(q, k, v, attn_mask=p.keep)  # [s h L c]
+        a = self.attention(q, k, v, attn_mask=p.keep)  # [s h L c]
         a = a.transpose(1, 2).reshape(s * L, d)  # [sL d]
         if p.from_padded is not None:
             a = a[p.from_padded]  # [T d]
@@ -201,12 +207,13 @@ class PackedEncoder(nn.Module):
                  and hasattr(model, "embeddings") and hasattr(model, "encoder"))
         return cls(model) if known else None
 
-    def use_linear(self, linear: Linear = F.linear) -> None:
+    def use_kernels(self, linear: Linear = F.linear, attention: Attention = F.scaled_dot_product_attention) -> None:
         """Every layer's products (query, key and value; attention's output; the feed-forward pair) through
-        ``linear`` from now on: ``torch.nn.functional.linear`` (the default), or one that computes each token's
-        outputs in the same order whatever the batch (:func:`service.modeling.invariant.linear`)."""
+        ``linear``, and its attention through ``attention``, from now on: torch's (the defaults), or those that
+        compute each token's outputs in the same order whatever the batch (:func:`service.modeling.invariant.linear`,
+        :func:`service.modeling.invariant.attention`)."""
         for layer in self.layers:
-            layer.linear = linear
+            layer.linear, layer.attention = linear, attention
 
     def forward(self, p: Packing, out: torch.Tensor | None = None) -> torch.Tensor:
         """``[T, e, d]`` the hidden states of every depth of the packed tokens (the embeddings' output first); with

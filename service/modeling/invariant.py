@@ -6,8 +6,9 @@ bfloat16. Each order rounds differently, so a text's hidden states, and its prob
 an H200 by up to 0.004 in bfloat16, enough to flip the label of a near tie). Here one Triton kernel with one tiling
 for every shape: each output element is the sum over its input features in chunks of ``BLOCK_K``, in the same order,
 accumulated in float32 and rounded once, whatever the number of rows (the rows of a product never share a sum). It
-is the first of what a batch-invariant engine needs (attention and the heads' products are the rest: ``routing-service
-bench gpu``'s ``invariance`` section measures how far each moves a text).
+is the first of what a batch-invariant engine needs, with attention through one kernel whatever the shapes
+(:func:`attention`); the heads' products are the rest (``routing-service bench gpu``'s ``invariance`` section measures
+how far each moves a text).
 
 Indices: ``T`` rows (tokens), ``i`` input features, ``o`` output features.
 
@@ -115,6 +116,22 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
                       BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, GROUP=8, WIDEN=INTERPRETED,
                       num_warps=8, num_stages=3)
     return y
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None
+              ) -> torch.Tensor:
+    """``torch.nn.functional.scaled_dot_product_attention`` (``q, k, v [s, h, L, c]``, ``attn_mask`` bool or None ->
+    ``[s, h, L, c]``) through one kernel whatever the shapes on a CUDA device: the memory-efficient one, which takes
+    keys in blocks from the first whatever the row's length, so that masked keys past a sequence add exact zeros. Left
+    to torch, a batch of equal lengths (no mask: a text alone) goes to the flash kernel and others to the
+    memory-efficient one, and cuDNN's kernel (inside shape buckets) builds a plan for each shape. On a CPU torch's
+    own."""
+    if q.device.type != "cuda":
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)  # [s h L c]
 
 
 def _cdiv(a: int, b: int) -> int:

@@ -86,10 +86,10 @@ lengths = np.array([5, 9, 3])
 ids = np.random.default_rng(0).integers(100, 1000, int(lengths.sum()))
 with torch.inference_mode():
     before = encoder(pack(ids, lengths, torch.device("cpu")))  # [T e d]
-    encoder.use_linear(invariant.linear)
+    encoder.use_kernels(invariant.linear, invariant.attention)
     after = encoder(pack(ids, lengths, torch.device("cpu")))  # [T e d]
     alone = encoder(pack(ids[5:14], lengths[1:2], torch.device("cpu")))  # [9 e d] the second sequence alone
-    encoder.use_linear()  # back to F.linear
+    encoder.use_kernels()  # back to torch's
     again = encoder(pack(ids, lengths, torch.device("cpu")))  # [T e d]
 assert torch.allclose(after, before, atol=1e-5), (after - before).abs().max()
 assert torch.allclose(alone, after[5:14], atol=1e-5)

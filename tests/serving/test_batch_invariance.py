@@ -22,9 +22,14 @@ def engine(tiny_repo: Path) -> Engine:
     return Engine.load(tiny_repo / "tiny", device="cpu")
 
 
-def linears(engine: Engine) -> set[object]:
+TORCHS = {(F.linear, F.scaled_dot_product_attention)}
+"""Every layer of the packed encoder computing with torch's linear layers and attention."""
+
+
+def kernels(engine: Engine) -> set[tuple[object, object]]:
+    """The (linear, attention) each layer of the engine's packed encoder computes with."""
     assert engine.backbone.stream is not None
-    return {layer.linear for layer in engine.backbone.stream.layers}
+    return {(layer.linear, layer.attention) for layer in engine.backbone.stream.layers}
 
 
 def test_reductions_keep_cublas_split_sums_in_float32_and_off_gives_them_back(engine: Engine) -> None:
@@ -33,7 +38,7 @@ def test_reductions_keep_cublas_split_sums_in_float32_and_off_gives_them_back(en
     try:
         engine.batch_invariance = "reductions"
         assert engine.batch_invariance == "reductions" and not matmul.allow_bf16_reduced_precision_reduction
-        assert linears(engine) == {F.linear}  # the encoder's products as they were
+        assert kernels(engine) == TORCHS  # the encoder's products as they were
         before = engine.run([Task("a text to score")])[0].scores
         engine.batch_invariance = "off"
         assert matmul.allow_bf16_reduced_precision_reduction
@@ -42,13 +47,26 @@ def test_reductions_keep_cublas_split_sums_in_float32_and_off_gives_them_back(en
         matmul.allow_bf16_reduced_precision_reduction = True
 
 
+def test_kernels_put_the_encoder_on_the_invariant_kernels_and_off_gives_torchs_back(
+        engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(invariant, "available", lambda device: None)  # as on a CUDA device (nothing runs here)
+    try:
+        engine.batch_invariance = "kernels"
+        assert kernels(engine) == {(invariant.linear, invariant.attention)}
+        assert not torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction
+        engine.batch_invariance = "off"
+        assert kernels(engine) == TORCHS and torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction
+    finally:
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = True
+
+
 def test_what_it_refuses_leaves_the_engine_as_it_was(engine: Engine) -> None:
     with pytest.raises(ValueError, match="one of off, reductions, kernels"):
         engine.batch_invariance = "always"
     if not invariant.INTERPRETED:  # Triton's kernels on a CPU only through its interpreter
         with pytest.raises(ValueError, match=r"kernels: .*CUDA"):
             engine.batch_invariance = "kernels"
-    assert engine.batch_invariance == "off" and linears(engine) == {F.linear}
+    assert engine.batch_invariance == "off" and kernels(engine) == TORCHS
     assert torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction
     engine.use_buckets("eager", lengths=[4, 8])
     with pytest.raises(ValueError, match="before use_buckets"):  # graphs captured keep their kernels

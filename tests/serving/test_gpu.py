@@ -145,3 +145,42 @@ def test_a_process_with_two_batches_in_flight_answers_as_with_one(tiny_repo: Pat
     finally:
         one.close()
         two.close()
+
+
+def test_the_batch_invariant_kernel_on_the_gpu_keeps_each_row_whatever_the_batch() -> None:
+    """The kernel (service.modeling.invariant), compiled for the card: within bfloat16's rounding of F.linear on
+    fresh random operands, every element written, and each row alone equal to the bit to the same row among 16,384
+    (which cuBLAS computes in other kernels)."""
+    from torch.nn import functional as F
+
+    from service.modeling import invariant
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for T, i, o in [(16384, 384, 1152), (37, 1536, 384), (1, 384, 384)]:
+        x = torch.randn(T, i, device="cuda", generator=g).bfloat16()  # [T i]
+        w = (torch.randn(o, i, device="cuda", generator=g) / i**0.5).bfloat16()  # [o i]
+        b = torch.randn(o, device="cuda", generator=g).bfloat16()  # [o]
+        y = invariant.linear(x, w, b)  # [T o]
+        ref = F.linear(x.double(), w.double(), b.double())  # [T o]
+        assert torch.isfinite(y).all()
+        assert ((y.double() - ref).norm() / ref.norm()).item() < 1e-2
+        for k in (0, T // 2, T - 1):
+            assert torch.equal(invariant.linear(x[k : k + 1], w, b)[0], y[k])
+        assert torch.equal(invariant.linear(x[: min(T, 300)], w, b), y[: min(T, 300)])
+
+
+def test_an_engine_with_batch_invariant_kernels_answers_as_without_and_a_text_alone_as_in_a_batch(
+        tiny_repo: Path) -> None:
+    plain = Engine.load(tiny_repo / "tiny", device="cuda", dtype="bfloat16")
+    kernels = Engine.load(tiny_repo / "tiny", device="cuda", dtype="bfloat16", batch_invariance="kernels")
+    assert kernels.batch_invariance == "kernels"
+    # the encoder's states of a sequence alone and among others agree to the bit
+    chunks = [[101] + [2000 + k] * n + [102] for k, n in enumerate([1, 12, 2, 13, 3, 14])]
+    together = kernels.backbone.run_chunks(chunks)  # per chunk [L e d]
+    assert all(torch.equal(kernels.backbone.run_chunks([c])[0], s) for c, s in zip(chunks, together, strict=True))
+    batched = kernels.run([Task(t) for t in TEXTS])
+    for text, got, ref in zip(TEXTS, batched, plain.run([Task(t) for t in TEXTS]), strict=True):
+        (alone,) = kernels.run([Task(text)])
+        assert all(abs(p - ref.scores[label]) <= 1e-2 for label, p in got.scores.items())  # bfloat16 apart
+        # (the heads' products remain cuBLAS's: alone and in the batch within bfloat16's rounding)
+        assert all(abs(p - alone.scores[label]) <= 1e-2 for label, p in got.scores.items())

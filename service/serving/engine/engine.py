@@ -383,8 +383,9 @@ class Engine(Compute):
         - ``"reductions"``: the parts of a split sum of a bfloat16 product added in float32 (cuBLAS's, for the
           whole process: ``torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction`` False);
         - ``"kernels"``: that, and the encoder's linear layers through one Triton kernel with one tiling, every
-          token's outputs summed in the same order whatever the batch (:mod:`service.modeling.invariant`; a CUDA
-          device, or Triton's interpreter on a CPU).
+          token's outputs summed in the same order whatever the batch, and its attention through one kernel whatever
+          the shapes, masked or not (:mod:`service.modeling.invariant`; a CUDA device, or Triton's interpreter on a
+          CPU).
 
         Set before :meth:`use_buckets` (captured graphs keep the kernels they captured). ``routing-service bench gpu
         --invariance batch_invariance=...`` measures how far each moves a text's probabilities between a batch of
@@ -413,7 +414,10 @@ class Engine(Compute):
                 raise ValueError(f"batch_invariance kernels: {why}")
         torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = value == "off"
         if stream is not None:
-            stream.use_linear(invariant.linear if value == "kernels" else torch.nn.functional.linear)
+            if value == "kernels":
+                stream.use_kernels(invariant.linear, invariant.attention)
+            else:
+                stream.use_kernels()
         self._invariance = value
 
     @property
