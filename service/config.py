@@ -80,9 +80,10 @@ class Settings(BaseSettings):
         "of its batch (alone and among others it computes in products of other shapes, which round differently: on "
         "an H200 its probabilities moved by up to 0.005, and one near tie of 1,000 test tweets changed label; in "
         "float32 any batch agrees within 1e-5 whatever this says). off: as the libraries choose; reductions: cuBLAS "
-        "adds the parts of a split product in float32; kernels: that, and the encoder's linear layers through one "
-        "Triton kernel whose order of summation does not depend on the batch (a CUDA device). Not yet measured on "
-        "a GPU: routing-service bench gpu --invariance batch_invariance=kernels measures it")
+        "adds the parts of a split product in float32; kernels: that, the encoder's linear layers through one "
+        "Triton kernel whose order of summation does not depend on the batch, and its attention through one kernel "
+        "whatever the shapes (a CUDA device). Not yet measured on a GPU: routing-service bench gpu --invariance "
+        "batch_invariance=kernels measures it")
     buckets: Literal["off", "auto", "eager", "cuda"] = Field(
         "auto", description="Plain batches (every text one chunk, one model, no credit) in shape buckets chosen "
         "for the lengths the models' manifests keep: cuda captures a CUDA graph per bucket before ready and replays "
