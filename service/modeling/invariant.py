@@ -1,4 +1,5 @@
-"""Linear layers whose every output row is computed the same way whatever else is in the batch.
+"""The encoder's products computed the same way for a token whatever else is in its batch: linear layers through
+one Triton kernel (:func:`linear`), attention through one kernel (:func:`attention`).
 
 cuBLAS picks a kernel by the product's shape: the tokens of a text alone (a few dozen rows) and the same tokens among
 16,000 go through different tilings, some splitting the sum over input features (split-K) and adding the parts in
