@@ -70,28 +70,52 @@ def divergence(engine: object, encodings: list, batches: list[list[int]], picked
     """For each text of ``picked``: the largest difference of its hidden states at each depth (the embeddings'
     output first), computed alone and within its batch of ``batches``, on the backbone's own path (no shape buckets:
     the eager encoder), absolute and over the largest state of that depth; and its probabilities' largest change,
-    the heads run as the engine runs them (``run``: a batch of text indices to results; buckets included). What a
-    batch changes in a text, depth by depth."""
+    the heads run as the engine runs them (``run``: a batch of text indices to results; buckets included); and the
+    packed head's, on the text's states computed alone, alone against among the batch's others (the head's own
+    share). What a batch changes in a text, depth by depth."""
     import torch
+
+    from service.modeling.classifier import scoring
 
     backbone = engine.backbone
     model = engine.models[0]
     labels = engine.labels(model)
+    head = engine.classifiers[model].head
     of = {k: b for b in batches for k in b}
+
+    def head_probs(states: list, at: int) -> list | None:
+        """The packed head's probabilities for sequence ``at`` among ``states`` (each ``[n e d]``), its products as
+        the engine's (None where the packed head does not run here)."""
+        hidden = torch.cat(states).to(next(head.parameters()).dtype)  # [T e d]
+        n_t = torch.tensor([len(x) for x in states], device=hidden.device)  # [b]
+        try:
+            with scoring(hidden.device, engine.score_dtype):
+                return head.scores_packed(hidden, n_t)[at].float().softmax(-1).tolist()  # [k]
+        except RuntimeError:
+            return None
+
     out = []
     for k in picked:
         ids = list(encodings[k].chunks[0])
         batch = of[k]
+        at = batch.index(k)
         with torch.inference_mode():
-            alone = backbone.run_chunks([ids])[0].float()  # [n e d]
-            mixed = backbone.run_chunks([list(encodings[j].chunks[0]) for j in batch])[batch.index(k)].float()
-        diff = (alone - mixed).abs().amax(dim=(0, 2))  # [e]
-        scale = alone.abs().amax(dim=(0, 2))  # [e]
-        p_alone, p_mixed = run([k])[0].scores, run(batch)[batch.index(k)].scores
+            alone = backbone.run_chunks([ids])[0]  # [n e d]
+            together = backbone.run_chunks([list(encodings[j].chunks[0]) for j in batch])  # per text [n e d]
+            # the head alone against among the batch's others on the same states (the text's computed alone): what
+            # the head's own products change with the batch
+            head_alone = head_probs([alone], 0)
+            head_mixed = head_probs([alone if j == at else x for j, x in enumerate(together)], at)
+        mixed = together[at]
+        diff = (alone.float() - mixed.float()).abs().amax(dim=(0, 2))  # [e]
+        scale = alone.float().abs().amax(dim=(0, 2))  # [e]
+        p_alone, p_mixed = run([k])[0].scores, run(batch)[at].scores
         out.append({"text": k, "tokens": len(ids), "batch_texts": len(batch), "batch_tokens": sum(
             len(encodings[j].chunks[0]) for j in batch), "largest_state_change_by_depth": diff.tolist(),
             "relative_state_change_by_depth": (diff / scale).tolist(),
-            "largest_probability_change": max(abs(p_alone[n] - p_mixed[n]) for n in labels)})
+            "largest_probability_change": max(abs(p_alone[n] - p_mixed[n]) for n in labels),
+            "head_probability_change_same_states": None if head_alone is None or head_mixed is None else max(
+                abs(a - b) for a, b in zip(head_alone, head_mixed, strict=True))})
     return {"texts": out}
 
 

@@ -180,6 +180,7 @@ def test_the_invariance_section_measures_each_candidate_on_the_same_texts(
         for d in row["divergence"]:  # each depth's states, the embeddings' first: alone as in its batch
             assert len(d["largest_state_change_by_depth"]) == len(d["relative_state_change_by_depth"]) == 3
             assert max(d["relative_state_change_by_depth"]) <= 1e-5 and d["largest_probability_change"] <= 1e-5
+            assert 0 <= d["head_probability_change_same_states"] <= 1e-5  # (the packed head runs on a CPU)
             assert 1 <= d["batch_texts"] <= 8 and d["tokens"] <= d["batch_tokens"] <= 40 + d["tokens"]
         assert len(row["throughput"]) == 2 and row["texts_per_s"] > 0 and row["texts_per_s_two_in_flight"] > 0
         assert row["load"]["device"] == "cpu"
