@@ -223,8 +223,7 @@ def accuracy(make: Callable[[str], EngineWorker], labels: list[str], dtypes: lis
                 alone = w.ask("predict", alone=True)["probs"]
             w.close()
     for dtype, mixed in probs.items():
-        best = [names[_argmax(p)] for p in mixed]
-        out[f"accuracy_{dtype}"] = sum(b == t for b, t in zip(best, labels, strict=True)) / len(labels)
+        out[f"accuracy_{dtype}"] = _accuracy(mixed, names, labels)
         out[f"probs_{dtype}"] = [[round(x, 7) for x in p] for p in mixed]  # to compare with another machine's
     out["labels"] = names
     first, last = dtypes[0], dtypes[-1]
@@ -259,8 +258,7 @@ def agreement(make: Callable[[dict[str, Any]], EngineWorker], labels: list[str],
                 out[f"warm_up_{tag}_{value}"] = w.loaded["buckets"]
             w.close()
     for value in values:
-        best = [names[_argmax(p)] for p in probs[value]]
-        out[f"accuracy_{tag}_{value}"] = sum(b == t for b, t in zip(best, labels, strict=True)) / len(labels)
+        out[f"accuracy_{tag}_{value}"] = _accuracy(probs[value], names, labels)
     a, b = values
     out[f"accuracy_points_{tag}_{b}_minus_{a}"] = 100 * (out[f"accuracy_{tag}_{b}"] - out[f"accuracy_{tag}_{a}"])
     out[f"largest_probability_change_{tag}_{a}_vs_{b}"] = _largest(probs[a], probs[b])
@@ -287,12 +285,10 @@ def invariance(make: Callable[[str, dict[str, Any]], EngineWorker], labels: list
                 names = w.loaded["labels"]
                 mixed = w.ask("predict", alone=False, budget=budget, max_texts=max_texts)["probs"]
                 alone = w.ask("predict", alone=True)["probs"]
-                best = [names[_argmax(p)] for p in mixed]
-                row = {"accuracy": sum(b == t for b, t in zip(best, labels, strict=True)) / len(labels),
-                       "load": w.loaded, **alone_vs_mixed(alone, mixed, name)}
+                row = {"accuracy": _accuracy(mixed, names, labels), "load": w.loaded,
+                       **alone_vs_mixed(alone, mixed, name)}
                 if not traced_texts:  # the engine as served: the texts a batch moves most, and those it flips
-                    moved = sorted(range(len(alone)), key=lambda k: -max(
-                        abs(x - y) for x, y in zip(alone[k], mixed[k], strict=True)))
+                    moved = sorted(range(len(alone)), key=lambda k: -_largest([alone[k]], [mixed[k]]))
                     traced_texts = sorted({*moved[:traced],
                                            *(f["text"] for f in row[f"flipped_alone_vs_mixed_{name}"])})
                     out["traced_texts"] = traced_texts
@@ -330,6 +326,17 @@ def alone_vs_mixed(alone: list[list[float]], mixed: list[list[float]], tag: str)
 def _margin(p: list[float]) -> float:
     first, second = sorted(p, reverse=True)[:2]
     return first - second
+
+
+def _accuracy(probs: list[list[float]], names: list[str], labels: list[str]) -> float:
+    """The share of texts whose likeliest label (of ``names``, in the order of each text's ``probs``) is its
+    ``labels``'."""
+    return sum(names[_argmax(p)] == t for p, t in zip(probs, labels, strict=True)) / len(labels)
+
+
+def _named(settings: dict[str, Any]) -> str:
+    """Engine settings as a name: ``{"buckets": "off"}`` -> ``buckets-off``."""
+    return "-".join(f"{k}-{v}" for k, v in settings.items())
 
 
 def _largest(a: list[list[float]], b: list[list[float]]) -> float:
@@ -524,7 +531,7 @@ def run(device: str, model: str, repository: Path, n_texts: int, budgets: list[i
     # this version's engine as the server computes on this device (ROUTING_BUCKETS=auto: captured shape buckets on
     # a GPU); a variant is those settings with its own over them
     engines = {"current": dict(SERVED_ENGINE_ON_GPU if cuda else {})}
-    engines.update({"current-" + "-".join(f"{k}-{v}" for k, v in v.items()): {**engines["current"], **v}
+    engines.update({f"current-{_named(v)}": {**engines["current"], **v}
                     for v in variant or []})
     versions.update({name: ROOT for name in engines if name != "current"})
     settings["engines"] = engines
@@ -562,7 +569,7 @@ def run(device: str, model: str, repository: Path, n_texts: int, budgets: list[i
                                       ("off", "cuda" if cuda else "eager"), "buckets"))
     if invariance_candidates:
         candidates = {"served": engines["current"],
-                      **{"-".join(f"{k}-{v}" for k, v in c.items()): {**engines["current"], **c}
+                      **{_named(c): {**engines["current"], **c}
                          for c in invariance_candidates}}
         step("invariance", lambda: invariance(
             lambda name, engine: worker(ROOT, f"invariance-{name}", path=labelled_file, engine=engine),

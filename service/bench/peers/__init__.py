@@ -10,7 +10,7 @@ shape (``{"inputs": [text, ...]}``) with each text's label and scores. Settings 
 - ``PEER_PORT``; ``PEER_MAX_BATCH_SIZE``; ``PEER_MAX_WAIT_MS``;
 - ``PEER_BUCKETS``: the engine's shape buckets, as the service's ``buckets`` setting (default ``auto``, the
   service's own: captured on a GPU, none on a CPU), chosen for ``PEER_MAX_BATCH_SIZE`` texts and the service's
-  token budget on the device;
+  token budget on the device; ``PEER_BATCH_INVARIANCE``: as the service's ``batch_invariance`` (default ``off``);
 - ``PEER_BATCH_LOG``: a file the worker appends each batch's size to (one line per batch), so the bench
   reads the mean batch as it does the service's from its metrics.
 """
