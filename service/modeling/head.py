@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from service.routing import EfficientVectorRouting, credit
-from service.routing.segments import Segments, Slots
+from service.routing.segments import Products, Segments, Slots
 
 NORM_EPS = 1e-5
 """The per-depth layer norm's epsilon."""
@@ -135,8 +135,8 @@ class RoutingHead(nn.Module):
         return HeadOutput(scores=scores, phi=(r1["phi"], r2["phi"], r3["phi"]), absent=absent, stack=stack,
                           normed=normed)
 
-    def scores_packed(self, hidden: torch.Tensor, n_t: torch.Tensor, slot: torch.Tensor | None = None
-                      ) -> torch.Tensor:
+    def scores_packed(self, hidden: torch.Tensor, n_t: torch.Tensor, slot: torch.Tensor | None = None,
+                      products: Products | None = None) -> torch.Tensor:
         """The scores :meth:`forward` gives each text alone, for texts lying back to back without padding: the
         first routing over every text's inputs in one packed call (:meth:`EfficientVectorRouting.forward_packed`),
         the other two on the batch. No credit (it reads the padded :class:`HeadOutput`).
@@ -147,6 +147,8 @@ class RoutingHead(nn.Module):
                 no defined scores, and leaves the others' as they are).
             slot: with a stacked head (``S`` heads' parameters, see :class:`HeadSlots`), int64 ``[b]`` the head of
                 each text, non-decreasing (the texts sorted by head); None with one head.
+            products: the routings' matrix products (see :class:`~service.routing.segments.Products`; the later
+                routings then packed too, on fixed segments); None: torch's.
 
         Returns:
             ``[b, n_classes]`` logits.
@@ -161,19 +163,23 @@ class RoutingHead(nn.Module):
         if slot is None:
             x = torch.addcmul(self.B, normed, self.W)  # [Ted]
             segments = Segments.of(n_t * self.d_depth, T * self.d_depth, normed.dtype)
-            x1 = self.route[0].forward_packed(x.flatten(0, 1), segments)  # [bjh]
-            x2 = self.route[1](x1)["x_out"]  # [bjh]
-            return self.route[2](x2)["x_out"].squeeze(-1)  # [bk]
+            x1 = self.route[0].forward_packed(x.flatten(0, 1), segments, products=products)  # [bjh]
+            if products is None:
+                x2 = self.route[1](x1)["x_out"]  # [bjh]
+                return self.route[2](x2)["x_out"].squeeze(-1)  # [bk]
+            fixed = Segments.fixed(b, self.n_hid, x.dtype, x.device)  # the later routings' inputs: n_hid each
+            x2 = self.route[1].forward_packed(x1.flatten(0, 1), fixed, products=products)  # [bjh]
+            return self.route[2].forward_packed(x2.flatten(0, 1), fixed, products=products).squeeze(-1)  # [bk]
         S = self.W.shape[0]
         own = torch.repeat_interleave(slot, n_t, output_size=T)  # [T] each position's head
         x = torch.addcmul(self.B[own], normed, self.W[own])  # [Ted] scaled by its head, plus its bias
         counts = n_t * self.d_depth  # [b]
         x1 = self.route[0].forward_packed(x.flatten(0, 1), Segments.of(counts, T * self.d_depth, x.dtype),
-                                          Slots.of(slot, counts, S))  # [bjh]
+                                          Slots.of(slot, counts, S), products)  # [bjh]
         segments = Segments.fixed(b, self.n_hid, x.dtype, x.device)  # the later routings' inputs: n_hid each
         slots = Slots.of(slot, segments.n.to(torch.int64), S)
-        x2 = self.route[1].forward_packed(x1.flatten(0, 1), segments, slots)  # [bjh]
-        return self.route[2].forward_packed(x2.flatten(0, 1), segments, slots).squeeze(-1)  # [bk]
+        x2 = self.route[1].forward_packed(x1.flatten(0, 1), segments, slots, products)  # [bjh]
+        return self.route[2].forward_packed(x2.flatten(0, 1), segments, slots, products).squeeze(-1)  # [bk]
 
     def contributions(self, out: HeadOutput, targets: torch.Tensor, contrast: bool = True) -> Contribution:
         """Exact value-path credit of ``targets`` over (position, depth), in logit units.

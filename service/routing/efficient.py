@@ -163,8 +163,8 @@ class EfficientVectorRouting(nn.Module):
             "D_use": D_use, "D_ign": D_ign, "phi": phi, "x_out_raw": x_out_raw, "x_out": x_out,
         }
 
-    def forward_packed(self, x_inp: torch.Tensor, segments: seg.Segments, slots: seg.Slots | None = None
-                       ) -> torch.Tensor:
+    def forward_packed(self, x_inp: torch.Tensor, segments: seg.Segments, slots: seg.Slots | None = None,
+                       products: seg.Products | None = None) -> torch.Tensor:
         """Route samples of different lengths lying back to back (see :mod:`service.routing.segments`), each as
         :meth:`forward` routes it alone: the same ``x_out`` up to float rounding, no padding, one call for the batch.
         With a fixed ``n`` every sample has ``n_inp`` inputs.
@@ -174,6 +174,8 @@ class EfficientVectorRouting(nn.Module):
             segments: where each sample's inputs lie.
             slots: with stacked parameters (every parameter ``[S, ...]``, see ``service.modeling.head.stack_heads``),
                 the slot each sample routes with (the samples sorted by slot); None with one routing's parameters.
+            products: the matrix products to compute with (see :class:`~service.routing.segments.Products`); None:
+                torch's.
 
         Returns:
             ``x_out [B, n_out, d_out]``.
@@ -190,42 +192,43 @@ class EfficientVectorRouting(nn.Module):
         # the products' operand, cast once (under autocast each product would cast the [I, d] inputs again, to the
         # same values); what is elementwise in the inputs reads them as they are
         x_mm = x_inp.to(seg.product_dtype(x_inp))  # [Id]
-        beta_use, beta_ign, a_inp, W_S, B_S = self._packed_inputs(x_inp, x_mm, segments, slots, scale)  # [ij] ..
+        beta_use, beta_ign, a_inp, W_S, B_S = self._packed_inputs(x_inp, x_mm, segments, slots, scale,
+                                                                  products)  # [ij] ..
         if slots is None:
             W_F1, B_F2, W_G2, B_G2 = self.W_F1, self.B_F2, self.W_G2, self.B_G2
 
             def times_F2(y: torch.Tensor) -> torch.Tensor:
-                return y @ self.W_F2  # [Bjh]
+                return y @ self.W_F2 if products is None else _times(products, y, self.W_F2)  # [Bjh]
 
             def times_G1(y: torch.Tensor) -> torch.Tensor:
-                return y @ self.W_G1  # [Bjd]
+                return y @ self.W_G1 if products is None else _times(products, y, self.W_G1)  # [Bjd]
         else:
             W_F1, B_F2, W_G2, B_G2 = (p[slots.slot] for p in (self.W_F1, self.B_F2, self.W_G2, self.B_G2))  # [Bj.]
             rows = slots.sample_ends * self.n_out  # [S] each slot's rows of a [B * j, ...] flattening
 
             def times_F2(y: torch.Tensor) -> torch.Tensor:
-                return seg.times_slot(y, self.W_F2, slots, rows)  # [Bjh]
+                return seg.times_slot(y, self.W_F2, slots, rows, products)  # [Bjh]
 
             def times_G1(y: torch.Tensor) -> torch.Tensor:
-                return seg.times_slot(y, self.W_G1, slots, rows)  # [Bjd]
+                return seg.times_slot(y, self.W_G1, slots, rows, products)  # [Bjd]
         f_a = torch.sigmoid(a_inp)[:, None]  # [i1]
         R = self.CONST_ones_over_n_out  # [j] E-step of iteration 1: flat prior
         for iteration in range(self.n_iters):
             D_use, D_ign = d_step(f_a, R, None)  # [ij], [ij]
             phi = beta_use * D_use - beta_ign * D_ign  # [ij]
-            phi_x = seg.contract(phi, x_mm, segments)  # [Bjd] each sample's inputs contracted
+            phi_x = seg.contract(phi, x_mm, segments, products)  # [Bjd] each sample's inputs contracted
             x_out = times_F2(phi_x * W_F1)  # [Bjh]
-            x_out = torch.addcmul(seg.sum_by_sample(phi, segments)[..., None] * B_F2, x_out,
+            x_out = torch.addcmul(seg.sum_by_sample(phi, segments, products)[..., None] * B_F2, x_out,
                                   scale[:, None, None])  # [Bjh] scaled, + bias
             if iteration + 1 < self.n_iters:
                 pred_x_inp = times_G1(self.N(x_out)) * W_G2 + B_G2  # [Bjd]
-                dots = seg.per_sample(x_mm, pred_x_inp.transpose(-1, -2), segments)  # [ij] against its sample's
+                dots = seg.per_sample(x_mm, pred_x_inp.transpose(-1, -2), segments, products)  # [ij] its sample's
                 S = nn.functional.logsigmoid(dots * W_S + B_S)  # [ij]
                 R = route(S, None)  # [ij]
         return self.N(x_out) if self.normalize else x_out  # [Bjh]
 
     def _packed_inputs(self, x_inp: torch.Tensor, x_mm: torch.Tensor, segments: seg.Segments, slots: seg.Slots | None,
-                       scale: torch.Tensor) -> tuple[torch.Tensor, ...]:
+                       scale: torch.Tensor, products: seg.Products | None = None) -> tuple[torch.Tensor, ...]:
         """What :meth:`forward_packed` reads per input: ``beta_use [I, j]``, ``beta_ign [I, j]``, the activations
         ``a_inp [I]``, and ``W_S``, ``B_S`` (``[I, j]``, or ``[1, j]`` shared by every input); ``x_mm [I, d]``: the
         inputs ``x_inp`` as the matrix products take them. With variable ``n``
@@ -236,18 +239,34 @@ class EfficientVectorRouting(nn.Module):
         if self.n_inp > 0:  # per position: every sample has n_inp inputs
             pos = torch.arange(x_inp.shape[0], device=x_inp.device) % self.n_inp  # [i]
             at = pos if own is None else (own, pos)
-            a_inp = torch.addcmul(self.B_A[at], (x_inp * self.W_A[at]).sum(dim=-1), scale[segments.index])  # [i]
+            a_inp = torch.addcmul(self.B_A[at], seg.sum_of_rows(x_inp * self.W_A[at], products),
+                                  scale[segments.index])  # [i]
             return self.beta_use[at], self.beta_ign[at], a_inp, self.W_S[at], self.B_S[at]
-        if own is None or slots is None:
+        if products is None and (own is None or slots is None):
             beta_use, beta_ign = self._betas(x_mm)  # [ij], [ij]
             a_inp = torch.addcmul(self.B_A, self._activations(x_mm), scale[segments.index])  # [i]
             return beta_use, beta_ign, a_inp, self.W_S, self.B_S
+        # one grouped product with each input's slot's weights (with products, one routing's parameters are one slot:
+        # a text then computes as among texts of other routings, to the bit)
         use, ign = self.compute_beta_use, self.compute_beta_ign
         j = self.n_out
         spare = -(2 * j + 1) % 8
         weights = torch.cat([use.weight, ign.weight, self.W_A,
-                             self.W_A.new_zeros(self.W_A.shape[0], spare, self.d_inp)], dim=-2)  # [S (2j+1+pad) d]
-        y = seg.by_slot(x_mm, weights.transpose(-1, -2), slots.input_ends)  # [i (2j+1+pad)]
-        a_inp = torch.addcmul(self.B_A[own, 0], y[:, 2 * j], scale[segments.index])  # [i]
-        return (y[:, :j] + use.bias[own], y[:, j : 2 * j] + ign.bias[own], a_inp,  # [ij], [ij], [i]
-                self.W_S[own, 0], self.B_S[own, 0])  # [ij], [ij]
+                             self.W_A.new_zeros(*self.W_A.shape[:-2], spare, self.d_inp)], dim=-2)  # [S (2j+1+pad) d]
+        if own is None or slots is None:
+            y = seg.by_slot(x_mm, weights.transpose(-1, -2)[None], segments.ends[-1:], products)  # [i (2j+1+pad)]
+            B_A, b_use, b_ign, W_S, B_S = self.B_A, use.bias, ign.bias, self.W_S, self.B_S  # shared by every input
+        else:
+            y = seg.by_slot(x_mm, weights.transpose(-1, -2), slots.input_ends, products)  # [i (2j+1+pad)]
+            B_A, b_use, b_ign, W_S, B_S = self.B_A[own, 0], use.bias[own], ign.bias[own], self.W_S[own, 0], self.B_S[
+                own, 0]  # [i], [ij], [ij], [ij], [ij]
+        a_inp = torch.addcmul(B_A, y[:, 2 * j], scale[segments.index])  # [i]
+        return y[:, :j] + b_use, y[:, j : 2 * j] + b_ign, a_inp, W_S, B_S  # [ij], [ij], [i], [ij], [ij]
+
+
+def _times(products: seg.Products, y: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
+    """``y [B, j, k] @ W [k, n]`` -> ``[B, j, n]`` through ``products``, as one slot's matrix (see
+    :func:`~service.routing.segments.times_slot`), in the dtype a matrix product of ``y`` runs in."""
+    dtype = seg.product_dtype(y)
+    rows = torch.full((1,), y.shape[0] * y.shape[1], dtype=torch.int32, device=y.device)  # [1] (no copy: captured)
+    return products.rows(y.flatten(0, 1).to(dtype), W.to(dtype)[None], rows).view(*y.shape[:2], -1)  # [Bjn]

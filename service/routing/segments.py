@@ -57,6 +57,23 @@ class Segments:
         return self.ends.shape[0]
 
 
+@dataclass(frozen=True)
+class Products:
+    """Matrix products a packed routing can take from elsewhere in place of torch's (None where it takes torch's:
+    cuBLAS's, the grouped kernels'), each on operands of one dtype, computing in float32 and rounding once to it:
+    ``service.modeling.invariant``'s compute each row, or each group, the same way whatever else the stream holds.
+
+    Attributes:
+        inner: ``(a [I, m], b [I, n], ends [G]) -> [G, m, n]``: each group's rows (ending at ``ends``, int32,
+            cumulative) contracted, as :func:`contract`.
+        rows: ``(a [R, k], w [G, k, n], ends [G]) -> [R, n]``: each row times its group's matrix, as
+            :func:`per_sample`.
+    """
+
+    inner: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+    rows: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
 def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """The grouped product of ``a`` and ``b`` in groups ending at ``offs``; under ``torch.autocast`` in its dtype, as
     autocast runs every other matrix product (it leaves the grouped one out: on a GPU, float32 operands would take a
@@ -104,14 +121,18 @@ def product_dtype(a: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else a.dtype
 
 
-def contract(a: torch.Tensor, b: torch.Tensor, segments: Segments) -> torch.Tensor:
+def contract(a: torch.Tensor, b: torch.Tensor, segments: Segments, products: Products | None = None
+             ) -> torch.Tensor:
     """``[B, m, n]``: for each sample ``b``, ``a_b^T @ b_b`` over its inputs (``a [I, m]``, ``b [I, n]``), in one
-    grouped call.
+    grouped call (``products``: see :class:`Products`).
 
     Raises:
         RuntimeError: the grouped product does not run here (this torch, device or dtype, or rows not aligned to 16
             bytes); callers then pad.
     """
+    if products is not None:
+        dtype = product_dtype(a)
+        return products.inner(a.to(dtype), b.to(dtype), segments.ends)  # [Bmn]
     if segments.width is not None:
         w, dtype = segments.width, product_dtype(a)  # operands cast as the product would (one may be already)
         return torch.einsum("bim,bin->bmn", a.to(dtype).view(-1, w, a.shape[-1]),
@@ -119,23 +140,42 @@ def contract(a: torch.Tensor, b: torch.Tensor, segments: Segments) -> torch.Tens
     return _grouped_mm(a.transpose(0, 1), b, segments.ends)  # [Bmn]
 
 
-def per_sample(a: torch.Tensor, m: torch.Tensor, segments: Segments) -> torch.Tensor:
-    """``[I, n]``: each input of ``a [I, k]`` times its sample's matrix of ``m [B, k, n]``, in one grouped call.
+def per_sample(a: torch.Tensor, m: torch.Tensor, segments: Segments, products: Products | None = None
+               ) -> torch.Tensor:
+    """``[I, n]``: each input of ``a [I, k]`` times its sample's matrix of ``m [B, k, n]``, in one grouped call
+    (``products``: see :class:`Products`).
 
     Raises:
         RuntimeError: as :func:`contract`.
     """
+    if products is not None:
+        return by_slot(a, m, segments.ends, products)  # [In]
     if segments.width is not None:
         dtype = product_dtype(a)  # operands cast as the product would (one may be already)
         return torch.bmm(a.to(dtype).view(-1, segments.width, a.shape[-1]), m.to(dtype)).flatten(0, 1)  # [In]
     return _grouped_mm(a, m, segments.ends)  # [In]
 
 
-def sum_by_sample(a: torch.Tensor, segments: Segments) -> torch.Tensor:
-    """``[B, ...]``: the sum of ``a [I, ...]`` over each sample's inputs."""
+def sum_by_sample(a: torch.Tensor, segments: Segments, products: Products | None = None) -> torch.Tensor:
+    """``[B, ...]``: the sum of ``a [I, ...]`` over each sample's inputs (with ``products``, ``a [I, m]`` contracted
+    against ones, each sample's sum in the same order whatever the batch, where ``index_add_`` adds in any order on
+    a GPU)."""
+    if products is not None:
+        ones = a.new_ones(1, 16).expand(a.shape[0], 16)  # [I 16] (a product's least width)
+        return products.inner(a, ones, segments.ends)[..., 0]  # [Bm]
     if segments.width is not None:
         return a.view(-1, segments.width, *a.shape[1:]).sum(dim=1)  # [B...]
     return a.new_zeros(segments.samples, *a.shape[1:]).index_add_(0, segments.index, a)  # [B...]
+
+
+def sum_of_rows(a: torch.Tensor, products: Products | None = None) -> torch.Tensor:
+    """``[I]``: each row of ``a [I, k]`` summed (with ``products``, as a product with ones: in the same order
+    whatever the number of rows, where a reduction's kernel may split rows otherwise when they are few)."""
+    if products is None:
+        return a.sum(dim=-1)  # [I]
+    ones = a.new_ones(1, 1, 1).expand(1, a.shape[1], 16)  # [1 k 16] (a product's least width; nothing allocated)
+    every = torch.full((1,), a.shape[0], dtype=torch.int32, device=a.device)  # [1] one group: every row
+    return products.rows(a, ones, every)[:, 0]  # [I]
 
 
 @dataclass(frozen=True)
@@ -164,23 +204,28 @@ class Slots:
                    sample_ends=samples.cumsum(0).to(torch.int32))
 
 
-def by_slot(a: torch.Tensor, weights: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+def by_slot(a: torch.Tensor, weights: torch.Tensor, ends: torch.Tensor, products: Products | None = None
+            ) -> torch.Tensor:
     """``[R, n]``: each row of ``a [R, k]`` times its slot's matrix of ``weights [S, k, n]``, the rows in runs by slot
     ending at ``ends [S]`` (a :class:`Slots`' ``input_ends``, or its ``sample_ends`` scaled to rows), in one grouped
-    call.
+    call (``products``: see :class:`Products`).
 
     Raises:
         RuntimeError: as :func:`contract`.
     """
+    if products is not None:
+        dtype = product_dtype(a)
+        return products.rows(a.to(dtype), weights.to(dtype), ends)  # [Rn]
     return _grouped_mm(a, weights, ends)  # [Rn]
 
 
-def times_slot(y: torch.Tensor, weights: torch.Tensor, slots: Slots, rows: torch.Tensor) -> torch.Tensor:
+def times_slot(y: torch.Tensor, weights: torch.Tensor, slots: Slots, rows: torch.Tensor,
+               products: Products | None = None) -> torch.Tensor:
     """``[B, j, n]``: each sample's ``y [B, j, k]`` times its slot's matrix of ``weights [S, k, n]``: one grouped
     product over the samples' rows by slot (``rows [S]``: where each slot's rows of ``y`` flattened end), where the
-    grouped kernels take the operands (rows of 16 bytes' multiples); else each sample's matrix gathered (small ones:
-    a routing to one feature)."""
+    grouped kernels take the operands (rows of 16 bytes' multiples; ``products``' take any); else each sample's
+    matrix gathered (small ones: a routing to one feature)."""
     size = product_dtype(weights).itemsize
-    if (weights.shape[-1] * size) % 16 == 0 and (weights.shape[-2] * size) % 16 == 0:
-        return by_slot(y.flatten(0, 1), weights, rows).view(*y.shape[:2], -1)  # [Bjn]
+    if products is not None or ((weights.shape[-1] * size) % 16 == 0 and (weights.shape[-2] * size) % 16 == 0):
+        return by_slot(y.flatten(0, 1), weights, rows, products).view(*y.shape[:2], -1)  # [Bjn]
     return torch.bmm(y, weights[slots.slot])  # [Bjn]
