@@ -90,7 +90,7 @@ def divergence(engine: object, encodings: list, batches: list[list[int]], picked
         n_t = torch.tensor([len(x) for x in states], device=hidden.device)  # [b]
         try:
             with scoring(hidden.device, engine.score_dtype):
-                return head.scores_packed(hidden, n_t)[at].float().softmax(-1).tolist()  # [k]
+                return head.scores_packed(hidden, n_t, None, engine.head_products)[at].float().softmax(-1).tolist()
         except RuntimeError:
             return None
 

@@ -169,6 +169,31 @@ def test_the_batch_invariant_kernel_on_the_gpu_keeps_each_row_whatever_the_batch
         assert torch.equal(invariant.linear(x[: min(T, 300)], w, b), y[: min(T, 300)])
 
 
+def test_the_grouped_kernels_on_the_gpu_keep_each_text_whatever_the_batch() -> None:
+    """The heads' grouped products (service.modeling.invariant's inner and rows), compiled for the card: within
+    bfloat16's rounding of float64's, and a group of rows alone equal to the bit to the same group among 500 others
+    at another offset."""
+    from service.modeling import invariant
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    counts = torch.randint(4, 400, (500,), device="cuda", generator=g)  # [G] rows of each group (texts x depths)
+    ends = counts.cumsum(0).to(torch.int32)  # [G]
+    total = int(ends[-1])
+    a = torch.randn(total, 64, device="cuda", generator=g).bfloat16()  # [I m]
+    b = torch.randn(total, 384, device="cuda", generator=g).bfloat16()  # [I n]
+    w = (torch.randn(500, 384, 64, device="cuda", generator=g) / 384**0.5).bfloat16()  # [G n m]
+    inner, rows = invariant.inner(a, b, ends), invariant.rows(b, w, ends)  # [G m n], [I m]
+    k = 321
+    s, e = int(ends[k - 1]), int(ends[k])
+    ref_inner = a[s:e].double().T @ b[s:e].double()  # [m n]
+    assert ((inner[k].double() - ref_inner).norm() / ref_inner.norm()).item() < 1e-2
+    ref_rows = b[s:e].double() @ w[k].double()  # [rows m]
+    assert ((rows[s:e].double() - ref_rows).norm() / ref_rows.norm()).item() < 1e-2
+    one = torch.tensor([e - s], dtype=torch.int32, device="cuda")
+    assert torch.equal(invariant.inner(a[s:e], b[s:e], one)[0], inner[k])
+    assert torch.equal(invariant.rows(b[s:e], w[k : k + 1], one), rows[s:e])
+
+
 def test_an_engine_with_batch_invariant_kernels_answers_as_without_and_a_text_alone_as_in_a_batch(
         tiny_repo: Path) -> None:
     plain = Engine.load(tiny_repo / "tiny", device="cuda", dtype="bfloat16")
@@ -178,9 +203,15 @@ def test_an_engine_with_batch_invariant_kernels_answers_as_without_and_a_text_al
     chunks = [[101] + [2000 + k] * n + [102] for k, n in enumerate([1, 12, 2, 13, 3, 14])]
     together = kernels.backbone.run_chunks(chunks)  # per chunk [L e d]
     assert all(torch.equal(kernels.backbone.run_chunks([c])[0], s) for c, s in zip(chunks, together, strict=True))
-    batched = kernels.run([Task(t) for t in TEXTS])
-    for text, got, ref in zip(TEXTS, batched, plain.run([Task(t) for t in TEXTS]), strict=True):
-        (alone,) = kernels.run([Task(text)])
-        assert all(abs(p - ref.scores[label]) <= 1e-2 for label, p in got.scores.items())  # bfloat16 apart
-        # (the heads' products remain cuBLAS's: alone and in the batch within bfloat16's rounding)
-        assert all(abs(p - alone.scores[label]) <= 1e-2 for label, p in got.scores.items())
+    # and a text's scores, alone and in a batch, to the bit: eagerly, then in captured shape buckets (the heads'
+    # products through the grouped kernels there too)
+    reference = plain.run([Task(t) for t in TEXTS])
+    for captured in (False, True):
+        if captured:
+            kernels.use_buckets("cuda", lengths=[2, 3, 14, 15, 16])
+        batched = kernels.run([Task(t) for t in TEXTS])
+        for text, got, ref in zip(TEXTS, batched, reference, strict=True):
+            (alone,) = kernels.run([Task(text)])
+            assert all(abs(p - ref.scores[label]) <= 1e-2 for label, p in got.scores.items())  # bfloat16 apart
+            assert alone.scores == got.scores, (captured, text)
+    assert kernels.bucket_stats is not None and kernels.bucket_stats.replayed > 0

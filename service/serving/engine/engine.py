@@ -33,6 +33,7 @@ from service.modeling.encoder import to_device
 from service.modeling.grouping import lay_out, length_groups
 from service.modeling.head import HeadSlots, RoutingHead, StackSpace, head_shape, stack_heads
 from service.modeling.repository import MANIFEST, Manifest, ModelLoadError, load_model, read_manifest
+from service.routing.segments import Products
 from service.serving.core.keys import backbone_key
 from service.serving.core.results import Answer, Answers, Result, answers_of
 from service.serving.core.work import METHODS, ChunkWork, CreditSpec, Task, TextJob
@@ -53,21 +54,22 @@ def _phase(name: str) -> contextlib.AbstractContextManager[object]:
 log = logging.getLogger("service.engine")
 
 
-def _packed_agrees(head: RoutingHead, device: torch.device, score_dtype: torch.dtype | None = None) -> bool:
+def _packed_agrees(head: RoutingHead, device: torch.device, score_dtype: torch.dtype | None = None,
+                   products: Products | None = None) -> bool:
     """Whether ``head`` runs packed on ``device`` (the grouped product it needs runs for its dtype and shapes) and
     gives each of two small random texts the scores it gives the text alone (both with its scores' products in
-    ``score_dtype``, see :func:`scoring`). On a GPU only with the products in bfloat16 (``score_dtype``, or the
-    head's own dtype): torch's grouped kernels are written for it (other dtypes fall back to a product per text,
-    reading the offsets back)."""
+    ``score_dtype``, see :func:`scoring`, through ``products``, or torch's). On a GPU, with torch's products, only in
+    bfloat16 (``score_dtype``, or the head's own dtype): torch's grouped kernels are written for it (other dtypes fall
+    back to a product per text, reading the offsets back)."""
     dtype = next(head.parameters()).dtype
-    if device.type == "cuda" and (score_dtype or dtype) != torch.bfloat16:
+    if device.type == "cuda" and products is None and (score_dtype or dtype) != torch.bfloat16:
         return False
     lengths = [3, 5]
     hidden = torch.randn(sum(lengths), head.d_depth, head.d_emb, generator=torch.Generator().manual_seed(0))
     hidden = hidden.to(device=device, dtype=dtype)  # [T e d]
     with torch.inference_mode(), scoring(device, score_dtype):
         try:
-            packed = head.scores_packed(hidden, torch.tensor(lengths, device=device)).float()  # [b k]
+            packed = head.scores_packed(hidden, torch.tensor(lengths, device=device), None, products).float()  # [bk]
         except (RuntimeError, TypeError, ValueError) as e:  # no grouped product here, or not for these operands
             log.debug("packed head: %s", e)
             return False
@@ -218,13 +220,17 @@ class Engine(Compute):
         logits it explains (a text asking for credit costs one more head pass). ``routing-service bench gpu
         --variant head_dtype=bfloat16`` measures it against float32; the tests state how far its scores move.
         ``use_buckets("cuda")`` sets it to bfloat16."""
-        self._packable: dict[tuple[tuple[int, ...], str], bool] = {}  # (head shape, head_dtype) -> packed agrees
+        self._packable: dict[tuple[tuple[int, ...], str, str], bool] = {}  # (head shape, head_dtype, invariance) ->
+        # packed agrees
         self._buckets: BucketRunner | None = None  # see use_buckets
         self.one_head_buckets = True
         """Shape buckets (:meth:`use_buckets`) with a second computation each for batches whose texts all ask one
         head: its parameters broadcast, not gathered for every text (:mod:`~service.serving.engine.graphs`); twice
         the captures at warm-up. ``routing-service bench gpu --variant one_head_buckets=false`` measures it."""
         self._invariance = "off"  # see batch_invariance
+        self.head_products: Products | None = None
+        """The matrix products the packed heads compute with (:class:`~service.routing.segments.Products`; set by
+        :attr:`batch_invariance`); None: torch's."""
         self.clock = EngineClock()
         self.head_batch_positions = backbone.chunk_batch_tokens * (1 if device.type == "cpu" else 4)
         """Padded positions (texts x their longest) per head call. On a GPU larger than the encoder's budget: a
@@ -351,10 +357,10 @@ class Engine(Compute):
         sample = list(lengths) if lengths is not None else self._length_sample(list(slots.slot_of))
         bb = self.backbone
         buckets = choose_buckets(sample, budget or bb.chunk_batch_tokens, max_texts, bb.max_length, count)
-        products = torch.bfloat16 if mode == "cuda" else self.score_dtype
-        runner = BucketRunner(bb, slots, buckets, mode, products, self.one_head_buckets)  # (raises before anything
-        # here has changed)
-        if products != self.score_dtype:
+        dtype = torch.bfloat16 if mode == "cuda" else self.score_dtype  # the heads' products'
+        runner = BucketRunner(bb, slots, buckets, mode, dtype, self.one_head_buckets,
+                              self.head_products)  # (raises before anything here has changed)
+        if dtype != self.score_dtype:
             log.info("backbone %s: the heads' products in bfloat16, as captured buckets need", self.name)
             self.head_dtype = "bfloat16"
         stats = runner.warm(deadline_s)
@@ -383,9 +389,11 @@ class Engine(Compute):
         - ``"reductions"``: the parts of a split sum of a bfloat16 product added in float32 (cuBLAS's, for the
           whole process: ``torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction`` False);
         - ``"kernels"``: that, and the encoder's linear layers through one Triton kernel with one tiling, every
-          token's outputs summed in the same order whatever the batch, and its attention through one kernel whatever
-          the shapes, masked or not (:mod:`service.modeling.invariant`; a CUDA device, or Triton's interpreter on a
-          CPU).
+          token's outputs summed in the same order whatever the batch, its attention through one kernel whatever
+          the shapes, masked or not, and the packed heads' products through Triton kernels of one tiling
+          (:attr:`head_products`): a text's scores the same to the bit alone and in any batch, on the paths that
+          classify without credit (:mod:`service.modeling.invariant`; a CUDA device, or Triton's interpreter on a
+          CPU). Credit, and a head that does not run packed, still compute with torch's products.
 
         Set before :meth:`use_buckets` (captured graphs keep the kernels they captured). ``routing-service bench gpu
         --invariance batch_invariance=...`` measures how far each moves a text's probabilities between a batch of
@@ -413,6 +421,7 @@ class Engine(Compute):
             if why is not None:
                 raise ValueError(f"batch_invariance kernels: {why}")
         torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = value == "off"
+        self.head_products = invariant.PRODUCTS if value == "kernels" else None
         if stream is not None:
             if value == "kernels":
                 stream.use_kernels(invariant.linear, invariant.attention)
@@ -800,7 +809,9 @@ class Engine(Compute):
             packed: list[tuple[int, int]] = []
             if isinstance(bucket, str) and self._packs(bucket):
                 plain = [(pos, a) for pos, a in places if done[pos].asks[a].credit is None]
-                if len(plain) > 1:  # one text alone has no padding: the padded head is the same, with less to set up
+                # one text alone has no padding: the padded head is the same, with less to set up (but for products
+                # computed the same way whatever the batch, the packed head's)
+                if len(plain) > 1 or (plain and self.head_products is not None):
                     packed = plain
                     places = [(pos, a) for pos, a in places if done[pos].asks[a].credit is not None]
             chosen: list[tuple[int, int]] = []
@@ -825,9 +836,9 @@ class Engine(Compute):
         clf = self.classifiers.get(key)
         if not self.packed_heads or clf is None:
             return False
-        tried = (head_shape(clf.head), self.head_dtype)
+        tried = (head_shape(clf.head), self.head_dtype, self._invariance)
         if tried not in self._packable:
-            self._packable[tried] = _packed_agrees(clf.head, self.device, self.score_dtype)
+            self._packable[tried] = _packed_agrees(clf.head, self.device, self.score_dtype, self.head_products)
             if not self._packable[tried]:
                 log.info("backbone %s: heads of shape %s run padded with %s scores (the packed head does not run "
                          "here)", self.name, tried[0], tried[1])
@@ -850,7 +861,7 @@ class Engine(Compute):
         with _phase("engine.heads"):
             hidden = texts.hidden.to(dtype=next(clf.head.parameters()).dtype)  # [T e d]
             with scoring(self.device, self.score_dtype):
-                logits = clf.head.scores_packed(hidden, texts.n_t).float()  # [b k]
+                logits = clf.head.scores_packed(hidden, texts.n_t, None, self.head_products).float()  # [b k]
         self.clock.forward_s += time.perf_counter() - t0
         return Classified(logits=logits, encoded=None, explained=[None] * len(texts.n_t))
 

@@ -31,6 +31,7 @@ from service.modeling.buckets import Bucket, pad_batch, smallest_fit
 from service.modeling.classifier import scoring
 from service.modeling.encoder import pack_host, packing_of
 from service.modeling.head import HeadSlots
+from service.routing.segments import Products
 
 log = logging.getLogger("service.engine")
 
@@ -81,10 +82,12 @@ class BucketStats:
 
 class BucketRunner:
     """Plain batches of one head shape through ``backbone`` and ``slots`` in ``buckets`` (``mode``: see
-    :data:`MODES`); ``one_head``: each bucket with its computation for batches of one head too."""
+    :data:`MODES`); ``one_head``: each bucket with its computation for batches of one head too; ``products``: the
+    heads' matrix products (see :class:`~service.routing.segments.Products`; None: torch's)."""
 
     def __init__(self, backbone: Backbone, slots: HeadSlots, buckets: Sequence[Bucket], mode: str,
-                 head_dtype: torch.dtype | None = None, one_head: bool = True) -> None:
+                 head_dtype: torch.dtype | None = None, one_head: bool = True, products: Products | None = None
+                 ) -> None:
         if mode not in MODES or mode == "off":
             raise ValueError(f"bucket mode {mode!r}: one of {MODES[1:]}")
         if backbone.stream is None:
@@ -93,7 +96,7 @@ class BucketRunner:
             raise ValueError("CUDA graphs need the backbone on a CUDA device")
         self.backbone, self.slots, self.mode, self.head_dtype = backbone, slots, mode, head_dtype
         self.buckets = sorted(buckets, key=lambda b: b.cost)
-        self.one_head = one_head
+        self.one_head, self.products = one_head, products
         self._captured: dict[Bucket, Captured] = {}
         self._one: dict[Bucket, Captured] = {}  # each bucket's computation for one head, where it runs
         self._pool: object = None
@@ -127,9 +130,9 @@ class BucketRunner:
             n_t, slot = inputs[at : at + r], inputs[at + r : at + 2 * r]  # [r], [r]
             with scoring(hidden.device, self.head_dtype):
                 if one:
-                    logits = slots.pick(slot[:1]).scores_packed(hidden.to(dtype), n_t)  # [r k]
+                    logits = slots.pick(slot[:1]).scores_packed(hidden.to(dtype), n_t, None, self.products)  # [rk]
                 else:
-                    logits = slots.head.scores_packed(hidden.to(dtype), n_t, slot)  # [r k]
+                    logits = slots.head.scores_packed(hidden.to(dtype), n_t, slot, self.products)  # [r k]
             return logits.float()  # [r k]
 
         return compute
