@@ -357,7 +357,7 @@ class Engine(Compute):
         sample = list(lengths) if lengths is not None else self._length_sample(list(slots.slot_of))
         bb = self.backbone
         buckets = choose_buckets(sample, budget or bb.chunk_batch_tokens, max_texts, bb.max_length, count)
-        dtype = torch.bfloat16 if mode == "cuda" else self.score_dtype  # the heads' products'
+        dtype = torch.bfloat16 if mode == "cuda" else self.score_dtype  # the dtype of the heads' products
         runner = BucketRunner(bb, slots, buckets, mode, dtype, self.one_head_buckets,
                               self.head_products)  # (raises before anything here has changed)
         if dtype != self.score_dtype:
