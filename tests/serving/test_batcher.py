@@ -380,6 +380,36 @@ async def test_coroutine_runners_are_awaited_on_the_loop() -> None:
     await b.stop(1)
 
 
+async def test_a_freed_runner_takes_the_next_batch_before_the_last_ones_requests_are_answered() -> None:
+    """A batch's end frees its runner first: the next batch goes to the model (the runner called: a model in another
+    process computing it) before the ended batch's requests are answered, so that answering them overlaps the model's
+    next batch instead of delaying it; every request is answered all the same, in full."""
+    events: list[tuple[str, str]] = []
+    release = asyncio.Event()
+
+    async def run(payloads: list[str]) -> list[str]:
+        events.append(("run", payloads[0]))
+        if payloads == ["a"]:
+            await release.wait()
+        return payloads
+
+    def answered(results: list[str]) -> list[str]:
+        events.append(("answered", results[0]))
+        return results
+
+    b = Batcher(run, BatchLimits(max_batch_size=1, max_batch_tokens=1000, max_wait_s=0.0, max_queue=100))
+    b.start()
+    first = b.enqueue(["a"], [1], later(), answered)
+    await until(lambda: events == [("run", "a")])
+    second = b.enqueue(["b"], [1], later(), answered)
+    release.set()
+    assert await first == ["a"] and await second == ["b"]
+    assert events[:2] == [("run", "a"), ("run", "b")]  # b sent before a's request was answered
+    assert sorted(events[2:]) == [("answered", "a"), ("answered", "b")]
+    await b.stop(1)
+    assert b.idle
+
+
 async def test_stop_answers_a_batch_an_awaited_runner_holds() -> None:
     """A batch that a coroutine runner holds past the drain is answered ``Draining`` and the runner cancelled."""
     cancelled = asyncio.Event()

@@ -134,6 +134,7 @@ class Batcher(Generic[P, R]):
         self._accepting = True
         self._flush = False  # run batches without waiting for them to fill (shutting down)
         self._computing: dict[int, list[_Item[P]]] = {}  # busy runner -> its items, not yet answered
+        self._answering: dict[int, list[_Item[P]]] = {}  # batches computed, their items being answered (by id)
         self._pinned: dict[Hashable, int] = {}  # group with items queued -> the runner that took its first ones
         self._served: dict[Hashable, float] = {}  # group -> when its last batch finished (groups still queued)
         self._freed = 0.0  # when a runner last became free (monotonic)
@@ -151,7 +152,7 @@ class Batcher(Generic[P, R]):
 
     @property
     def idle(self) -> bool:
-        return not self._pending and not self._computing
+        return not self._pending and not self._computing and not self._answering
 
     @property
     def queued_groups(self) -> int:
@@ -426,9 +427,13 @@ class Batcher(Generic[P, R]):
                 log.exception("batcher %s: unexpected error in the batching loop", self.name)
 
     async def _run(self, loop: asyncio.AbstractEventLoop, runner: int, batch: list[_Item[P]]) -> None:
-        """Compute ``batch`` on ``runner`` (marked busy by the caller) and answer its items."""
+        """Compute ``batch`` on ``runner`` (marked busy by the caller) and answer its items. Where the queue fills
+        the next batch (which then goes at once), the runner is freed first and the batching loop sends it before the
+        items are answered, so that what answering costs the event loop overlaps the model's next batch instead of
+        delaying it; otherwise they are answered first (the next batch waits for their clients to come back)."""
         started, unfollowed = time.monotonic(), self._unfollowed
-        ok, results = False, []  # type: ignore[var-annotated]
+        results: list[R] = []
+        failure: Exception | None = None
         try:
             run, payloads = self.runners[runner], [it.payload for it in batch]
             results = await (cast(Callable[[list[P]], Awaitable[list[R]]], run)(payloads)
@@ -437,30 +442,52 @@ class Batcher(Generic[P, R]):
                                                        payloads))
             if len(results) != len(batch):
                 raise RuntimeError(f"run_batch returned {len(results)} results for {len(batch)} inputs")
-        except Exception as e:  # a failing batch fails only its own items' requests
+        except asyncio.CancelledError:  # stopping: its items were answered (abort)
+            self._release(runner, batch, started, unfollowed)
+            raise
+        except Exception as e:  # a failing batch fails only its own items' requests (at once: what is queued of
+            failure = e  # them is dropped before the next batch is taken)
             for it in batch:
                 it.request.fail(e)
-        else:
-            ok = True
-            for it, r in zip(batch, results, strict=True):
-                it.request.answer(it.k, r)
-        finally:
-            del self._computing[runner]
-            self._freed = time.monotonic()
-            self._last_seconds = self._freed - started
-            self._recent.append(len(batch))
-            self._expected = len(self._pending) + len(batch)
-            self._paces.append(_Pace(self._unfollowed - unfollowed, self._last_seconds, self._fill_cap()))
-            self._wakeup.set()  # the runner is free
+        if failure is not None or not self._full():  # answered first: the next batch waits for their clients
+            if failure is None:
+                _answer(batch, results)
+            self._release(runner, batch, started, unfollowed)
+        else:  # the queue fills the next batch, which goes at once: sent before these are answered
+            self._release(runner, batch, started, unfollowed)
+            self._answering[id(batch)] = batch  # (still counted: idle)
+            try:
+                await asyncio.sleep(0)  # the batching loop takes the next batch (the runner is free)...
+                await asyncio.sleep(0)  # ... and its task sends it
+            finally:  # answered even if cancelled meanwhile: nothing accepted is lost
+                del self._answering[id(batch)]
+                _answer(batch, results)
         finished = time.monotonic()
-        queued = self._queued
-        self._served = {g: t for g, t in self._served.items() if g in queued}
-        self._served.update((it.group, finished) for it in batch if it.group in queued)
         cost = sum(it.cost for it in batch)
         log.debug("batch %s: %d items, %d groups, cost %d, %.4f s", self.name, len(batch),
                   len({it.group for it in batch}), cost, finished - started)
-        self.observer.on_batch([it.payload for it in batch], results if ok else None, cost,
+        self.observer.on_batch([it.payload for it in batch], results if failure is None else None, cost,
                                [started - it.enqueued for it in batch], finished - started, runner)
+
+    def _release(self, runner: int, batch: list[_Item[P]], started: float, unfollowed: int) -> None:
+        """``runner`` free again after ``batch`` (begun at ``started``, when ``unfollowed`` requests had come
+        unfollowed), and the batching loop woken."""
+        del self._computing[runner]
+        self._freed = time.monotonic()
+        self._last_seconds = self._freed - started
+        self._recent.append(len(batch))
+        self._expected = len(self._pending) + len(batch)
+        self._paces.append(_Pace(self._unfollowed - unfollowed, self._last_seconds, self._fill_cap()))
+        queued = self._queued  # its groups still queued served now (they wait their turn behind the others)
+        self._served = {g: t for g, t in self._served.items() if g in queued}
+        self._served.update((it.group, self._freed) for it in batch if it.group in queued)
+        self._wakeup.set()  # the runner is free
+
+
+def _answer(batch: list[_Item[P]], results: list[R]) -> None:
+    """Each item of ``batch`` given its result."""
+    for it, r in zip(batch, results, strict=True):
+        it.request.answer(it.k, r)
 
 
 class _Request(Generic[R, T]):
