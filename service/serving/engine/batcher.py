@@ -442,17 +442,19 @@ class Batcher(Generic[P, R]):
                                                        payloads))
             if len(results) != len(batch):
                 raise RuntimeError(f"run_batch returned {len(results)} results for {len(batch)} inputs")
-        except asyncio.CancelledError:  # stopping: its items were answered (abort)
-            self._release(runner, batch, started, unfollowed)
-            raise
         except Exception as e:  # a failing batch fails only its own items' requests (at once: what is queued of
             failure = e  # them is dropped before the next batch is taken)
             for it in batch:
                 it.request.fail(e)
-        if failure is not None or not self._full():  # answered first: the next batch waits for their clients
-            if failure is None:
-                _answer(batch, results)
+        except BaseException:  # cancelled (stopping: its items were answered, see abort): the runner is free
             self._release(runner, batch, started, unfollowed)
+            raise
+        if failure is not None or not self._full():  # answered first: the next batch waits for their clients
+            try:
+                if failure is None:
+                    _answer(batch, results)
+            finally:
+                self._release(runner, batch, started, unfollowed)
         else:  # the queue fills the next batch, which goes at once: sent before these are answered
             self._release(runner, batch, started, unfollowed)
             self._answering[id(batch)] = batch  # (still counted: idle)
