@@ -266,7 +266,6 @@ class EfficientVectorRouting(nn.Module):
 
 def _times(products: seg.Products, y: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
     """``y [B, j, k] @ W [k, n]`` -> ``[B, j, n]`` through ``products``, as one slot's matrix (see
-    :func:`~service.routing.segments.times_slot`), in the dtype a matrix product of ``y`` runs in."""
-    dtype = seg.product_dtype(y)
+    :func:`~service.routing.segments.by_slot`)."""
     rows = torch.full((1,), y.shape[0] * y.shape[1], dtype=torch.int32, device=y.device)  # [1] (no copy: captured)
-    return products.rows(y.flatten(0, 1).to(dtype), W.to(dtype)[None], rows).view(*y.shape[:2], -1)  # [Bjn]
+    return seg.by_slot(y.flatten(0, 1), W[None], rows, products).view(*y.shape[:2], -1)  # [Bjn]

@@ -228,9 +228,6 @@ class Engine(Compute):
         head: its parameters broadcast, not gathered for every text (:mod:`~service.serving.engine.graphs`); twice
         the captures at warm-up. ``routing-service bench gpu --variant one_head_buckets=false`` measures it."""
         self._invariance = "off"  # see batch_invariance
-        self.head_products: Products | None = None
-        """The matrix products the packed heads compute with (:class:`~service.routing.segments.Products`; set by
-        :attr:`batch_invariance`); None: torch's."""
         self.clock = EngineClock()
         self.head_batch_positions = backbone.chunk_batch_tokens * (1 if device.type == "cpu" else 4)
         """Padded positions (texts x their longest) per head call. On a GPU larger than the encoder's budget: a
@@ -421,13 +418,20 @@ class Engine(Compute):
             if why is not None:
                 raise ValueError(f"batch_invariance kernels: {why}")
         torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = value == "off"
-        self.head_products = invariant.PRODUCTS if value == "kernels" else None
         if stream is not None:
             if value == "kernels":
                 stream.use_kernels(invariant.linear, invariant.attention)
             else:
                 stream.use_kernels()
         self._invariance = value
+
+    @property
+    def head_products(self) -> Products | None:
+        """The matrix products the packed heads compute with (:class:`~service.routing.segments.Products`), as
+        :attr:`batch_invariance` says: the invariant kernels' with ``kernels``, else None (torch's)."""
+        from service.modeling import invariant
+
+        return invariant.PRODUCTS if self._invariance == "kernels" else None
 
     @property
     def bucket_stats(self) -> BucketStats | None:
