@@ -53,7 +53,7 @@ class Credit:
     phi: list[Any] | None = None
 
 
-@dataclass
+@dataclass(slots=True)
 class Result:
     """One text's answer from one head: the label of the highest score, every label's probability (``scores``: a
     softmax over the labels; for a multi-label head a sigmoid each) and the head's raw scores (``logits``, in the

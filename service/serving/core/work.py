@@ -107,7 +107,7 @@ class TextJob:
         if not asks:
             raise ValueError("a text needs at least one head to ask")
         n = len(encoding.chunks)
-        return cls(encoding, tuple(asks), [None] * n, n)
+        return cls(encoding, tuple(asks), [None] * n, n, next(_JOB_KEYS))  # (the key's default costs a call more)
 
     @property
     def plain(self) -> bool:
