@@ -299,6 +299,28 @@ async def test_the_queue_limit_counts_groups_not_items() -> None:
     await b.stop(1)
 
 
+async def test_an_item_of_several_parts_counts_each_towards_the_batch_size_and_the_queue() -> None:
+    """An item of ``size`` parts (a run of several plain texts) fills a batch's ``max_batch_size`` and the queue's
+    limit as that many items would; its ``peak`` (its costliest part), not its cost in all, is what ``SIMILAR``
+    compares, so that a run of short texts rides with single short texts."""
+    b, rec, gate, blocker = await busy(max_queue=9)
+    b.limits = BatchLimits(6, 1000, 0.02, 9)
+    runs = [asyncio.ensure_future(b.submit([f"r{k}"], [4 * 10], later(), sizes=[4], peaks=[10])) for k in range(2)]
+    single = asyncio.ensure_future(b.submit(["s"], [10], later()))
+    await until(lambda: b.queue_depth == 9)
+    assert b.queued_groups == 9
+    with pytest.raises(Overloaded):  # 9 texts queued in 3 items: the limit of 9 is reached
+        await b.submit(["one more"], [1], later())
+    gate.set()
+    assert await blocker == ["slow"] and [await r for r in runs] == [["r0"], ["r1"]] and await single == ["s"]
+    assert sorted(map(sorted, rec.batches[1:])) == [["r0", "s"], ["r1"]]  # 4 + 1 parts, then 4: at most 6 a batch
+    assert b.queued_groups == 0 and b.queue_depth == 0
+    mixed = asyncio.gather(b.submit(["run"], [3 * 10], later(), sizes=[3], peaks=[10]), b.submit(["x"], [8], later()))
+    assert await mixed == [["run"], ["x"]]
+    assert sorted(rec.batches[-1]) == ["run", "x"]  # 30 in all is more than 4x 8, but its longest part is not
+    await b.stop(1)
+
+
 def runners(n: int, gate: threading.Event | None = None, delay: float = 0.0):
     """``n`` runners that record ``(runner, payloads)`` and hold each batch until ``gate`` is set (or for
     ``delay`` seconds)."""

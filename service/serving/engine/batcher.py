@@ -2,11 +2,13 @@
 
 Callers ``submit`` a request's items (each with a cost, e.g. its token count, and a group, e.g. the
 text it is a part of) and await their results, or ``enqueue`` them and get the future of their results (no task
-waits: the items' answers settle it, a timer its deadline). One worker task forms batches under
-``max_batch_size`` items and ``max_batch_tokens`` of cost in all (a request's items together, none much costlier
-than the batch's first), and runs each batch through a synchronous ``run_batch`` callable in a worker thread, so
-the event loop keeps answering (health checks, metrics) while the model computes; or awaits it on the loop where it
-is a coroutine function (a model computing in another process, whose pipe the loop reads: no thread a batch).
+waits: the items' answers settle it, a timer its deadline). An item may hold several parts (its size, e.g. several
+texts of one request side by side, each costing at most its peak). One worker task forms batches under
+``max_batch_size`` parts and ``max_batch_tokens`` of cost in all (a request's items together, none with a part much
+costlier than the batch's first), and runs each batch through a synchronous ``run_batch`` callable in a worker
+thread, so the event loop keeps answering (health checks, metrics) while the model computes; or awaits it on the loop
+where it is a coroutine function (a model computing in another process, whose pipe the loop reads: no thread a
+batch).
 
 A free runner lets its next batch fill while items keep arriving, at most ``max_wait_s`` apart,
 counted from the first to arrive after it became free: the answers of the batch it just computed are
@@ -57,7 +59,7 @@ P = TypeVar("P")
 R = TypeVar("R")
 T = TypeVar("T")
 log = logging.getLogger(__name__)
-SIMILAR = 4  # an item joins a batch only if it costs at most this many times the batch's anchor
+SIMILAR = 4  # an item joins a batch only if its peak is at most this many times the anchor's
 FILL_SHARE = 0.1  # a free runner waits at most this share of its last batch's compute time for a batch to fill
 RECENT = 4  # batches whose sizes tell how many items a batch may expect
 BURST = 4  # requests follow answers when they come this many times faster after a batch's end than during it
@@ -78,7 +80,8 @@ class DeadlineExceeded(Exception):
 @dataclass(eq=False, slots=True)
 class _Item(Generic[P]):
     """Item ``k`` of ``request``: its answer settles the request directly (no future an item, no turn of the event
-    loop between a batch's end and its requests' answers)."""
+    loop between a batch's end and its requests' answers). ``size``: the parts it holds (each counts towards
+    ``max_batch_size`` and the queue's limit); ``peak``: the cost of its costliest part (what ``SIMILAR`` compares)."""
 
     payload: P
     cost: int
@@ -87,6 +90,8 @@ class _Item(Generic[P]):
     k: int
     group: Hashable
     enqueued: float
+    size: int = 1
+    peak: int = 0
 
 
 @dataclass
@@ -101,8 +106,8 @@ class _Pace:
 
 @dataclass(frozen=True)
 class BatchLimits:
-    """Items per batch, their cost in all per batch, wait for a batch to fill, and groups queued (no defaults
-    here: the service's come from its settings)."""
+    """Parts per batch (an item's size), their cost in all per batch, wait for a batch to fill, and groups queued
+    (no defaults here: the service's come from its settings)."""
 
     max_batch_size: int
     max_batch_tokens: int
@@ -127,6 +132,9 @@ class Batcher(Generic[P, R]):
         self.observer: BatchObserver[P, R] = observer or NullObserver()
         self._pending: list[_Item[P]] = []
         self._queued: Counter[Hashable] = Counter()  # group -> items in _pending (kept with every change)
+        self._waiting = 0  # the parts of the items in _pending (kept with every change)
+        self._extra = 0  # the parts of those items past their first: an item of several parts counts as that many
+        # groups towards the queue's limit
         self._wakeup = asyncio.Event()
         self._executor = ThreadPoolExecutor(max_workers=len(self.runners), thread_name_prefix=f"batch-{name}")
         self._worker: asyncio.Task[None] | None = None
@@ -148,7 +156,8 @@ class Batcher(Generic[P, R]):
 
     @property
     def queue_depth(self) -> int:
-        return len(self._pending)
+        """Parts waiting (a text each, or a text's chunk)."""
+        return self._waiting
 
     @property
     def idle(self) -> bool:
@@ -156,8 +165,9 @@ class Batcher(Generic[P, R]):
 
     @property
     def queued_groups(self) -> int:
-        """Groups with items waiting (what ``max_queue`` limits: a text, however many chunks it has)."""
-        return len(self._queued)
+        """Groups with items waiting, an item of several parts counting as that many (what ``max_queue`` limits: a
+        text, however many chunks it has)."""
+        return len(self._queued) + self._extra
 
     def check_room(self, n: int) -> None:
         """Raise what :meth:`submit` would for ``n`` new groups (call it before any work on them).
@@ -177,10 +187,13 @@ class Batcher(Generic[P, R]):
             self._worker = asyncio.get_running_loop().create_task(self._loop(), name=f"batcher-{self.name}")
 
     def enqueue(self, payloads: Sequence[P], costs: Sequence[int], deadline: float, finish: Callable[[list[R]], T],
-                groups: Sequence[Hashable] | None = None) -> asyncio.Future[T]:
+                groups: Sequence[Hashable] | None = None, sizes: Sequence[int] | None = None,
+                peaks: Sequence[int] | None = None) -> asyncio.Future[T]:
         """Queue one request's items: the future of ``finish`` of all their results, in order (``deadline`` is
-        monotonic time; ``groups[k]``: the group of item k, default each item its own group). No task waits for
-        them: the items' answers settle it (an engine host takes every front's requests on one event loop).
+        monotonic time; ``groups[k]``: the group of item k, default each item its own group; ``sizes[k]``: its parts,
+        default 1, and ``peaks[k]``: its costliest part's cost, default its cost: an item of several parts is its own
+        group). No task waits for them: the items' answers settle it (an engine host takes every front's requests on
+        one event loop).
 
         The future's exception is the first an item got (the rest of the request is dropped), or
         :class:`DeadlineExceeded` once the deadline passes (what is left is dropped, counted as late); cancelling it
@@ -191,12 +204,19 @@ class Batcher(Generic[P, R]):
             Draining: the batcher is stopping.
         """
         keys: Sequence[Hashable] = groups if groups is not None else [object() for _ in payloads]
-        self.check_room(len(set(keys)))
+        extra = 0 if sizes is None else sum(sizes) - len(sizes)
+        self.check_room(len(set(keys)) + extra)
         sized = list(zip(payloads, [max(1, int(c)) for c in costs], keys, strict=True))  # (a bad cost raises here)
         now = time.monotonic()
         request: _Request[R, T] = _Request(asyncio.get_running_loop(), len(payloads), deadline, finish, now)
-        items = [_Item(p, c, deadline, request, k, g, now) for k, (p, c, g) in enumerate(sized)]
+        if sizes is None:
+            items = [_Item(p, c, deadline, request, k, g, now, 1, c) for k, (p, c, g) in enumerate(sized)]
+        else:
+            items = [_Item(p, c, deadline, request, k, g, now, n, max(1, int(top)))
+                     for k, ((p, c, g), n, top) in enumerate(zip(sized, sizes, peaks or costs, strict=True))]
         self._pending.extend(items)
+        self._waiting += len(items) + extra
+        self._extra += extra
         if self._paces and self._freed < now <= self._freed + self._paces[-1].after_s:
             self._paces[-1].after += 1  # it follows the last batch's answers (not one more arrival during the next)
         else:
@@ -208,7 +228,8 @@ class Batcher(Generic[P, R]):
         return request.whole
 
     async def submit(self, payloads: Sequence[P], costs: Sequence[int], deadline: float,
-                     groups: Sequence[Hashable] | None = None) -> list[R]:
+                     groups: Sequence[Hashable] | None = None, sizes: Sequence[int] | None = None,
+                     peaks: Sequence[int] | None = None) -> list[R]:
         """Queue one request's items and wait for all their results (see :meth:`enqueue`; a cancelled caller drops
         what is still queued of the request).
 
@@ -217,7 +238,7 @@ class Batcher(Generic[P, R]):
             Draining: the batcher is stopping.
             DeadlineExceeded: the deadline passed first.
         """
-        return await self.enqueue(payloads, costs, deadline, _same, groups)
+        return await self.enqueue(payloads, costs, deadline, _same, groups, sizes, peaks)
 
     async def stop(self, drain_timeout: float) -> None:
         """Stop accepting, answer what is queued (up to ``drain_timeout``), then stop the worker."""
@@ -282,9 +303,9 @@ class Batcher(Generic[P, R]):
         stays on a busy runner."""
         lim = self.limits
         pending = self._pending
-        if pending and not self._pinned and len(pending) <= lim.max_batch_size:
-            costs = [it.cost for it in pending]
-            if sum(costs) <= lim.max_batch_tokens and max(costs) <= SIMILAR * min(costs):
+        if pending and not self._pinned and self._waiting <= lim.max_batch_size:
+            peaks = [it.peak for it in pending]
+            if sum(it.cost for it in pending) <= lim.max_batch_tokens and max(peaks) <= SIMILAR * min(peaks):
                 # all of it goes, whichever item anchors the batch (none is SIMILAR times costlier than another):
                 # a queue that fits one batch, as it mostly does, is taken without ordering it (an engine host's
                 # batch of 456 texts took 0.44 ms here with its stale check; the order of a batch changes no answer)
@@ -300,16 +321,17 @@ class Batcher(Generic[P, R]):
         # come while the next batch computes), where items sorted by cost spread every request over every batch
         rest = sorted((it for it in eligible if it is not first and self._pinned.get(it.group, runner) == runner),
                       key=lambda it: it.request is not first.request)
-        batch, total = [first], first.cost
+        batch, total, size = [first], first.cost, first.size
         for it in rest:
-            if len(batch) >= lim.max_batch_size:
+            if size >= lim.max_batch_size:
                 break
-            if it.cost > SIMILAR * first.cost:  # much costlier than the anchor: would slow its batch down
+            if it.peak > SIMILAR * first.peak:  # much costlier than the anchor: would slow its batch down
                 continue
-            if total + it.cost > lim.max_batch_tokens:
+            if total + it.cost > lim.max_batch_tokens or size + it.size > lim.max_batch_size:
                 continue
             batch.append(it)
             total += it.cost
+            size += it.size
         chosen = set(map(id, batch))
         self._set_pending([it for it in self._pending if id(it) not in chosen])
         if len(self.runners) > 1:  # what is left of a group follows its first items
@@ -319,6 +341,8 @@ class Batcher(Generic[P, R]):
     def _set_pending(self, items: list[_Item[P]]) -> None:
         self._pending = items
         self._queued = Counter(it.group for it in items)
+        self._waiting = sum(it.size for it in items)
+        self._extra = self._waiting - len(items)
         self._pinned = {g: r for g, r in self._pinned.items() if g in self._queued}
 
     def _report_depth(self) -> None:
@@ -330,7 +354,7 @@ class Batcher(Generic[P, R]):
 
     def _depth_now(self) -> None:
         self._depth_due = False
-        self.observer.on_queue_depth(len(self._pending))
+        self.observer.on_queue_depth(self._waiting)
 
     def _fill_cap(self) -> float:
         """The longest a free runner waits for a batch to fill: a tenth of its last batch's compute time, or
@@ -358,7 +382,7 @@ class Batcher(Generic[P, R]):
         other's sizes; within ``max_batch_size``)."""
         if not self._recent or self._arrived <= self._freed:
             return False
-        return len(self._pending) >= min(self.limits.max_batch_size, max(max(self._recent), self._expected))
+        return self._waiting >= min(self.limits.max_batch_size, max(max(self._recent), self._expected))
 
     def _fill_until(self) -> float:
         """When the batch goes if it neither fills nor is :meth:`_ready`. Where items follow answers
@@ -372,7 +396,7 @@ class Batcher(Generic[P, R]):
         if not self._answer_driven():
             return self._pending[0].enqueued + w
         start = max(self._pending[0].enqueued, self._freed)
-        if self._arrived <= self._freed or len(self._pending) < min(self.limits.max_batch_size, self._expected):
+        if self._arrived <= self._freed or self._waiting < min(self.limits.max_batch_size, self._expected):
             # nothing new since the runner became free, or fewer than it answered and found waiting: the clients
             # still to come are on their way (the front may be busy writing the others' answers for longer than
             # max_wait between two of them)
@@ -384,7 +408,7 @@ class Batcher(Generic[P, R]):
 
     def _full(self) -> bool:
         lim = self.limits
-        if len(self._pending) >= lim.max_batch_size:
+        if self._waiting >= lim.max_batch_size:
             return True
         return sum(it.cost for it in self._pending) >= lim.max_batch_tokens
 
@@ -477,8 +501,9 @@ class Batcher(Generic[P, R]):
         del self._computing[runner]
         self._freed = time.monotonic()
         self._last_seconds = self._freed - started
-        self._recent.append(len(batch))
-        self._expected = len(self._pending) + len(batch)
+        size = sum(it.size for it in batch)
+        self._recent.append(size)
+        self._expected = self._waiting + size
         self._paces.append(_Pace(self._unfollowed - unfollowed, self._last_seconds, self._fill_cap()))
         queued = self._queued  # its groups still queued served now (they wait their turn behind the others)
         self._served = {g: t for g, t in self._served.items() if g in queued}
