@@ -21,10 +21,29 @@ pytest.importorskip("triton")  # (the test extra installs it)
 ROOT = Path(__file__).resolve().parents[2]
 
 
+FIXED_ORDER_DOT = """
+import types
+
+import numpy
+import triton.runtime.interpreter
+
+# The interpreter computes tl.dot with numpy's matmul, which some OpenBLAS builds sum in an order that depends on a
+# row's place in the tile (numpy 2.4.6 with OpenBLAS 0.3.31 on this AMD EPYC: 34 of 64 rows of a 64x32 by 32x64
+# product differ alone from within it), where a GPU's compiled kernel sums each element in one order wherever it
+# is. einsum's own loops (no BLAS) do too: the interpreter's numpy, but for that.
+fixed = types.ModuleType("numpy_fixed_order")
+fixed.__dict__.update(numpy.__dict__)
+fixed.matmul = lambda a, b, dtype=None: numpy.einsum("...ik,...kj->...ij", a, b, dtype=dtype, optimize=False)
+triton.runtime.interpreter.np = fixed
+"""
+
+
 def interpreted(script: str, *args: str) -> str:
-    """``script``'s stdout, run by Python with Triton's interpreter on; fails the test with its stderr."""
+    """``script``'s stdout, run by Python with Triton's interpreter on (its products summed in one order, as compiled:
+    see :data:`FIXED_ORDER_DOT`); fails the test with its stderr."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    res = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True, text=True, timeout=300)
+    res = subprocess.run([sys.executable, "-c", FIXED_ORDER_DOT + script, *args], env=env, capture_output=True,
+                         text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     return res.stdout
 
