@@ -63,7 +63,7 @@ async def main():
             await compute.attach()
         runners = compute.runners
     else:
-        compute = SimpleNamespace(default="m@1", name="b", models=[], device="cpu", dtype="float32")
+        compute = SimpleNamespace(default="m@1", name="b", models=[], device="cpu", dtype="float32", takes_runs=False)
         runners = run_chunks
     batcher = Batcher(runners, BatchLimits(512, 16384, 0.002, 100000), BatchMetrics(host.metrics, "b", ["cpu"]))
     host.registry.groups["b"] = LocalGroup(compute, batcher)
@@ -112,9 +112,12 @@ while True:
 """
 
 
-def _front(path: str, concurrency: int, seconds: float, host_pid: int, out: Any, texts_per_request: int = 1) -> None:
-    """The stand-in front: ``concurrency`` requests in flight; puts (answers, host CPU seconds, wall seconds)."""
-    from service.serving.core.work import Ask
+def _front(path: str, concurrency: int, seconds: float, host_pid: int, out: Any, texts_per_request: int = 1,
+           plain: bool = False) -> None:
+    """The stand-in front: ``concurrency`` requests in flight; puts (answers, host CPU seconds, wall seconds).
+    ``plain``: the host's wire takes plain texts as such (:class:`~service.serving.remote.wire.Plain`)."""
+    from service.modeling.encoding import Encoding
+    from service.serving.core.work import Ask, TextJob
     from service.serving.remote import wire
 
     async def go() -> None:
@@ -132,13 +135,17 @@ def _front(path: str, concurrency: int, seconds: float, host_pid: int, out: Any,
             return arrived.pop(0)
 
         await read()  # what the host serves
-        job = wire.Job(((101, *range(2000, 2012), 102),), (Ask("m@1"),))
+        ids = (101, *range(2000, 2012), 102)
+        jobs = [TextJob.of(Encoding.of_chunks((ids,)), [Ask("m@1")])] * texts_per_request
         sent = 0
 
-        def run() -> bytes:
+        def run() -> bytes:  # as the version's fronts send it: plain texts as such where its wire has them
             nonlocal sent
             sent += 1
-            return wire.frame(wire.Run(sent, "b", [job] * texts_per_request, time.monotonic() + 60))
+            deadline = time.monotonic() + 60
+            if plain:
+                return wire.frame(wire.Run.of(sent, "b", jobs, deadline))
+            return wire.frame(wire.Run(sent, "b", [wire.Job((ids,), (Ask("m@1"),))] * texts_per_request, deadline))
 
         writer.write(b"".join(run() for _ in range(concurrency)))
         answered, start, cpu0, n0 = 0, 0.0, 0.0, 0
@@ -175,8 +182,9 @@ def measure(tree: Path, concurrency: int, seconds: float, batch_ms: float, texts
                 raise RuntimeError(f"the host of {tree} did not start (code {host.poll()})")
             context = multiprocessing.get_context("fork")
             out = context.Queue()
+            plain = "class Plain(" in (tree / "service" / "serving" / "remote" / "wire.py").read_text()
             front = context.Process(target=_front, args=(path, concurrency, seconds, host.pid, out,
-                                                                texts_per_request))
+                                                                texts_per_request, plain))
             front.start()
             n, cpu, wall = out.get(timeout=seconds + 120)
             front.join(10)

@@ -27,13 +27,14 @@ from pathlib import Path
 from typing import cast
 
 import msgspec
+import numpy as np
 
 from service.collector import settle
 from service.config import Settings
 from service.serving.core.errors import APIError
 from service.serving.core.keys import model_of
 from service.serving.core.lifecycle import Lifecycle
-from service.serving.core.results import Answer
+from service.serving.core.results import Answer, Scores
 from service.serving.engine.batcher import DeadlineExceeded, Draining, Overloaded
 from service.serving.models.loader import default_model_at_start
 from service.serving.models.local import LocalEngine
@@ -183,33 +184,43 @@ class EngineHost:
         if group is None:
             front.out.put(wire.Refused(msg.id, "failed", f"no backbone {msg.backbone!r} here"))
             return
+        default = group.planner.default
         try:
-            jobs = [job.text_job() for job in msg.jobs]
-        except ValueError as e:  # a job asking no head: refused, the front's connection kept
+            if msg.plain is not None:  # plain texts as arrays: batched in runs, no object a text
+                ids, lengths = msg.plain.arrays()
+                keys = [msg.plain.model or default]
+            else:
+                jobs = [job.text_job() for job in msg.jobs]
+                keys = list({ask.model or default for job in jobs for ask in job.asks})
+        except ValueError as e:  # a job asking no head, plain texts that do not add up: refused, the front's
+            # connection kept
             front.out.put(wire.Refused(msg.id, "failed", str(e)))
             return
-        default = group.planner.default
-        keys = list({ask.model or default for job in jobs for ask in job.asks})
         started = time.perf_counter()
         self.registry.hold(keys)  # a retired head answers what it took before it goes
-        answers = front.running[msg.id] = group.submit(jobs, msg.deadline)
+        answers = front.running[msg.id] = (group.submit(jobs, msg.deadline) if msg.plain is None
+                                           else group.submit_plain(ids, lengths, msg.plain.model, msg.deadline))
         answers.add_done_callback(functools.partial(self._answer, front, msg.id, keys, started))
 
     def _answer(self, front: FrontConnection, k: int, keys: list[str], started: float,
-                answers: asyncio.Future[list[Answer]]) -> None:
-        """Request ``k`` of ``front`` is settled: its answers or its refusal go back, unless it was cancelled (its
-        client or its front has gone, and nobody waits)."""
+                answers: asyncio.Future[list[Answer] | Scores]) -> None:
+        """Request ``k`` of ``front`` is settled: its answers (a plain request's scores unread, where they came so) or
+        its refusal go back, unless it was cancelled (its client or its front has gone, and nobody waits)."""
         front.running.pop(k, None)
         self.registry.release(keys)
         if answers.cancelled():
             return
         reply: wire.Answered | wire.Refused
         exc = answers.exception()
-        reply = wire.Answered(k, answers.result()) if exc is None else wire.Refused(k, *_refusal(exc))
+        if exc is not None:
+            reply, ok = wire.Refused(k, *_refusal(exc)), False
+        elif type(got := answers.result()) is Scores:
+            reply, ok = wire.Answered(k, [], wire.Scored.of(got)), bool(np.isfinite(got.logits).all())
+        else:
+            got = cast(list[Answer], got)
+            reply, ok = wire.Answered(k, got), all(not r.error for answer in got for r in answer)
         # every front's requests in one place (/v2/models/stats); their time here: queued and computed
-        self.metrics.stats.answered(sorted({model_of(key) for key in keys}), time.perf_counter() - started,
-                                    ok=isinstance(reply, wire.Answered) and all(
-                                        not r.error for answer in reply.answers for r in answer))
+        self.metrics.stats.answered(sorted({model_of(key) for key in keys}), time.perf_counter() - started, ok=ok)
         front.out.put(reply)
 
 
@@ -220,7 +231,8 @@ class FrontConnection(asyncio.Protocol):
     def __init__(self, host: EngineHost) -> None:
         self.host = host
         self.frames = wire.Frames(wire.TO_HOST)
-        self.running: dict[int, asyncio.Future[list[Answer]]] = {}  # request id -> its answers, not yet settled
+        self.running: dict[int, asyncio.Future[list[Answer]] | asyncio.Future[list[Answer] | Scores]] = {}
+        # request id -> its answers, not yet settled
         self.front: int | None = None  # which front, once it said hello
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:

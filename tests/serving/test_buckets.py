@@ -15,6 +15,7 @@ from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicO
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from service.modeling.buckets import length_sample
+from service.modeling.tokenizer import ChunkTokenizer
 from service.serving.core.work import CreditSpec, Task
 from service.serving.engine.engine import Engine
 from service.serving.engine.pipe import RunPlain
@@ -231,6 +232,45 @@ def test_a_server_with_buckets_answers_as_one_without_through_the_api(tiny_repo:
         assert "shape buckets" not in without.log_path.read_text()
     finally:
         assert [s.stop() for s in (with_buckets, without)] == [0, 0]
+
+
+def test_fronts_send_plain_texts_as_runs_and_read_their_scores_as_one_front_answers(
+        tiny_repo: Path, tiny_backbone_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Two fronts over an engine host whose backbone takes plain batches (``eager`` buckets): a request of several
+    plain texts goes as arrays, is batched in runs and answered with its scores unread, which the front reads; every
+    answer within 1e-5 of one front without buckets, whatever shares the batch (single texts, which go as jobs; texts
+    asking for credit, with which a run is computed text by text), and a text too long for one chunk among them."""
+    many = [f"text number {k} " + "and more " * (k % 4) for k in range(20)]  # two runs (16 texts at most)
+    long = "Long one. " * 40
+    chunker = ChunkTokenizer.load(str(tiny_backbone_dir))  # each of ``many`` one chunk of the tiny model's 16 tokens:
+    assert all(len(enc.chunks) == 1 for enc in chunker.encode(many, 16))  # plain texts, sent as arrays
+    runs, one = side_by_side(tmp_path_factory.mktemp("logs-runs"), {
+        "model_repository": tiny_repo, "default_model": "tiny", "buckets": "eager", "workers": 2, "max_wait_ms": 20},
+        {"model_repository": tiny_repo, "default_model": "tiny", "buckets": "off"})
+    try:
+        def reference(text: str) -> dict:
+            r = httpx.post(f"{one.url}/v1/classify", json={"inputs": [text]}, timeout=30)
+            assert r.status_code == 200, r.text
+            return r.json()["results"][0]
+
+        bodies = [{"inputs": many}, {"inputs": many[:5]}, {"inputs": [many[3]]}, {"inputs": [*many[:6], long]},
+                  {"inputs": many[:4], "explain": True}, {"inputs": many[::-1]}]
+
+        async def together() -> list[httpx.Response]:
+            async with httpx.AsyncClient(base_url=runs.url, timeout=60) as client:
+                return await asyncio.gather(*(client.post("/v1/classify", json=b) for b in bodies * 3))
+
+        alone = [httpx.post(f"{runs.url}/v1/classify", json=b, timeout=60) for b in bodies]
+        want = {t: reference(t) for t in {*many, long}}
+        for body, r in zip(bodies * 4, [*alone, *asyncio.run(together())], strict=True):
+            assert r.status_code == 200, r.text
+            for text, got in zip(body["inputs"], r.json()["results"], strict=True):
+                ref = want[text]
+                assert got["label"] == ref["label"] and list(got["scores"]) == list(ref["scores"])
+                assert max(abs(got["scores"][lab] - p) for lab, p in ref["scores"].items()) <= 1e-5
+                assert (got["explanation"] is not None) == bool(body.get("explain"))
+    finally:
+        assert [s.stop() for s in (runs, one)] == [0, 0]
 
 
 def test_a_head_reloaded_in_another_shape_leaves_its_slot(repo: Path, tmp_path: Path, tiny_backbone_dir: Path) -> None:

@@ -8,6 +8,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from service.serving.core.work import ChunkWork, Method
 
 
@@ -79,6 +81,22 @@ class Result:
 
 Answer = list[Result]
 """A text's answers, one per :class:`Ask` of its job, in order."""
+
+
+@dataclass(slots=True)
+class Scores:
+    """Plain texts' scores on head ``key`` as the backbone computed them, ``logits [s k]`` in the texts' order, not
+    read into results yet: the engine host answers a front's plain texts so, and the front, which renders
+    them, reads them (:func:`~service.serving.engine.scores.read_scores`)."""
+
+    logits: np.ndarray
+    key: str
+
+
+WorkAnswer = Answer | list[Answer] | Scores | None
+"""What a batch answers for one unit of work (see :data:`~service.serving.core.work.Work`): a chunk's text's
+:data:`Answer` at its last chunk (None at the others); for a run of plain texts, their :class:`Scores`, or each one's
+:data:`Answer` in order where its batch was computed text by text."""
 
 
 class Answers(list):  # type: ignore[type-arg]  # list[Answer | None]

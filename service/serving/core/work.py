@@ -14,6 +14,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
+import numpy as np
+
 from service.modeling.encoding import Encoding
 
 Method = Literal["contribution", "end_to_end", "shares"]
@@ -141,6 +143,58 @@ class ChunkWork:
 
     def __reduce__(self) -> tuple[type[ChunkWork], tuple[Any, ...]]:
         return ChunkWork, (self.job, self.k, self.ids)  # (see TextJob.__reduce__)
+
+
+RUN_TEXTS = 16
+"""The most texts a :class:`PlainRun` holds (what a batch that it does not fit into leaves out)."""
+
+
+@dataclass(eq=False, slots=True)
+class PlainRun:
+    """Plain texts of one request side by side (see :attr:`TextJob.plain`; the engine host takes a front's plain texts
+    so): one unit of the batcher's for several texts, with no object a text. Token ids ``ids [T]`` back to back
+    (int32), each text's count of them ``lengths [s]``, each asking head ``model`` (None: the backbone's first) for
+    its scores alone; ``cost``: its tokens in all, ``peak``: its longest text's. A batch answers it with each text's
+    answer, in order."""
+
+    ids: np.ndarray
+    lengths: np.ndarray
+    model: str | None
+    cost: int
+    peak: int
+
+    @classmethod
+    def split(cls, ids: np.ndarray, lengths: np.ndarray, model: str | None, most_texts: int = RUN_TEXTS,
+              most_tokens: int | None = None) -> list[PlainRun]:
+        """A request's plain texts (``ids [T]``, ``lengths [s]``) as runs of at most ``most_texts`` texts and, past
+        their first, ``most_tokens`` tokens, in order."""
+        ends = np.cumsum(lengths).tolist()  # [s]
+        sizes = lengths.tolist()
+        most = most_tokens if most_tokens is not None else ends[-1] if ends else 0
+        runs, first, start = [], 0, 0  # the run being filled: its first text, its first token
+        for t in range(1, len(sizes) + 1):  # the run of texts first..t-1 ends at the last text, or before text t
+            # where it is full or text t would take it over ``most_tokens``
+            if t == len(sizes) or t - first >= most_texts or ends[t] - start > most:
+                end = ends[t - 1]
+                runs.append(cls(ids[start:end], lengths[first:t], model, end - start, max(sizes[first:t])))
+                first, start = t, end
+        return runs
+
+    @property
+    def size(self) -> int:
+        """Its texts."""
+        return len(self.lengths)
+
+    def jobs(self) -> list[TextJob]:
+        """Each text's own job (where a batch is computed text by text)."""
+        asks = (Ask(self.model),)
+        flat, ends = self.ids.tolist(), np.cumsum(self.lengths).tolist()
+        return [TextJob.of(Encoding.of_chunks((tuple(flat[end - n:end]),)), asks)
+                for end, n in zip(ends, self.lengths.tolist(), strict=True)]
+
+
+Work = ChunkWork | PlainRun
+"""The batcher's unit of work on a backbone."""
 
 
 @dataclass(frozen=True)

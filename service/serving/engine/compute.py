@@ -26,6 +26,8 @@ class Compute(Planner, abc.ABC):
 
     device: Any  # where the heads compute (``torch.device`` in this process, its name for a process of its own)
     dtype: Any
+    takes_runs = False
+    """Whether its runners take runs of plain texts (:class:`~service.serving.core.work.PlainRun`) beside chunks."""
 
     @abc.abstractmethod
     def add_heads(self, folders: Sequence[Path], keys: Sequence[str], warmup: bool = True) -> None:

@@ -9,15 +9,19 @@ engine host answers every front's requests from callbacks, with no task a reques
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
-from service.serving.core.results import Answer, answers_of
-from service.serving.core.work import ChunkWork, TextJob
+import numpy as np
+
+from service.serving.core.results import Answer, Scores, WorkAnswer, answers_of
+from service.serving.core.work import RUN_TEXTS, PlainRun, TextJob, Work
 from service.serving.engine.batcher import Batcher
 from service.serving.engine.compute import Compute
 from service.serving.engine.planner import Planner
+from service.serving.engine.scores import read_scores
 
 
 class BackboneGroup(Protocol):
@@ -90,7 +94,7 @@ class LocalGroup:
     its batcher, which mixes the chunks of every head on it."""
 
     engine: Compute
-    batcher: Batcher[ChunkWork, Answer | None]
+    batcher: Batcher[Work, WorkAnswer]
 
     @property
     def planner(self) -> Planner:
@@ -118,6 +122,24 @@ class LocalGroup:
         except Exception as e:  # refused (Overloaded, Draining)
             return refused(e)
 
+    def submit_plain(self, ids: np.ndarray, lengths: np.ndarray, model: str | None, deadline: float
+                     ) -> asyncio.Future[Scores | list[Answer]]:
+        """:meth:`submit` for plain texts given side by side (token ids ``ids [T]`` back to back, ``lengths [s]``,
+        each asking head ``model`` for its scores alone): runs of them (:class:`PlainRun`) where the engine takes
+        them, a unit of the batcher's each, with no object a text, answered with their :class:`Scores` unread where
+        every run's came so (see :func:`_joined`); else a job each, answered as :meth:`submit`."""
+        if not self.engine.takes_runs:
+            return self.submit(PlainRun(ids, lengths, model, 0, 0).jobs(), deadline)
+        limits = self.batcher.limits
+        runs = PlainRun.split(ids, lengths, model, min(RUN_TEXTS, limits.max_batch_size),
+                              limits.max_batch_tokens // 4)  # (at most a quarter of a batch: one left out of a
+        # batch that it does not fit into leaves little room unused)
+        try:
+            return self.batcher.enqueue(runs, [r.cost for r in runs], deadline, functools.partial(_joined, self.engine),
+                                        sizes=[r.size for r in runs], peaks=[r.peak for r in runs])
+        except Exception as e:  # refused (Overloaded, Draining)
+            return refused(e)
+
     @property
     def idle(self) -> bool:
         return self.batcher.idle
@@ -134,3 +156,18 @@ class LocalGroup:
     def close(self) -> None:
         """Release the backbone (its processes exit); after :meth:`stop`."""
         self.engine.close()
+
+
+def _joined(planner: Planner, runs: list[WorkAnswer]) -> Scores | list[Answer]:
+    """A plain request's answer from its runs': their :class:`Scores` as one where each run's came so, on one head
+    (the front that asked reads them); else each text's :data:`Answer`, the scores read here."""
+    if all(type(r) is Scores for r in runs) and len({cast(Scores, r).key for r in runs}) == 1:
+        blocks = cast(list[Scores], runs)
+        return blocks[0] if len(blocks) == 1 else Scores(np.concatenate([r.logits for r in blocks]), blocks[0].key)
+    answers: list[Answer] = []
+    for r in runs:
+        if type(r) is Scores:
+            answers.extend([x] for x in read_scores(r.logits, [r.key] * len(r.logits), planner.manifests))
+        else:
+            answers.extend(cast(list[Answer], r))
+    return answers

@@ -49,8 +49,8 @@ from service.modeling.encoding import Encoding
 from service.modeling.manifest import MANIFEST, ModelLoadError, read_manifest
 from service.modeling.tokenizer import BackboneError, ChunkTokenizer
 from service.serving.core.frames import Frames
-from service.serving.core.results import Answer, Answers, Result
-from service.serving.core.work import Ask, ChunkWork, RunBatch, TextJob
+from service.serving.core.results import Answer, Answers, Result, Scores, WorkAnswer
+from service.serving.core.work import Ask, ChunkWork, PlainRun, RunBatch, TextJob, Work
 from service.serving.engine.compute import AsyncRunner, Compute, Runner
 from service.serving.engine.pipe import (
     BucketPlan,
@@ -265,11 +265,60 @@ def _computed_part(works: list[ChunkWork]) -> list[ChunkWork]:
     return out
 
 
-def _plain_batch(works: list[ChunkWork], forget: list[int]) -> RunPlain | None:
-    """``works`` as a :class:`RunPlain` where every one is a plain text's (see :attr:`TextJob.plain`); else None."""
-    if not all(w.job.plain for w in works):
+def _plain_batch(works: list[Work], forget: list[int]) -> RunPlain | None:
+    """``works`` as a :class:`RunPlain` where every one is a plain text's (see :attr:`TextJob.plain`) or a run of them
+    (their texts in order, each run's in its place); else None."""
+    if not all(type(w) is PlainRun or w.job.plain for w in works):
         return None
-    return RunPlain.of([(w.ids, w.job.asks[0].model) for w in works], forget)
+    if not any(type(w) is PlainRun for w in works):
+        return RunPlain.of([(w.ids, w.job.asks[0].model) for w in works], forget)
+    heads: dict[str | None, int] = {}  # each head asked, by its place
+    ids: list[np.ndarray] = []  # [T] in parts
+    lengths: list[np.ndarray] = []  # [s] in parts
+    head: list[np.ndarray] = []  # [s] in parts
+    chunks: list[ChunkWork] = []  # plain texts' chunks since the last run
+
+    def flush() -> None:
+        if chunks:
+            part = RunPlain.of([(w.ids, w.job.asks[0].model) for w in chunks], [])
+            ids.append(part.ids)
+            lengths.append(part.lengths)
+            head.append(np.array([heads.setdefault(key, len(heads)) for key in part.heads], np.int32)[part.head])
+            chunks.clear()
+
+    for w in works:
+        if type(w) is PlainRun:
+            flush()
+            ids.append(w.ids)
+            lengths.append(w.lengths)
+            head.append(np.full(w.size, heads.setdefault(w.model, len(heads)), np.int32))
+        else:
+            chunks.append(w)
+    flush()
+    return RunPlain(np.concatenate(ids).astype(np.int32, copy=False),
+                    np.concatenate(lengths).astype(np.int32, copy=False), np.concatenate(head), tuple(heads), forget)
+
+
+def _text_by_text(works: list[Work]) -> list[ChunkWork]:
+    """``works`` as chunks, each run's texts as jobs of their own in its place (a batch computed text by text)."""
+    return [c for w in works for c in ([j.chunks()[0] for j in w.jobs()] if type(w) is PlainRun else [w])]
+
+
+def _per_work(works: list[Work], answers: Sequence[Answer | None]) -> list[WorkAnswer]:
+    """Each work's answer from its texts' (in order, each run's texts in its place, as :func:`_text_by_text` gives
+    them): a chunk's own, a run's list of its texts'."""
+    if not any(type(w) is PlainRun for w in works):
+        return list(answers)
+    out: list[WorkAnswer] = []
+    at = 0
+    for w in works:
+        if type(w) is PlainRun:
+            out.append(cast(list[Answer], answers[at:at + w.size]))
+            at += w.size
+        else:
+            out.append(answers[at])
+            at += 1
+    return out
 
 
 def _plain_works(msg: RunPlain) -> list[ChunkWork]:
@@ -496,15 +545,22 @@ class BackboneProcess(Compute):
     def runner_devices(self) -> list[str]:
         return [str(self.device)] * self.in_flight
 
-    def run_chunks(self, works: list[ChunkWork]) -> list[Answer | None]:
+    @property
+    def takes_runs(self) -> bool:  # type: ignore[override]
+        """Where the process computes plain batches as such (in shape buckets), runs of plain texts too: they go to it
+        as arrays, and their scores come back unread."""
+        return self._plain
+
+    def run_chunks(self, works: list[Work]) -> list[WorkAnswer]:  # type: ignore[override]  # (runs too)
         """:meth:`arun_chunks`, waited for (not on the loop that reads the pipe)."""
         return self._on_loop(self.arun_chunks(works))
 
-    async def arun_chunks(self, works: list[ChunkWork]) -> list[Answer | None]:
+    async def arun_chunks(self, works: list[Work]) -> list[WorkAnswer]:
         """Compute a batch in the backbone's process (started again first if it has exited), on the loop that reads
-        its pipe. A text whose earlier chunks a process that exited had computed is answered with an error, not
-        computed. A process that exits while computing the batch (killed, or dead just before the batch reached it)
-        is started again and the batch computed once more; a second exit fails the batch. Batches sent by several
+        its pipe: chunks, each text answered at its last chunk's place, and runs of plain texts, each answered with
+        its texts' answers. A text whose earlier chunks a process that exited had computed is answered with an error,
+        not computed. A process that exits while computing the batch (killed, or dead just before the batch reached
+        it) is started again and the batch computed once more; a second exit fails the batch. Batches sent by several
         runners (``in_flight``) are answered in the order they went."""
         for attempt in (1, 2):
             async with self._lock:
@@ -517,7 +573,8 @@ class BackboneProcess(Compute):
                     return answers
                 forget = [self._forget.popleft() for _ in range(len(self._forget))]
                 sent = [works[pos] for pos in send]
-                batch = (self._plain and _plain_batch(sent, forget)) or RunBatch(_computed_part(sent), forget)
+                batch = (self._plain and _plain_batch(sent, forget)) or RunBatch(_computed_part(_text_by_text(sent)),
+                                                                                 forget)
                 reply = self._send(batch)
             try:
                 msg: Computed | ComputedPlain | Failed = await reply
@@ -534,15 +591,38 @@ class BackboneProcess(Compute):
         if isinstance(msg, Failed):
             raise ModelProcessError(msg.error)
         self._memory, self.held_texts = msg.memory, msg.held
-        if isinstance(msg, ComputedPlain):  # read here, the process having sent the scores alone
-            keys = [w.job.asks[0].model or self.default for w in sent]
-            got: list[Answer] = [[r] for r in read_scores(msg.logits, keys, self.manifests)]
-            phases = msg.phases
+        if isinstance(msg, ComputedPlain):  # the process sent the scores alone: the chunks' read here, the runs'
+            # left to whoever renders them
+            got, phases = self._read_plain(sent, msg.logits), msg.phases
         else:
-            got, phases = msg.answers, getattr(msg.answers, "phases", None)
+            got, phases = _per_work(sent, msg.answers), getattr(msg.answers, "phases", None)
         for pos, answer in zip(send, got, strict=True):
             answers[pos] = answer
         return Answers(answers, phases)
+
+    def _read_plain(self, works: list[Work], logits: np.ndarray) -> list[WorkAnswer]:
+        """Each work's answer from a plain batch's ``logits [s k]`` (its texts in :func:`_plain_batch`'s order): a
+        chunk's text read into its results, a run's rows as its :class:`Scores`."""
+        if not any(type(w) is PlainRun for w in works):
+            keys = [w.job.asks[0].model or self.default for w in works]
+            return [[r] for r in read_scores(logits, keys, self.manifests)]
+        rows: list[int] = []  # the chunks' texts' rows
+        out: list[WorkAnswer] = []
+        at = 0
+        for w in works:
+            if type(w) is PlainRun:
+                out.append(Scores(logits[at:at + w.size], w.model or self.default))
+                at += w.size
+            else:
+                rows.append(at)
+                out.append(None)
+                at += 1
+        if rows:
+            chunks = [w for w in works if type(w) is not PlainRun]
+            keys = [w.job.asks[0].model or self.default for w in chunks]
+            read = iter(read_scores(logits[rows], keys, self.manifests))
+            out = [w if type(w) is Scores else [next(read)] for w in out]
+        return out
 
     def _send(self, msg: RunBatch | RunPlain | LoadHeads | UnloadHeads) -> asyncio.Future[Any]:
         """Send ``msg`` (on the loop, holding :attr:`_lock`): the future of its reply, which fails with EOFError
@@ -560,12 +640,15 @@ class BackboneProcess(Compute):
         await asyncio.get_running_loop().run_in_executor(None, self._start)
         self._link = await self._connect()
 
-    def _sendable(self, works: list[ChunkWork]) -> tuple[list[Answer | None], list[int]]:
+    def _sendable(self, works: list[Work]) -> tuple[list[WorkAnswer], list[int]]:
         """The answers known before computing (an error for a text whose earlier chunks were lost with an exited
-        process) and the positions of the chunks to send; texts of several chunks are watched from now on."""
-        answers: list[Answer | None] = [None] * len(works)
+        process) and the positions of the work to send; texts of several chunks are watched from now on."""
+        answers: list[WorkAnswer] = [None] * len(works)
         send = []
         for pos, w in enumerate(works):
+            if type(w) is PlainRun:  # texts of one chunk: nothing of them was held
+                send.append(pos)
+                continue
             if w.job.key in self._lost:
                 lost = Result(label="", scores={}, error=f"the process of backbone {self.name} exited while "
                               "this text was being computed")

@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from service.config import cuda_here
-from service.serving.core.results import Answer
-from service.serving.core.work import ChunkWork
+from service.serving.core.results import WorkAnswer
+from service.serving.core.work import Work
 from service.serving.engine.compute import AsyncRunner, Compute, Runner
 from service.serving.engine.pipe import BucketPlan
 from service.serving.engine.process import BackboneProcess, Launches
@@ -91,7 +91,11 @@ class Replicas(Compute):
             p.remove_heads(keys)
         self.remove(keys)
 
-    def run_chunks(self, works: list[ChunkWork]) -> list[Answer | None]:
+    @property
+    def takes_runs(self) -> bool:  # type: ignore[override]
+        return all(p.takes_runs for p in self.processes)
+
+    def run_chunks(self, works: list[Work]) -> list[WorkAnswer]:  # type: ignore[override]  # (runs too)
         """Compute a batch in the first process (the batcher spreads batches over :attr:`runners`)."""
         return self.processes[0].run_chunks(works)
 

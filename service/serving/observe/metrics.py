@@ -23,8 +23,8 @@ from prometheus_client.registry import Collector
 
 from service.config import OTHER_MODELS
 from service.serving.core.keys import model_of
-from service.serving.core.results import Answer
-from service.serving.core.work import ChunkWork
+from service.serving.core.results import WorkAnswer
+from service.serving.core.work import ChunkWork, PlainRun, Work
 from service.serving.observe.stats import InferenceStats
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -354,25 +354,40 @@ class BatchMetrics:
     def on_queue_depth(self, depth: int) -> None:
         self.depth.set(depth)
 
-    def on_drop(self, reason: str, payloads: Sequence[ChunkWork]) -> None:
-        texts = Tally(self.m.model_label(m) for w in {id(w.job): w for w in payloads}.values()
-                      for m in _models(w))  # per model label
+    def on_drop(self, reason: str, payloads: Sequence[Work]) -> None:
+        texts: Tally[str] = Tally()  # per model label
+        for w in {id(w.job): w for w in payloads if type(w) is not PlainRun}.values():
+            texts.update(self.m.model_label(m) for m in _models(w))
+        for w in payloads:
+            if type(w) is PlainRun:
+                texts[self.m.model_label(model_of(w.model or ""))] += w.size
         for label, n in texts.items():
             self.m.dropped.labels(label, reason).inc(n)
 
-    def on_batch(self, payloads: Sequence[ChunkWork], results: Sequence[Answer | None] | None, cost: int,
+    def on_batch(self, payloads: Sequence[Work], results: Sequence[WorkAnswer] | None, cost: int,
                  waits: Sequence[float], seconds: float, runner: int) -> None:
         m = self.m
         batches, busy = self.engines[runner]
         batches.inc()
         busy.inc(seconds)
-        self.sizes.observe(len(payloads))
+        size = sum(w.size if type(w) is PlainRun else 1 for w in payloads)  # chunks, a run's texts each
+        self.sizes.observe(size)
         self.costs.observe(cost)
         self.seconds.observe(seconds)
         # tallied by head key first (a key's model is read once a batch, not once a chunk: the engine host counts
         # every front's texts), then by model
         by_key: dict[str | None, list[Any]] = {}  # key -> [chunks, texts, tokens, waits]
         for w, wait, answer in zip(payloads, waits, results or [None] * len(payloads), strict=True):
+            if type(w) is PlainRun:  # its texts, each of one chunk, waited together
+                row = by_key.get(w.model)
+                if row is None:
+                    row = by_key[w.model] = [0, 0, 0, []]
+                row[0] += w.size
+                row[2] += w.cost
+                row[3].extend([wait] * w.size)
+                if answer is not None:
+                    row[1] += w.size
+                continue
             for ask in w.job.asks:
                 row = by_key.get(ask.model)
                 if row is None:
@@ -399,4 +414,4 @@ class BatchMetrics:
             m.tokens.labels(label).inc(tokens[model])
             if texts[model]:
                 m.texts.labels(label).inc(texts[model])
-        m.stats.batch(chunks, texts, waited, len(payloads), seconds)  # every model's own numbers
+        m.stats.batch(chunks, texts, waited, size, seconds)  # every model's own numbers

@@ -24,12 +24,14 @@ import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
+from service.serving.core.work import PlainRun
+
 if TYPE_CHECKING:
     from opentelemetry.context import Context
     from opentelemetry.trace import Span, Tracer
 
-    from service.serving.core.results import Answer
-    from service.serving.core.work import ChunkWork, TextJob
+    from service.serving.core.results import WorkAnswer
+    from service.serving.core.work import TextJob, Work
     from service.serving.observe.observer import BatchObserver
 
 log = logging.getLogger("service.tracing")
@@ -163,16 +165,16 @@ class TracedBatches:
     ``inner`` and writes each batch's span (linked to its texts' request spans) and each text's queue wait (a child of
     its request's span)."""
 
-    def __init__(self, inner: BatchObserver[ChunkWork, Answer | None], backbone: str) -> None:
+    def __init__(self, inner: BatchObserver[Work, WorkAnswer], backbone: str) -> None:
         self.inner, self.backbone = inner, backbone
 
     def on_queue_depth(self, depth: int) -> None:
         self.inner.on_queue_depth(depth)
 
-    def on_drop(self, reason: str, payloads: Sequence[ChunkWork]) -> None:
+    def on_drop(self, reason: str, payloads: Sequence[Work]) -> None:
         self.inner.on_drop(reason, payloads)
 
-    def on_batch(self, payloads: Sequence[ChunkWork], results: Sequence[Answer | None] | None, cost: int,
+    def on_batch(self, payloads: Sequence[Work], results: Sequence[WorkAnswer] | None, cost: int,
                  waits: Sequence[float], seconds: float, runner: int) -> None:
         self.inner.on_batch(payloads, results, cost, waits, seconds, runner)
         tracer = _tracer
@@ -183,7 +185,7 @@ class TracedBatches:
         except Exception:  # an observer never raises into the batcher
             log.exception("tracing a batch failed")
 
-    def _spans(self, tracer: Tracer, payloads: Sequence[ChunkWork], results: Sequence[Answer | None] | None,
+    def _spans(self, tracer: Tracer, payloads: Sequence[Work], results: Sequence[WorkAnswer] | None,
                cost: int, waits: Sequence[float], seconds: float) -> None:
         from opentelemetry import trace
 
@@ -191,6 +193,8 @@ class TracedBatches:
         start = end - int(seconds * 1e9)
         requests: dict[int, Context] = {}  # each text's request, once
         for work, wait in zip(payloads, waits, strict=True):
+            if type(work) is PlainRun:  # (an engine host's: its requests are traced by the fronts)
+                continue
             ctx = _contexts.get(work.job)
             if ctx is None:
                 continue
@@ -202,8 +206,12 @@ class TracedBatches:
         links = [trace.Link(trace.get_current_span(ctx).get_span_context()) for ctx in requests.values()]
         batch = tracer.start_span("batch", context=trace.set_span_in_context(trace.INVALID_SPAN), links=links,
                                   start_time=start,
-                                  attributes={"routing.backbone": self.backbone, "routing.chunks": len(payloads),
-                                              "routing.texts": len({id(w.job) for w in payloads}),
+                                  attributes={"routing.backbone": self.backbone,
+                                              "routing.chunks": sum(w.size if type(w) is PlainRun else 1
+                                                                    for w in payloads),
+                                              "routing.texts": len({id(w.job) for w in payloads
+                                                                    if type(w) is not PlainRun})
+                                              + sum(w.size for w in payloads if type(w) is PlainRun),
                                               "routing.tokens": cost, "routing.requests": len(requests)})
         if results is None:
             batch.set_status(trace.Status(trace.StatusCode.ERROR, "the batch failed"))

@@ -29,11 +29,12 @@ from service.modeling.tokenizer import ChunkTokenizer
 from service.serving.core import errors
 from service.serving.core.errors import APIError
 from service.serving.core.lifecycle import Lifecycle
-from service.serving.core.results import Answer
+from service.serving.core.results import Answer, Scores
 from service.serving.core.work import TextJob
 from service.serving.engine.batcher import Draining
 from service.serving.engine.group import refused
 from service.serving.engine.planner import Planner
+from service.serving.engine.scores import read_scores
 from service.serving.models.loader import label_metrics, publish
 from service.serving.models.registry import Registry
 from service.serving.observe.metrics import Metrics
@@ -97,12 +98,16 @@ class RemoteGroup:
     def submit(self, jobs: Sequence[TextJob], deadline: float) -> asyncio.Future[list[Answer]]:
         try:
             self.check_room(len(jobs))
-            future = self.link.send(self._planner.name, jobs, deadline)
+            future = self.link.send(self._planner.name, jobs, deadline, self._read)
         except Draining as e:  # draining, or the host has gone (HostGone)
             return refused(e)
         self._requests.add(future)
         future.add_done_callback(self._requests.discard)
         return future
+
+    def _read(self, scores: Scores) -> list[Answer]:
+        """A plain request's texts' answers from their scores, as the host computed them."""
+        return [[r] for r in read_scores(scores.logits, [scores.key] * len(scores.logits), self._planner.manifests)]
 
     def flush(self) -> None:
         pass  # the host's batcher flushes as the server drains (its SIGTERM comes with the fronts')

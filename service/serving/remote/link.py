@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from service.serving.core.results import Answer
+from service.serving.core.results import Answer, Scores
 from service.serving.core.work import TextJob
 from service.serving.engine.batcher import DeadlineExceeded, Draining, Overloaded
 from service.serving.remote.wire import (
@@ -24,7 +24,6 @@ from service.serving.remote.wire import (
     Controlled,
     Frames,
     Hello,
-    Job,
     Models,
     Outbox,
     Refused,
@@ -43,6 +42,8 @@ class HostGone(Draining):
     """The engine host closed the connection (it exited): what waits on it is refused as a draining server's."""
 
 
+ReadScores = Callable[[Scores], list[Answer]]
+"""How a front reads a plain request's scores into its texts' answers (with the manifests of the heads it serves)."""
 ServeModels = Callable[["HostLink", Models], Awaitable[None]]
 """What a front does with the host's :class:`Models`: serve what they say (see :func:`serve_models`)."""
 
@@ -55,6 +56,7 @@ class HostLink:
         self._reader, self._writer, self._on_models = reader, writer, on_models
         self._out = Outbox(writer)  # every message of one event-loop turn in one write
         self._waiting: dict[int, asyncio.Future[Any]] = {}
+        self._reads: dict[int, ReadScores] = {}  # requests of plain texts: how their scores are read
         self._ids = itertools.count()
         self._listener: asyncio.Task[None] | None = None
 
@@ -100,20 +102,32 @@ class HostLink:
         if future is None or future.done():
             return
         if isinstance(msg, Answered):
-            future.set_result(msg.answers)
+            read = self._reads.pop(msg.id, None)
+            if msg.scores is None:
+                future.set_result(msg.answers)
+            elif read is None:
+                future.set_exception(RuntimeError("the engine host answered scores to a request that sent jobs"))
+            else:
+                try:
+                    future.set_result(read(msg.scores.scores()))
+                except Exception as e:  # (the host's bytes did not read: the request fails, the front goes on)
+                    future.set_exception(e)
         elif isinstance(msg, Controlled | Scraped):
             future.set_result(msg)
         else:
             future.set_exception(_refusal(msg))
 
-    def send(self, backbone: str, jobs: Sequence[TextJob], deadline: float) -> asyncio.Future[list[Answer]]:
-        """Send the jobs of one request to the host: the future of each job's answer (in order). Cancelling it, or
-        answering it with an exception here, drops the request on the host.
+    def send(self, backbone: str, jobs: Sequence[TextJob], deadline: float, read: ReadScores
+             ) -> asyncio.Future[list[Answer]]:
+        """Send the jobs of one request to the host (plain texts as such, see :class:`~wire.Plain`): the future of
+        each job's answer (in order; ``read`` reads plain texts' scores where the host answers them unread).
+        Cancelling it, or answering it with an exception here, drops the request on the host.
 
         Raises:
             HostGone: the host has exited.
         """
-        k, future = self._ask(lambda k: Run(k, backbone, [Job(j.encoding.chunks, j.asks) for j in jobs], deadline))
+        k, future = self._ask(lambda k: Run.of(k, backbone, jobs, deadline))
+        self._reads[k] = read
         future.add_done_callback(lambda _: self._drop(k))
         return future
 
@@ -130,6 +144,7 @@ class HostLink:
     def _drop(self, k: int) -> None:
         """Request ``k`` was settled here, not by the host's answer (its caller went away, or the front answered it
         while draining): the host drops it."""
+        self._reads.pop(k, None)
         if self._waiting.pop(k, None) is not None and not self.closed:
             self._out.put(Cancel(k))
 

@@ -14,14 +14,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import struct
+from collections.abc import Sequence
 from typing import Any, Literal, Protocol, TypeVar
 
 import msgspec
+import numpy as np
 
 from service.modeling.encoding import Encoding
 from service.serving.core import frames
-from service.serving.core.results import Answer
+from service.serving.core.results import Answer, Scores
 from service.serving.core.work import Ask, TextJob
 
 M = TypeVar("M")
@@ -100,14 +103,70 @@ class Job(msgspec.Struct, array_like=True):
         return TextJob.of(Encoding.of_chunks(self.chunks), self.asks)
 
 
+TOKEN = np.dtype("<i4")
+"""A token id, or a text's count of them, in :class:`Plain`'s bytes."""
+PLAIN_TEXTS = 4
+"""The fewest texts a request sends as :class:`Plain`: its arrays cost the host a fixed amount a request (``bench
+host`` with its stand-in backbone, the host's CPU a request as arrays against as jobs: 1.4-1.6x for single texts,
+0.86x for 4, 0.33x for 16)."""
+
+
+class Plain(msgspec.Struct, array_like=True):
+    """A request's texts where each is one chunk asking the same head, ``model`` (None: the backbone's first), for its
+    scores alone: their token ids back to back (``ids``) and each one's count of them (``lengths``), as
+    :data:`TOKEN` bytes. The host reads them as arrays and batches them in runs (no object a text)."""
+
+    ids: bytes
+    lengths: bytes
+    model: str | None
+
+    @classmethod
+    def of(cls, jobs: Sequence[TextJob]) -> Plain | None:
+        """``jobs`` as one :class:`Plain` where there are :data:`PLAIN_TEXTS` or more and each is a plain text (see
+        :attr:`TextJob.plain`) asking the same head; else None."""
+        if len(jobs) < PLAIN_TEXTS or not all(job.plain for job in jobs):
+            return None
+        model = jobs[0].asks[0].model
+        if any(job.asks[0].model != model for job in jobs):
+            return None
+        chunks = [job.encoding.chunks[0] for job in jobs]
+        lengths = np.fromiter(map(len, chunks), dtype=TOKEN, count=len(chunks))  # [s]
+        ids = np.fromiter(itertools.chain.from_iterable(chunks), dtype=TOKEN, count=int(lengths.sum()))  # [T]
+        return cls(ids.tobytes(), lengths.tobytes(), model)
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """The token ids ``[T]`` and the texts' lengths ``[s]`` (int32).
+
+        Raises:
+            ValueError: there is no text, a length is not positive, or they do not add up to the ids sent.
+        """
+        if len(self.lengths) % TOKEN.itemsize or len(self.ids) % TOKEN.itemsize:
+            raise ValueError("plain texts whose token ids or lengths are not whole int32 values")
+        lengths = np.frombuffer(self.lengths, dtype=TOKEN).astype(np.int32, copy=False)  # [s]
+        ids = np.frombuffer(self.ids, dtype=TOKEN).astype(np.int32, copy=False)  # [T]
+        if not len(lengths) or (lengths <= 0).any() or int(lengths.sum()) != len(ids):
+            raise ValueError("plain texts whose lengths do not add up to their token ids")
+        return ids, lengths
+
+
 class Run(msgspec.Struct, tag=True):
     """One request's texts on one backbone, to answer before ``deadline`` (``time.monotonic()``, the same clock in
-    every process of the machine)."""
+    every process of the machine): as :class:`Plain` where each is a plain text on the same head (``jobs`` empty
+    then), else a :class:`Job` each."""
 
     id: int
     backbone: str
     jobs: list[Job]
     deadline: float
+    plain: Plain | None = None
+
+    @classmethod
+    def of(cls, k: int, backbone: str, jobs: Sequence[TextJob], deadline: float) -> Run:
+        """Request ``k``'s ``jobs``, as plain texts where they are."""
+        plain = Plain.of(jobs)
+        if plain is not None:
+            return cls(k, backbone, [], deadline, plain)
+        return cls(k, backbone, [Job(j.encoding.chunks, j.asks) for j in jobs], deadline)
 
 
 class Cancel(msgspec.Struct, tag=True):
@@ -116,11 +175,37 @@ class Cancel(msgspec.Struct, tag=True):
     id: int
 
 
+class Scored(msgspec.Struct, array_like=True):
+    """A :class:`Plain` request's scores, unread (:class:`~service.serving.core.results.Scores`): ``logits [s k]`` as
+    float32 bytes, ``k`` of them a text, on head ``key``."""
+
+    logits: bytes
+    k: int
+    key: str
+
+    @classmethod
+    def of(cls, scores: Scores) -> Scored:
+        logits = np.ascontiguousarray(scores.logits, dtype=np.float32)  # [s k]
+        return cls(logits.tobytes(), logits.shape[1], scores.key)
+
+    def scores(self) -> Scores:
+        """As the front reads them.
+
+        Raises:
+            ValueError: the bytes are not whole rows of ``k`` float32 values.
+        """
+        if self.k <= 0 or len(self.logits) % (4 * self.k):
+            raise ValueError(f"scores that are not whole rows of {self.k} float32 values")
+        return Scores(np.frombuffer(self.logits, dtype=np.float32).reshape(-1, self.k), self.key)
+
+
 class Answered(msgspec.Struct, tag=True):
-    """Request ``id``'s answers, one per job in order."""
+    """Request ``id``'s answers, one per job in order; for a :class:`Plain` request, where every text was computed
+    plain, its texts' ``scores`` instead (the front reads them: the host makes no object a text)."""
 
     id: int
     answers: list[Answer]
+    scores: Scored | None = None
 
 
 Refusal = Literal["overloaded", "draining", "deadline", "failed"]
