@@ -141,6 +141,11 @@ class ChunkWork:
     def cost(self) -> int:
         return len(self.ids)
 
+    @property
+    def size(self) -> int:
+        """The batcher's parts it is: one chunk (see :attr:`PlainRun.size`)."""
+        return 1
+
     def __reduce__(self) -> tuple[type[ChunkWork], tuple[Any, ...]]:
         return ChunkWork, (self.job, self.k, self.ids)  # (see TextJob.__reduce__)
 

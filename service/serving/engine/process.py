@@ -312,12 +312,8 @@ def _per_work(works: list[Work], answers: Sequence[Answer | None]) -> list[WorkA
     out: list[WorkAnswer] = []
     at = 0
     for w in works:
-        if type(w) is PlainRun:
-            out.append(cast(list[Answer], answers[at:at + w.size]))
-            at += w.size
-        else:
-            out.append(answers[at])
-            at += 1
+        out.append(cast(list[Answer], answers[at:at + w.size]) if type(w) is PlainRun else answers[at])
+        at += w.size
     return out
 
 

@@ -370,7 +370,7 @@ class BatchMetrics:
         batches, busy = self.engines[runner]
         batches.inc()
         busy.inc(seconds)
-        size = sum(w.size if type(w) is PlainRun else 1 for w in payloads)  # chunks, a run's texts each
+        size = sum(w.size for w in payloads)  # chunks, a run's texts each
         self.sizes.observe(size)
         self.costs.observe(cost)
         self.seconds.observe(seconds)

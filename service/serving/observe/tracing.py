@@ -207,8 +207,7 @@ class TracedBatches:
         batch = tracer.start_span("batch", context=trace.set_span_in_context(trace.INVALID_SPAN), links=links,
                                   start_time=start,
                                   attributes={"routing.backbone": self.backbone,
-                                              "routing.chunks": sum(w.size if type(w) is PlainRun else 1
-                                                                    for w in payloads),
+                                              "routing.chunks": sum(w.size for w in payloads),
                                               "routing.texts": len({id(w.job) for w in payloads
                                                                     if type(w) is not PlainRun})
                                               + sum(w.size for w in payloads if type(w) is PlainRun),
