@@ -193,9 +193,13 @@ class PlainRun:
     def jobs(self) -> list[TextJob]:
         """Each text's own job (where a batch is computed text by text)."""
         asks = (Ask(self.model),)
-        flat, ends = self.ids.tolist(), np.cumsum(self.lengths).tolist()
-        return [TextJob.of(Encoding.of_chunks((tuple(flat[end - n:end]),)), asks)
-                for end, n in zip(ends, self.lengths.tolist(), strict=True)]
+        return [TextJob.of(Encoding.of_chunks((ids,)), asks) for ids in per_text(self.ids, self.lengths)]
+
+
+def per_text(ids: np.ndarray, lengths: np.ndarray) -> list[tuple[int, ...]]:
+    """Texts' token ids back to back (``ids [T]``, each text's count ``lengths [s]``) as each text's own."""
+    flat, ends = ids.tolist(), np.cumsum(lengths).tolist()  # [T], [s]
+    return [tuple(flat[end - n : end]) for end, n in zip(ends, lengths.tolist(), strict=True)]
 
 
 Work = ChunkWork | PlainRun

@@ -50,7 +50,7 @@ from service.modeling.manifest import MANIFEST, ModelLoadError, read_manifest
 from service.modeling.tokenizer import BackboneError, ChunkTokenizer
 from service.serving.core.frames import Frames
 from service.serving.core.results import Answer, Answers, Result, Scores, WorkAnswer
-from service.serving.core.work import Ask, ChunkWork, PlainRun, RunBatch, TextJob, Work
+from service.serving.core.work import Ask, ChunkWork, PlainRun, RunBatch, TextJob, Work, per_text
 from service.serving.engine.compute import AsyncRunner, Compute, Runner
 from service.serving.engine.pipe import (
     BucketPlan,
@@ -320,13 +320,8 @@ def _per_work(works: list[Work], answers: Sequence[Answer | None]) -> list[WorkA
 def _plain_works(msg: RunPlain) -> list[ChunkWork]:
     """A :class:`RunPlain` batch as the chunks of its texts (where it cannot run in a shape bucket)."""
     asks = [(Ask(key),) for key in msg.heads]
-    ends = np.cumsum(msg.lengths).tolist()  # [s]
-    flat = msg.ids.tolist()
-    works = []
-    for end, n, h in zip(ends, msg.lengths.tolist(), msg.head.tolist(), strict=True):
-        ids = tuple(flat[end - n : end])
-        works.append(ChunkWork(TextJob(Encoding.of_chunks((ids,)), asks[h], [None], 1), 0, ids))
-    return works
+    return [ChunkWork(TextJob(Encoding.of_chunks((ids,)), asks[h], [None], 1), 0, ids)
+            for ids, h in zip(per_text(msg.ids, msg.lengths), msg.head.tolist(), strict=True)]
 
 
 def _held(work: ChunkWork, held: dict[int, TextJob]) -> ChunkWork:
