@@ -318,8 +318,9 @@ def test_every_bucket_computes_what_a_cuda_graph_can_capture(model: str, repo: P
     engine = Engine.load(folder, device="cpu")
     engine.head_dtype = "bfloat16"  # what use_buckets("cuda") sets
     # (every bucket warmed whatever it takes, and small: the bundled heads' products in bfloat16 are slow on a CPU
-    # without bfloat16 units, where 20 s, the default, warmed 3 of 6 buckets of 64 texts on a slow day)
-    engine.use_buckets("eager", lengths=[4, 9, 30], max_texts=16, count=6, deadline_s=600)
+    # without bfloat16 units, where 20 s, the default, warmed 3 of 6 buckets of 64 texts on a slow day; what the
+    # check reads is the heads' computation, the same at any number of rows)
+    engine.use_buckets("eager", lengths=[4, 9, 30], max_texts=4, count=6, deadline_s=600)
     runner = engine._buckets
     assert runner.head_dtype == torch.bfloat16 and next(runner.slots.head.parameters()).dtype == torch.float32
     k = len(engine.manifests[engine.default].labels)
