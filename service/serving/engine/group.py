@@ -21,7 +21,7 @@ from service.serving.core.work import RUN_TEXTS, PlainRun, TextJob, Work
 from service.serving.engine.batcher import Batcher
 from service.serving.engine.compute import Compute
 from service.serving.engine.planner import Planner
-from service.serving.engine.scores import read_scores
+from service.serving.engine.scores import read_answers
 
 
 class BackboneGroup(Protocol):
@@ -167,7 +167,7 @@ def _joined(planner: Planner, runs: list[WorkAnswer]) -> Scores | list[Answer]:
     answers: list[Answer] = []
     for r in runs:
         if type(r) is Scores:
-            answers.extend([x] for x in read_scores(r.logits, [r.key] * len(r.logits), planner.manifests))
+            answers.extend(read_answers(r, planner.manifests))
         else:
             answers.extend(cast(list[Answer], r))
     return answers

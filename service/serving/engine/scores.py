@@ -11,7 +11,7 @@ import numpy as np
 
 from service.modeling.manifest import Manifest
 from service.serving.core.keys import model_of
-from service.serving.core.results import Result
+from service.serving.core.results import Answer, Result, Scores
 
 
 def unloaded(key: str) -> Result:
@@ -42,6 +42,12 @@ def read_scores(logits: np.ndarray, keys: Sequence[str], manifests: dict[str, Ma
     finite_rows = finite.tolist()
     return [unloaded(key) if (m := heads[key]) is None else scored(m, raw[r], scores[r], finite_rows[r], best[r])
             for r, key in enumerate(keys)]
+
+
+def read_answers(scores: Scores, manifests: dict[str, Manifest]) -> list[Answer]:
+    """Plain texts' answers, one result each, from their :class:`Scores` as the backbone computed them (see
+    :func:`read_scores`)."""
+    return [[r] for r in read_scores(scores.logits, [scores.key] * len(scores.logits), manifests)]
 
 
 def scored(manifest: Manifest, logits: list[float], scores: list[float], finite: bool, k: int) -> Result:

@@ -34,7 +34,7 @@ from service.serving.core.work import TextJob
 from service.serving.engine.batcher import Draining
 from service.serving.engine.group import refused
 from service.serving.engine.planner import Planner
-from service.serving.engine.scores import read_scores
+from service.serving.engine.scores import read_answers
 from service.serving.models.loader import label_metrics, publish
 from service.serving.models.registry import Registry
 from service.serving.observe.metrics import Metrics
@@ -107,7 +107,7 @@ class RemoteGroup:
 
     def _read(self, scores: Scores) -> list[Answer]:
         """A plain request's texts' answers from their scores, as the host computed them."""
-        return [[r] for r in read_scores(scores.logits, [scores.key] * len(scores.logits), self._planner.manifests)]
+        return read_answers(scores, self._planner.manifests)
 
     def flush(self) -> None:
         pass  # the host's batcher flushes as the server drains (its SIGTERM comes with the fronts')
