@@ -21,8 +21,10 @@ from tests.serving.server import Server, in_flight, metric, running
 
 @pytest.fixture(scope="module")
 def guarded(tiny_repo: Path, logs: Path) -> Iterator[Server]:
+    """The tiny model with tight HTTP limits, the access log off (the default), and a misspelt setting
+    (``ROUTING_MAX_BATCHSIZE``) that it ignores."""
     yield from running(logs, model_repository=tiny_repo, default_model="tiny", max_body_bytes=20000,
-                       body_timeout_s=1, header_timeout_s=1, max_headers=50, max_header_bytes=8192)
+                       body_timeout_s=1, header_timeout_s=1, max_headers=50, max_header_bytes=8192, max_batchsize=4)
 
 
 def raw(server: Server, data: bytes, wait_s: float = 5.0, pause_s: float = 0.0) -> tuple[int, dict[str, str], bytes]:
@@ -264,29 +266,35 @@ def test_answers_on_a_kept_alive_connection_and_100_continue_before_the_body(gua
         assert s.recv(65536).startswith(b"HTTP/1.1 200 ")
 
 
-def test_a_misspelt_setting_is_named_in_a_warning_at_start(tiny_repo: Path, logs: Path) -> None:
+def test_a_misspelt_setting_is_named_in_a_warning_at_start(guarded: Server) -> None:
     """The settings ignore a ROUTING_* variable that names none of them; the server says so, with the likely one."""
-    for server in running(logs, model_repository=tiny_repo, default_model="tiny", max_batchsize=4):
-        assert httpx.post(f"{server.url}/v1/classify", json={"inputs": ["a text"]}).status_code == 200
-        log = server.full_log()
     assert "WARNING service.config: ROUTING_MAX_BATCHSIZE is not a setting of the service and is ignored (did you " \
-           "mean ROUTING_MAX_BATCH_SIZE?)" in log
+           "mean ROUTING_MAX_BATCH_SIZE?)" in guarded.full_log()
 
 
-@pytest.mark.parametrize("access_log", [False, True])
-def test_requests_answered_well_are_logged_only_with_the_access_log(tiny_repo: Path, logs: Path,
-                                                                    access_log: bool) -> None:
+def test_requests_answered_well_are_not_logged_by_default(guarded: Server) -> None:
     """A request answered with an error always has its log line; one answered well only with ROUTING_ACCESS_LOG
     (it is counted in the metrics either way); the probes never."""
-    for server in running(logs, model_repository=tiny_repo, default_model="tiny", access_log=access_log):
-        assert httpx.post(f"{server.url}/v1/classify", json={"inputs": ["a text"]}).status_code == 200
-        assert httpx.post(f"{server.url}/v1/classify", json={"inputs": []},
-                          headers={"X-Request-ID": "mine-1"}).status_code == 422
-        assert httpx.get(f"{server.url}/healthz").status_code == 200
-        page = httpx.get(f"{server.url}/metrics").text
-        time.sleep(0.2)
-        lines = server.full_log().splitlines()
+    access_logged(guarded, False)
+
+
+def test_requests_answered_well_are_logged_with_the_access_log(tiny_repo: Path, logs: Path) -> None:
+    for server in running(logs, model_repository=tiny_repo, default_model="tiny", access_log=True):
+        access_logged(server, True)
+
+
+def access_logged(server: Server, access_log: bool) -> None:
+    """One request answered well, one refused (422) and a probe: what ``server``'s log and /metrics hold of them."""
+    before = metric(httpx.get(f"{server.url}/metrics").text, "routing_requests_total", endpoint="/v1/classify",
+                    status="200")
+    assert httpx.post(f"{server.url}/v1/classify", json={"inputs": ["a text"]}).status_code == 200
+    assert httpx.post(f"{server.url}/v1/classify", json={"inputs": []},
+                      headers={"X-Request-ID": "mine-1"}).status_code == 422
+    assert httpx.get(f"{server.url}/healthz").status_code == 200
+    page = httpx.get(f"{server.url}/metrics").text
+    time.sleep(0.2)
+    lines = server.full_log().splitlines()
     assert any("POST /v1/classify 422" in line and "(request mine-1)" in line for line in lines)  # plain lines too
     assert any("POST /v1/classify 200" in line for line in lines) == access_log
     assert not any("GET /healthz" in line for line in lines)
-    assert 'routing_requests_total{endpoint="/v1/classify",status="200"} 1.0' in page
+    assert metric(page, "routing_requests_total", endpoint="/v1/classify", status="200") == before + 1
