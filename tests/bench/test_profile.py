@@ -3,6 +3,7 @@ part decides, the server's start is left out, and the backbone's process is told
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -73,3 +74,33 @@ def test_the_pipe_and_its_pickling_are_timed_per_batch(tiny_repo: Path) -> None:
         per_batch = r["pickling_ms"] + r["pipe_round_trip_ms"]
         assert r["ms_per_text"] == pytest.approx(per_batch / r["batch_size"])
         assert r["share_of_compute"] == pytest.approx(per_batch / r["compute_ms"])
+
+
+def test_several_texts_a_request_reach_the_load_and_the_pipes_batches(monkeypatch: pytest.MonkeyPatch,
+                                                                       tmp_path: Path) -> None:
+    """``--per-request 16``: each client sends 16 texts a request, the pipe is timed at the batches those make (up to
+    the server's largest), and the JSON says so."""
+    levels: list[tuple[int, int]] = []
+
+    def level(spy: str, c: int, seconds: float, rate: int, texts: list[str], logs: Path, per_request: int) -> dict:
+        levels.append((c, per_request))
+        return {"concurrency": c, "texts_per_request": per_request, "texts_per_s": 1.0, "mean_batch": 1.0,
+                "texts_served": 1, "parts": {}, "other_frames": {}}
+
+    sizes: list[list[int]] = []
+
+    def pipe(folder: Path, batch_sizes: list[int], texts: list[str]) -> list[dict]:
+        sizes.append(batch_sizes)
+        return [{"batch_size": b, "share_of_compute": 0.0} for b in batch_sizes]
+
+    monkeypatch.setattr(profile, "profile_level", level)
+    monkeypatch.setattr(profile, "pipe_cost", pipe)
+    monkeypatch.setattr(profile, "sample_test_texts", lambda preset, n: ["a text"] * n)
+    res = CliRunner().invoke(app, ["bench", "profile", "--concurrency", "1,8", "--per-request", "16", "--duration",
+                                   "1", "--out", str(tmp_path / "p.json")])
+    assert res.exit_code == 0, res.output
+    assert levels == [(1, 16), (8, 16)] and sizes == [[16, 32]]  # 8 x 16 texts: the server's batches of 32
+    assert json.loads((tmp_path / "p.json").read_text())["settings"]["texts_per_request"] == 16
+    assert "concurrency 8 x 16 text(s)" in res.output
+    bad = CliRunner().invoke(app, ["bench", "profile", "--per-request", "65"])
+    assert bad.exit_code == 2 and "less than or equal to 64" in " ".join(bad.output.split())
