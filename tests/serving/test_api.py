@@ -4,10 +4,14 @@ import asyncio
 import gzip
 import json
 import zlib
+from pathlib import Path
 
 import httpx
 import pytest
+from fastapi.testclient import TestClient
 
+from service.config import Settings
+from service.serving.api.app import create_app
 from tests.serving.server import Server
 
 TEXTS = ["the first text", "a second, somewhat longer text. It has two sentences!", "x",
@@ -255,6 +259,16 @@ def test_models_endpoints(tiny: Server) -> None:
     assert info["labels"] == ["alpha", "beta", "gamma"] and info["device"] == "cpu" and info["dtype"] == "float32"
     assert info["max_length"] == 16 and info["parameters"]["head"] > 0 and info["backbone"]["d_depth"] == 3
     assert info["evaluation"] == {"note": "random weights"}
+
+
+def test_the_openapi_document_and_the_routes_are_built_at_start(tmp_path: Path) -> None:
+    """What a route's first request would build (its validators; the OpenAPI document) is built as the server
+    starts, while its models load: the first requests are answered as fast as the next."""
+    app = create_app(Settings(model_repository=tmp_path, model_control="explicit", admin_keys="a"))  # (no models)
+    assert app.openapi_schema is None
+    with TestClient(app):  # started, no request made yet
+        assert app.openapi_schema is not None
+        assert {"/v1/classify", "/v2/models/{model}/infer", "/predict", "/classify"} <= set(app.openapi_schema["paths"])
 
 
 def test_health_and_openapi(tiny: Server) -> None:
