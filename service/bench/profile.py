@@ -222,8 +222,7 @@ def run(spy_path: str, levels: list[int], seconds: float, rate: int, repository:
     pipe = pipe_cost(repository / "tweet-sentiment", sizes, texts)
     for r in results:
         echo(f"\nconcurrency {r['concurrency']} x {per_request} text(s): {r['texts_per_s']:.1f} texts/s under the "
-             "profiler, "
-             f"mean batch {r['mean_batch']:.1f}")
+             f"profiler, mean batch {r['mean_batch']:.1f}")
         for proc, parts in r["parts"].items():
             rows = [{"part": name, "share": f"{p['share']:.1%}", "ms / text": p["ms_per_text"]}
                     for name, p in parts.items()]
@@ -237,6 +236,6 @@ def run(spy_path: str, levels: list[int], seconds: float, rate: int, repository:
                                                         for proc, parts in r["parts"].items()} for r in results}
     summary["pipe_share_of_compute"] = {str(p["batch_size"]): round(p["share_of_compute"], 4) for p in pipe}
     path = write_json(out, "profile", {"levels": levels, "texts_per_request": per_request, "seconds": seconds,
-                                       "rate_hz": rate,
-                                       "command": " ".join(sys.argv)}, {"levels": results, "pipe": pipe}, summary)
+                                       "rate_hz": rate, "command": " ".join(sys.argv)},
+                      {"levels": results, "pipe": pipe}, summary)
     echo(f"\nwrote {path}", err=True)

@@ -29,8 +29,9 @@ CORS_HEADERS = ["Authorization", "Content-Type", "X-Request-ID", "traceparent", 
 def warm_routes(app: FastAPI) -> None:
     """Build, at start, what the first request to each route would otherwise build: the OpenAPI document, and on
     the way each route's parameters and validators (FastAPI 0.16x builds an included router's routes at their first
-    match). Measured here: the first request to /v1/classify, /v2/models/{model}/infer, /predict and /classify took
-    40-90 ms against 11-16 ms for the next; after this, 12-22 ms; and the first GET /openapi.json 390 ms."""
+    match). Measured here (medians of 5 starts): the first request to /v2/models/{model}/infer, /predict and /classify
+    took 75, 48 and 30 ms against 10-12 ms for the next; after this 13, 12 and 14 ms; the first GET /openapi.json
+    260 ms, then 5 ms."""
     app.openapi()
 
 
@@ -47,7 +48,7 @@ def create_app(settings: Settings | None = None, host: Path | None = None) -> Fa
         tracing.configure()  # before the models load: their batches' observers are traced from the start
         loader = asyncio.create_task(state.load())
         app.state.loader = loader
-        await asyncio.sleep(0)  # the load under way (a backbone's process importing) while this process ...
+        await asyncio.sleep(0)  # the load started first: its backbone's process imports while this one warms up
         warm_routes(app)
         if state.host is not None:  # a front of several: it accepts once it serves (its models are the host's)
             await loader
