@@ -93,6 +93,7 @@ def test_several_texts_a_request_reach_the_load_and_the_pipes_batches(monkeypatc
         sizes.append(batch_sizes)
         return [{"batch_size": b, "share_of_compute": 0.0} for b in batch_sizes]
 
+    monkeypatch.setattr(profile, "py_spy", lambda: "py-spy")  # (the bench extra's program: never run here)
     monkeypatch.setattr(profile, "profile_level", level)
     monkeypatch.setattr(profile, "pipe_cost", pipe)
     monkeypatch.setattr(profile, "sample_test_texts", lambda preset, n: ["a text"] * n)
