@@ -262,14 +262,15 @@ def test_a_model_loaded_through_the_repository_api_answers_from_every_front(tiny
     manifest["backbone"]["revision"] = "copy"  # a group of its own, by its name too
     (folder / "manifest.json").write_text(json.dumps(manifest))
     admin = {"headers": {"Authorization": "Bearer admin-key"}, "timeout": 120}  # a new backbone's process: seconds
-    (server,) = side_by_side(tmp_path, {"model_repository": repo, "models": "tiny", "default_model": "tiny",
-                                        "workers": 2, "model_control": "explicit", "admin_keys": "admin-key",
-                                        "metrics_models": "all"})  # tiny-b loaded later: series of its own
+    server, alone = side_by_side(tmp_path, {"model_repository": repo, "models": "tiny", "default_model": "tiny",
+                                            "workers": 2, "model_control": "explicit", "admin_keys": "admin-key",
+                                            "metrics_models": "all"},  # tiny-b loaded later: series of its own
+                                 {"model_repository": repo, "models": "tiny-b", "default_model": "tiny-b"})
     try:
-        (alone,) = side_by_side(tmp_path / "alone", {"model_repository": repo, "models": "tiny-b",
-                                                     "default_model": "tiny-b"})
-        want = httpx.post(f"{alone.url}/v1/models/tiny-b/classify", json={"inputs": TEXTS}).json()
-        assert alone.stop() == 0
+        try:  # tiny-b's answers as a server that loads it at start gives them
+            want = httpx.post(f"{alone.url}/v1/models/tiny-b/classify", json={"inputs": TEXTS}).json()
+        finally:
+            assert alone.stop() == 0
 
         def everywhere(path: str, expect: int) -> list[httpx.Response]:
             was_read = {p: reads(p) for p in fronts(server)}
