@@ -16,27 +16,11 @@ import torch
 from service.modeling.backbone import resolve_source
 from service.modeling.head import RoutingHead
 from service.modeling.repository import BackboneSpec, HeadSpec, Manifest, save_model
-from tests.deploy import podman
 from tests.serving.server import Server, running, side_by_side
 
 TINY = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 64,
         "max_position_embeddings": 64}
 TINY_LABELS = ["alpha", "beta", "gamma"]
-
-
-@pytest.hookimpl(trylast=True)  # after -m and -k have deselected what they do
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The container tests last, their images made meanwhile in a process of their own (minutes on a new machine,
-    mostly spent waiting on pip and Debian's mirrors; see ``tests/deploy/podman.py``)."""
-    containers = [item for item in items if item.get_closest_marker("container")]
-    if not containers or config.option.collectonly:
-        return
-    items[:] = [item for item in items if not item.get_closest_marker("container")] + containers
-    podman.prepare_in_background(podman.CACHE / "prepare.log")
-
-
-def pytest_unconfigure(config: pytest.Config) -> None:
-    podman.stop_preparing()
 
 
 @pytest.fixture(scope="session")

@@ -5,11 +5,6 @@ What the machine needs is detected, not assumed: the OCI runtime that works with
 layout, default ulimits within the host's hard limits, the pip configuration pip itself reports.
 Everything made here lives in a cache folder outside the clone (``ROUTING_CI_CACHE``, default
 ``/var/cache/routing-service-ci``) and in podman's image store, so later runs reuse it.
-
-The images take minutes to make on a new machine, mostly waiting on pip and Debian's mirrors: a test run that
-collects container tests makes them in a process of its own while the other tests run (``prepare_in_background``,
-started by ``tests/conftest.py``), and runs the container tests last; their fixtures wait for it (``prepared``).
-Run alone, ``python -m tests.deploy.podman`` makes them.
 """
 
 from __future__ import annotations
@@ -17,19 +12,14 @@ from __future__ import annotations
 import os
 import resource
 import shutil
-import signal
 import subprocess
 import sys
 from pathlib import Path
-
-import yaml
 
 CACHE = Path(os.environ.get("ROUTING_CI_CACHE", "/var/cache/routing-service-ci"))
 BASE = "localhost/routing-base:bookworm"
 BASE_PACKAGES = "python3,python3-venv,python-is-python3,ca-certificates,netbase,tzdata"
 ROOT = Path(__file__).resolve().parents[2]
-SERVICE = "localhost/routing-service:cpu"
-"""The service's CPU image, under the tag the compose file's CPU profile names."""
 
 
 def need(tool: str) -> str:
@@ -209,56 +199,3 @@ def ensure_prometheus(tag: str) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "Containerfile").write_text(PROMETHEUS_STAND_IN.format(base=ensure_base()))
     cli("build", "--network", "host", "-t", tag, str(folder))
-
-
-def prometheus_tag() -> str:
-    """The image the compose file names for Prometheus (made by :func:`ensure_prometheus`)."""
-    return yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]["prometheus"]["image"]
-
-
-def prepare() -> None:
-    """Every image the container tests run: the base, the Prometheus stand-in and the service's CPU image (each
-    reused where podman's store holds it already; the service's layers cached by podman)."""
-    ensure_prometheus(prometheus_tag())
-    build(SERVICE)
-
-
-_preparing: tuple[subprocess.Popen[bytes], Path] | None = None  # the process making them, and its log
-
-
-def prepare_in_background(log: Path) -> None:
-    """Start :func:`prepare` in a process of its own, its output in ``log``."""
-    global _preparing
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with log.open("wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "tests.deploy.podman"], cwd=ROOT, stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)  # a group to stop at once
-    _preparing = proc, log
-
-
-def prepared(timeout: float = 3600) -> None:
-    """Wait for the images :func:`prepare_in_background` is making, and raise with its log if that failed; where
-    nothing was started, make them here."""
-    if _preparing is None:
-        prepare()
-        return
-    proc, log = _preparing
-    try:
-        code = proc.wait(timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        code = proc.wait()
-    if code != 0:
-        raise RuntimeError(f"making the container tests' images failed (exit {code}); {log}:\n"
-                           f"{log.read_text(errors='replace')[-4000:]}")
-
-
-def stop_preparing() -> None:
-    """Stop the process making the images, if it is still at work (the test run ended before it did)."""
-    if _preparing is not None and _preparing[0].poll() is None:
-        os.killpg(_preparing[0].pid, signal.SIGTERM)  # podman's builds too
-        _preparing[0].wait()
-
-
-if __name__ == "__main__":
-    prepare()

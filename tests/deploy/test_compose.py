@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 import tritonclient.grpc as triton
+import yaml
 
 from tests.deploy import alert_rules, podman
 from tests.serving.server import free_port
@@ -32,14 +33,15 @@ def compose(*args: str, env: dict[str, str], check: bool = True, timeout: float 
 def test_containers_on_one_network_resolve_each_other_by_name() -> None:
     """The compose stack needs it (Prometheus scrapes the service by its name): checked first, in seconds, where
     the stack's test would time out minutes later on a failed lookup."""
-    podman.prepared()
     podman.assert_names_resolve(podman.ensure_base())
 
 
 @pytest.fixture(scope="module")
 def stack() -> Iterator[dict[str, str]]:
-    podman.prepared()  # the Prometheus stand-in and the image compose's CPU profile names
-    podman.assert_names_resolve(podman.ensure_base())  # the stack is no use without it: fail before it starts
+    podman.assert_names_resolve(podman.ensure_base())  # the stack is no use without it: fail before building
+    cfg = yaml.safe_load(COMPOSE.read_text())
+    podman.ensure_prometheus(cfg["services"]["prometheus"]["image"])
+    podman.build("localhost/routing-service:cpu")  # the tag compose's CPU profile names (layers are cached)
     env = {**os.environ, "CONTAINERS_CONF": str(podman.containers_conf()), "TORCH_VARIANT": "cpu",
            "GRAFANA_ADMIN_PASSWORD": "compose-test", "ROUTING_PUBLISHED_PORT": str(free_port()),
            "ROUTING_GRPC_PUBLISHED_PORT": str(free_port())}

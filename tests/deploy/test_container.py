@@ -20,9 +20,8 @@ TAG = "localhost/routing-service:cpu-test"
 
 @pytest.fixture(scope="module")
 def image() -> str:
-    podman.prepared()
     t0 = time.monotonic()
-    podman.build(TAG)  # the prepared image's layers, under a tag of this test's own
+    podman.build(TAG)
     size = podman.image_size(TAG)
     print(f"\nimage {TAG}: {size / 2**20:.0f} MiB, built in {time.monotonic() - t0:.0f} s")
     return TAG
